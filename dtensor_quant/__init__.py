@@ -1,0 +1,32 @@
+"""dtensor_quant: quantized tensors that DTensor, FSDP2 and DCP can shard, gather and save.
+
+A format declares once how each of its inner tensors follows the weight's
+logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
+"""
+
+from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
+from . import wire
+from .format import QuantFormat
+from .formats import Int4Groupwise, Int8Rowwise
+from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
+from .ops import UnsupportedOpError
+from .placements import check_placements, legal_mesh_sizes
+from .quantize import quantize
+from .tensor import QuantizedTensor
+
+__all__ = [
+    "Blocked",
+    "Constant",
+    "Int4Groupwise",
+    "Int8Rowwise",
+    "LayoutError",
+    "OneToOne",
+    "Packed",
+    "QuantFormat",
+    "QuantizedTensor",
+    "UnsupportedOpError",
+    "check_placements",
+    "legal_mesh_sizes",
+    "quantize",
+    "wire",
+]

@@ -1,0 +1,168 @@
+"""The collectives DTensor issues on a QuantizedTensor, run on its stored bytes.
+
+torch has no per-local-type redistribute hook: DTensor calls the same c10d
+ops on a quantized local tensor as on a dense one, and they arrive here.
+Each one packs the inner tensors that must travel into one ``uint8`` buffer
+(gloo has no float8, and reinterpreting packed bits as a float dtype lets NaN
+patterns be rewritten), runs the same collective on that buffer, and unpacks
+the result with the layout's concatenation rule. An inner tensor that is
+constant along every dim (a per-tensor scale) is never sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import wire
+from .layout import Constant
+from .ops import _alias, _describe, cat_dim, check_cat_alignment, implements, rebuild, slice_dim
+from .tensor import QuantizedTensor
+
+_ALIGN = 8  # bytes; keeps every inner tensor's slice of the buffer viewable as its dtype
+functional = torch.ops._c10d_functional
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    parts = []
+    for t in tensors:
+        b = t.contiguous().view(torch.uint8).reshape(-1)
+        parts.append(b)
+        if b.numel() % _ALIGN:
+            parts.append(b.new_zeros(_ALIGN - b.numel() % _ALIGN))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _packed_size(tensors: list[torch.Tensor]) -> int:
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+
+
+def _unpack(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        out.append(buf[offset : offset + n].view(t.dtype).view(t.shape))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def _varies(q: QuantizedTensor, name: str) -> bool:
+    """Whether an inner tensor can differ between shards (it is not constant on every dim)."""
+    return not all(isinstance(r, Constant) for r in q.rel(name))
+
+
+def _refuse_partial(func, q, *args, **kwargs):
+    raise ValueError(
+        f"dtensor_quant: {func} would sum quantized values, which needs dense math: a "
+        f"{_describe(q)} cannot be Partial. Reduce the dense tensor first, then quantize it "
+        "(dtensor_quant.quantize takes a DTensor and reduces the scales it needs)."
+    )
+
+
+implements(
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_reduce_",
+    "_c10d_functional::reduce_scatter_tensor",
+    "c10d::allreduce_",
+    "c10d::_reduce_scatter_base_",
+    "c10d::reduce_scatter_",
+)(_refuse_partial)
+
+
+@implements("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
+def _identity(func, q, *args, **kwargs):
+    # Our collectives complete before they return, so there is nothing to wait for.
+    return _alias(func, q)
+
+
+@implements("_c10d_functional::all_gather_into_tensor")
+def all_gather_into_tensor(func, q, group_size, group_name):
+    """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ."""
+    if group_size == 1:
+        return _alias(func, q)
+    check_cat_alignment(q, 0, group_size, "all-gather")
+    names = [n for n in q.fmt.inner_names if _varies(q, n)]
+    sent = [getattr(q, n) for n in names]
+    buf = _pack(sent)
+    wire.note(func._schema.name, buf)
+    out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
+    pieces = []
+    for rank_buf in out.view(group_size, -1):
+        received = dict(zip(names, _unpack(rank_buf, sent)))
+        pieces.append(rebuild(q, {n: received.get(n, t) for n, t in q.inner.items()}, q.shape))
+    return cat_dim(pieces, 0)
+
+
+@implements("c10d::scatter_")
+def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, timeout=-1):
+    """distribute_tensor's Shard path: the source sends each rank its piece's bytes."""
+    (out,) = outputs
+    names = out.fmt.inner_names
+    like = [getattr(out, n) for n in names]
+    out_buf = torch.empty(_packed_size(like), dtype=torch.uint8, device=out.device)
+    in_bufs = [[_pack([getattr(p, n) for n in names]) for p in row] for row in inputs]
+    wire.note(func._schema.name, out_buf)
+    _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
+    work.wait()
+    for t, received in zip(like, _unpack(out_buf, like)):
+        t.copy_(received)
+    return [out], work
+
+
+@implements("c10d::broadcast_")
+def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
+    """distribute_tensor's Replicate path: every inner tensor from the source, in place."""
+    (q,) = tensors
+    like = list(q.inner.values())
+    buf = _pack(like)
+    wire.note(func._schema.name, buf)
+    _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
+    work.wait()
+    for t, received in zip(like, _unpack(buf, like)):
+        t.copy_(received)
+    return [q], work
+
+
+@implements("_c10d_functional::broadcast")
+def broadcast(func, q, src, group_name):
+    like = list(q.inner.values())
+    buf = _pack(like)
+    wire.note(func._schema.name, buf)
+    out = functional.wait_tensor(func(buf, src, group_name))
+    inner = dict(zip(q.fmt.inner_names, (t.clone() for t in _unpack(out, like))))
+    return rebuild(q, inner, q.shape)
+
+
+@implements("_dtensor::shard_dim_alltoall")
+def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
+    """Shard(i) -> Shard(j) on NCCL: every rank sends piece k of its shard to rank k."""
+    group = _group(group_name)
+    n, me = group.size(), torch.distributed.get_rank(group)
+    # Split first: a misaligned target placement raises on every rank before any collective.
+    pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
+    pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
+    check_cat_alignment(pieces[me], gather_dim, n, "all-to-all")
+    names = [name for name in q.fmt.inner_names if not isinstance(q.rel(name)[gather_dim], Constant)]
+    send = [[getattr(p, name) for name in names] for p in pieces]
+    bufs = [_pack(s) for s in send]
+    if len({b.numel() for b in bufs}) != 1:
+        raise ValueError(f"{_describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
+    buf = torch.cat(bufs)
+    wire.note(func._schema.name, buf)
+    split = [bufs[0].numel()] * n
+    out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
+    mine = pieces[me]
+    received = []
+    for rank_buf in out.view(n, -1):
+        got = dict(zip(names, _unpack(rank_buf, send[me])))
+        received.append(rebuild(mine, {k: got.get(k, t) for k, t in mine.inner.items()}, mine.shape))
+    return cat_dim(received, gather_dim).contiguous()
+
+
+def _group(group_name):
+    if isinstance(group_name, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group_name)
+    return group_name

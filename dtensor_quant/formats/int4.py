@@ -1,0 +1,67 @@
+"""Int4Groupwise: asymmetric 4-bit with a scale and a zero point per group of inputs.
+
+Layout: ``qdata`` uint8 ``[out, in/2]`` holds two 4-bit codes per byte along
+``in`` (even index in the low nibble); ``scale`` and ``zero`` ``[out,
+ceil(in/group_size)]`` (the weight's dtype) hold one value per group along
+``in``. Column shards must therefore start on a group boundary.
+
+Math (torch's int4 convention, zero point in the float domain)::
+
+    w ~= (q - 8) * scale + zero,   q in [0, 15]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks import block_reduce, expand_blocks
+from ..format import QuantFormat, Reducer
+from ..layout import Blocked, OneToOne, Packed
+
+
+@dataclass(frozen=True)
+class Int4Groupwise(QuantFormat):
+    group_size: int = 128
+
+    def __post_init__(self):
+        if self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"Int4Groupwise needs an even group_size >= 2, got {self.group_size}")
+
+    @property
+    def layout(self):
+        return {
+            "qdata": (OneToOne(), Packed(2)),
+            "scale": (OneToOne(), Blocked(self.group_size)),
+            "zero": (OneToOne(), Blocked(self.group_size)),
+        }
+
+    def check_weight(self, shape, dtype):
+        super().check_weight(shape, dtype)
+        if shape[1] % 2:
+            raise ValueError(f"{self} packs two values per byte along dim 1, which must be even; got {tuple(shape)}")
+
+    def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
+        g, n_in = self.group_size, weight.shape[1]
+        lo = reduce(block_reduce(weight, 1, g, "min"), "min", "scale")
+        hi = reduce(block_reduce(weight, 1, g, "max"), "max", "scale")
+        scale = ((hi - lo).clamp(min=1e-6) / 15).to(weight.dtype)
+        zero = (lo + scale.float() * 8).to(weight.dtype)
+        lo_q = zero.float() - scale.float() * 8
+        w = weight.float()
+        q = ((w - expand_blocks(lo_q, 1, g, n_in)) / expand_blocks(scale.float(), 1, g, n_in)).round().clamp(0, 15)
+        q = q.to(torch.uint8)
+        return {"qdata": q[:, ::2] | (q[:, 1::2] << 4), "scale": scale, "zero": zero}
+
+    def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        packed = inner["qdata"]
+        q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
+        n_in = q.shape[1]
+        g = self.group_size
+        scale = expand_blocks(inner["scale"].float(), 1, g, n_in)
+        zero = expand_blocks(inner["zero"].float(), 1, g, n_in)
+        return ((q - 8) * scale + zero).to(dtype)
+
+    def __str__(self) -> str:
+        return f"Int4Groupwise(group_size={self.group_size})"

@@ -1,0 +1,52 @@
+"""Int8Rowwise: symmetric int8 with one scale per output row.
+
+Layout: ``qdata`` int8 ``[out, in]`` follows both dims one-to-one; ``scale``
+``[out, 1]`` (the weight's dtype) follows rows and is constant along ``in``.
+So any row or column sharding is legal, and quantizing a column-sharded
+weight all-reduces the row maxima.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks import block_reduce
+from ..format import QuantFormat, Reducer
+from ..layout import Constant, OneToOne
+
+_QMAX = 127
+
+
+@dataclass(frozen=True)
+class Int8Rowwise(QuantFormat):
+    layout = {
+        "qdata": (OneToOne(), OneToOne()),
+        "scale": (OneToOne(), Constant()),
+    }
+
+    def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
+        amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
+        scale = (amax / _QMAX).clamp(min=torch.finfo(weight.dtype).tiny).to(weight.dtype)
+        q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
+        return {"qdata": q, "scale": scale}
+
+    def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+
+    def linear(self, x, inner, bias):
+        """``torch._weight_int8pack_mm`` on CPU (int8 weight, per-row scale)."""
+        q, scale = inner["qdata"], inner["scale"]
+        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            return None
+        if q.shape[0] == 0 or q.shape[1] == 0:
+            return None
+        out = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, x.shape[-1]).contiguous(), q.contiguous(), scale.reshape(-1).to(x.dtype)
+        )
+        out = out.reshape(*x.shape[:-1], q.shape[0])
+        return out + bias if bias is not None else out
+
+    def __str__(self) -> str:
+        return "Int8Rowwise()"

@@ -1,0 +1,151 @@
+"""Run a function on N local ranks with a process group: once, or on a pool kept alive.
+
+Starting a process group costs seconds, so tests and benchmarks keep a
+:class:`RankPool` per world size and send it one function after another::
+
+    with RankPool(4) as pool:
+        results = pool.run(my_fn, arg)      # my_fn(arg) on ranks 0..3
+
+``my_fn`` must be importable (defined at module level). Ranks use gloo on
+CPU, or NCCL with one GPU per rank when CUDA has enough devices. A rank that
+raises makes :meth:`RankPool.run` raise :class:`RankError` with every rank's
+traceback; ranks that stop answering (a hang) are killed after ``timeout``
+seconds and the pool restarts on the next call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank to (exception, traceback text)."""
+
+    def __init__(self, errors: dict[int, tuple[BaseException, str]]):
+        self.errors = errors
+        lines = [f"rank {r}: {tb.rstrip()}" for r, (_, tb) in sorted(errors.items())]
+        super().__init__("\n".join(lines))
+
+
+def device_type(world_size: int) -> str:
+    """``"cuda"`` when every rank can have its own GPU, else ``"cpu"``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "cuda"
+    return "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, device: str, conn: Connection) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as e:  # report everything, keep serving
+            try:
+                conn.send(("err", (e, traceback.format_exc())))
+            except Exception:  # the exception itself does not pickle
+                conn.send(("err", (RuntimeError(repr(e)), traceback.format_exc())))
+    conn.close()
+    os._exit(0)  # skip interpreter teardown: the pool is going away as a whole
+
+
+class RankPool:
+    """``world_size`` processes in one process group, kept alive across calls."""
+
+    def __init__(self, world_size: int, *, timeout: float = 300.0, device: str | None = None):
+        self.world_size, self.timeout = world_size, timeout
+        self.device = device or device_type(world_size)
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+
+    def start(self) -> RankPool:
+        if self._procs:
+            return self
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, self.device, child), daemon=True)
+            p.start()
+            self._procs.append(p)
+            self._conns.append(parent)
+        self._collect(self.timeout)
+        return self
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order."""
+        self.start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout or self.timeout)
+
+    def _collect(self, timeout: float) -> list[Any]:
+        replies: dict[int, tuple[str, Any]] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()), timeout)
+            if not ready:
+                hung = sorted(pending)
+                self.close(force=True)
+                errors = {r: (TimeoutError(), f"no answer after {timeout:.0f} s (hang?)") for r in hung}
+                errors.update({r: v for r, (k, v) in replies.items() if k == "err"})
+                raise RankError(errors)
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        replies[rank] = conn.recv()
+                    except EOFError:
+                        replies[rank] = ("err", (RuntimeError("rank died"), f"rank {rank} exited"))
+                    del pending[rank]
+        errors = {r: v for r, (kind, v) in replies.items() if kind == "err"}
+        if errors:
+            raise RankError(errors)
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not force:
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=0 if force else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> RankPool:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs) -> list[Any]:
+    """``fn(*args, **kwargs)`` once on ``world_size`` fresh local ranks."""
+    with RankPool(world_size, timeout=timeout) as pool:
+        return pool.run(fn, *args, **kwargs)

@@ -1,0 +1,561 @@
+"""The local ops DTensor, FSDP2 and DCP issue on a QuantizedTensor, derived from its layout.
+
+Each handler maps a logical op to the same op on every inner tensor, using
+only the relations in ``QuantizedTensor.rels``; none of them knows a format.
+The collectives live in :mod:`dtensor_quant.collectives` and the matmuls in
+:mod:`dtensor_quant.matmul`; they register into the same table. Ops are keyed
+by schema name (``"aten::slice"``), so ops registered lazily by torch (such as
+``_c10d_functional::_wrap_tensor_autograd``) are matched when they first
+arrive, not at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from .layout import (
+    Blocked,
+    Constant,
+    LayoutError,
+    Packed,
+    Stacked,
+    can_flatten,
+    dim_factor,
+    inner_range,
+    legal_chunk,
+)
+from .tensor import QuantizedTensor, contiguous_strides
+
+aten = torch.ops.aten
+HANDLERS: dict[str, Callable] = {}
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An op the quantized layout cannot express without dequantizing."""
+
+
+def implements(*names: str):
+    def register(fn):
+        for name in names:
+            HANDLERS[name] = fn
+        return fn
+
+    return register
+
+
+def dispatch(func, args, kwargs):
+    handler = HANDLERS.get(func._schema.name)
+    if handler is None:
+        q = next(a for a in _flat(args, kwargs) if isinstance(a, QuantizedTensor))
+        raise UnsupportedOpError(
+            f"dtensor_quant: {func} is not defined on {q.fmt} quantized tensors: it would "
+            "need dense values. Call .dequantize() first to work on a dense copy."
+        )
+    return handler(func, *args, **kwargs)
+
+
+def _flat(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+# -- helpers ---------------------------------------------------------------
+
+
+def canonical_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
+    return tuple((i,) for i in range(ndim))
+
+
+def is_transposed(q: QuantizedTensor) -> bool:
+    return q.dims == ((1,), (0,))
+
+
+def _strides(q: QuantizedTensor, shape, dims) -> tuple[int, ...]:
+    """Logical strides for a result of ``q``: contiguous unless ``q`` was a transposed view."""
+    if q.is_contiguous() or len(shape) != 2 or dims != ((1,), (0,)):
+        return contiguous_strides(shape)
+    return tuple(reversed(contiguous_strides(tuple(reversed(shape)))))
+
+
+def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None):
+    dims = q.dims if dims is None else dims
+    return QuantizedTensor(
+        inner,
+        q.fmt,
+        q.rels if rels is None else rels,
+        dims,
+        tuple(shape),
+        q.dtype if dtype is None else dtype,
+        stride if stride is not None else _strides(q, shape, dims),
+    )
+
+
+def _map_inner(q: QuantizedTensor, fn) -> dict[str, torch.Tensor]:
+    return {name: fn(t) for name, t in q.inner.items()}
+
+
+def _with_rel(rels: tuple, dim: int, rel) -> tuple:
+    return rels[:dim] + (rel,) + rels[dim + 1 :]
+
+
+def _describe(q: QuantizedTensor) -> str:
+    return f"{q.fmt} tensor of shape {tuple(q.shape)}"
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    return is_fake(t) or t.device.type == "meta"
+
+
+# -- slicing, splitting, concatenation, padding -----------------------------
+
+
+def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedTensor:
+    """``q[..., start:stop, ...]`` along ``dim``; the inner tensors are views."""
+    length = q.shape[dim]
+    inner, rels = {}, []
+    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+        rel = rel_row[dim]
+        try:
+            i0, i1 = inner_range(rel, start, stop, length) if start < stop else _empty(rel, t, dim, start)
+        except LayoutError as e:
+            raise LayoutError(
+                f"{_describe(q)}: cannot take [{start}:{stop}] of dim {dim}: inner '{name}' is "
+                f"{rel} along it ({e}). Shard boundaries must fall on multiples of {rel.factor}; "
+                "dtensor_quant.check_placements() lists the mesh sizes that do."
+            ) from None
+        inner[name] = t.narrow(dim, i0, i1 - i0)
+        if isinstance(rel, Stacked) and stop - start <= rel.n:
+            rel = Constant()
+        rels.append(_with_rel(rel_row, dim, rel))
+    shape = list(q.shape)
+    shape[dim] = stop - start
+    return rebuild(q, inner, shape, rels=tuple(rels))
+
+
+def _empty(rel, t: torch.Tensor, dim: int, start: int) -> tuple[int, int]:
+    if isinstance(rel, Constant):
+        return 0, 1
+    i = min(-(-start // rel.factor), t.shape[dim])
+    return i, i
+
+
+def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
+    """Raise, naming the legal shard counts, if a split would cut a packed element or a block."""
+    rels = {name: row[dim] for name, row in zip(q.fmt.inner_names, q.rels)}
+    factor = dim_factor(list(rels.values()))
+    cuts = [sum(sizes[:i]) for i in range(1, len(sizes))]
+    bad = next((c for c in cuts if factor > 1 and c % factor and c < q.shape[dim]), None)
+    if bad is None:
+        return
+    why = ", ".join(f"'{n}' is {r}" for n, r in rels.items() if r.factor > 1)
+    length = q.shape[dim]
+    legal = [n for n in range(1, 65) if legal_chunk(length, n, factor)]
+    raise LayoutError(
+        f"{_describe(q)}: cannot split dim {dim} (size {length}) into pieces of {list(sizes)[:8]}: the cut "
+        f"at {bad} is not a multiple of {factor} ({why}). Sharding this dim over n ranks cuts only on "
+        f"multiples of {factor} for n = {', '.join(map(str, legal))}."
+    )
+
+
+def check_cat_alignment(q: QuantizedTensor, dim: int, pieces: int, what: str) -> None:
+    """Raise (before any collective) if ``pieces`` copies of ``q``'s shape cannot be concatenated on ``dim``."""
+    if pieces == 1:
+        return
+    length = q.shape[dim]
+    for name, rel_row in zip(q.fmt.inner_names, q.rels):
+        rel = rel_row[dim]
+        if isinstance(rel, (Packed, Blocked, Stacked)) and length % rel.factor:
+            raise LayoutError(
+                f"{_describe(q)}: cannot {what} {pieces} pieces along dim {dim}: each piece has "
+                f"{length} elements there, but inner '{name}' is {rel}, so every piece but the "
+                f"last must hold a multiple of {rel.factor}."
+            )
+
+
+def cat_dim(pieces: Sequence[QuantizedTensor], dim: int) -> QuantizedTensor:
+    """Concatenate quantized pieces of one tensor along ``dim``."""
+    first = pieces[0]
+    for p in pieces[1:]:
+        if not isinstance(p, QuantizedTensor) or p.fmt != first.fmt or p.dims != first.dims:
+            raise LayoutError(
+                f"cannot concatenate {_describe(first)} with {p!r}: pieces must share format and orientation"
+            )
+    for p in pieces[:-1]:
+        check_cat_alignment(p, dim, 2, "concatenate")
+    inner, rels = {}, []
+    for i, name in enumerate(first.fmt.inner_names):
+        parts = [getattr(p, name) for p in pieces]
+        rel_rows = [p.rels[i] for p in pieces]
+        rel = _cat_relation(name, [r[dim] for r in rel_rows], parts, pieces, dim)
+        if isinstance(rel, Constant):
+            inner[name] = parts[0]
+        else:
+            inner[name] = torch.cat(parts, dim)
+        rels.append(_with_rel(rel_rows[0], dim, rel))
+    shape = list(first.shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    return rebuild(first, inner, shape, rels=tuple(rels))
+
+
+def _cat_relation(name, rels, parts, pieces, dim):
+    """The relation along ``dim`` of the concatenation (a Constant stays one if all copies agree)."""
+    if not any(isinstance(r, Constant) for r in rels):
+        return rels[0]
+    if all(isinstance(r, Constant) for r in rels):
+        if _tracing(parts[0]) or all(torch.equal(parts[0], p) for p in parts[1:]):
+            return Constant()
+    # Constant pieces that differ (a per-column scale gathered along rows):
+    # one inner row per piece, which needs pieces of equal length.
+    run = pieces[0].shape[dim]
+    if any(p.shape[dim] != run for p in pieces[:-1]) or any(
+        isinstance(r, Stacked) and r.n != run for r in rels
+    ):
+        raise LayoutError(
+            f"cannot concatenate pieces of {_describe(pieces[0])} along dim {dim}: inner '{name}' "
+            "is constant along it but differs between pieces of unequal lengths"
+        )
+    return Stacked(run)
+
+
+def _resolve_slice(length: int, start, end) -> tuple[int, int]:
+    start = 0 if start is None else start
+    end = length if end is None else end
+    start = start + length if start < 0 else start
+    end = end + length if end < 0 else end
+    start = min(max(start, 0), length)
+    return start, min(max(end, start), length)
+
+
+@implements("aten::slice")
+def _slice(func, q, dim=0, start=None, end=None, step=1):
+    if step != 1:
+        raise LayoutError(f"{_describe(q)}: strided slices (step={step}) cut packed elements and blocks")
+    dim %= q.ndim
+    return slice_dim(q, dim, *_resolve_slice(q.shape[dim], start, end))
+
+
+@implements("aten::split")
+def _split(func, q, split_size, dim=0):
+    dim %= q.ndim
+    length = q.shape[dim]
+    sizes = [min(split_size, length - s) for s in range(0, length, split_size)] or [0]
+    return _split_sizes(func, q, sizes, dim)
+
+
+@implements("aten::split_with_sizes")
+def _split_sizes(func, q, split_sizes, dim=0):
+    dim %= q.ndim
+    _check_cuts(q, dim, split_sizes)
+    out, start = [], 0
+    for size in split_sizes:
+        out.append(slice_dim(q, dim, start, start + size))
+        start += size
+    return out
+
+
+@implements("aten::cat")
+def _cat(func, tensors, dim=0):
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.numel() == 0 and not isinstance(t, QuantizedTensor))]
+    if not all(isinstance(t, QuantizedTensor) for t in tensors):
+        raise LayoutError(
+            "cannot concatenate quantized and dense tensors: that would dequantize or requantize "
+            "silently. Quantize or dequantize them explicitly first."
+        )
+    return cat_dim(tensors, dim % tensors[0].ndim)
+
+
+@implements("aten::constant_pad_nd")
+def _pad(func, q, pad, value=0):
+    if value != 0:
+        raise LayoutError(f"{_describe(q)}: only zero padding is supported, got value={value}")
+    out = q
+    for i in range(len(pad) // 2):
+        dim = q.ndim - 1 - i
+        lo, hi = pad[2 * i], pad[2 * i + 1]
+        if lo != 0:
+            raise LayoutError(f"{_describe(q)}: padding in front of dim {dim} would shift every block")
+        if hi < 0:
+            out = slice_dim(out, dim, 0, out.shape[dim] + hi)
+        elif hi > 0:
+            out = _pad_end(out, dim, hi)
+    return out
+
+
+def _pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
+    """Append ``amount`` zero elements to ``dim`` (what uneven shards are padded with)."""
+    length = q.shape[dim]
+    inner = {}
+    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+        rel = rel_row[dim]
+        if isinstance(rel, Packed) and amount % rel.p:
+            raise LayoutError(f"{_describe(q)}: padding dim {dim} by {amount} splits a packed element ({rel})")
+        extra = rel.inner_len(length + amount) - t.shape[dim] if not isinstance(rel, Constant) else 0
+        if extra > 0:
+            widths = [0, 0] * (t.ndim - 1 - dim) + [0, extra]
+            t = torch.nn.functional.pad(t, widths)
+        inner[name] = t
+    shape = list(q.shape)
+    shape[dim] = length + amount
+    return rebuild(q, inner, shape)
+
+
+@implements("aten::index_select")
+def _index_select(func, q, dim, index):
+    """Gather whole blocks along ``dim`` (the reordering ``_StridedShard`` does after a gather)."""
+    dim %= q.ndim
+    if _tracing(index):
+        raise UnsupportedOpError(f"{_describe(q)}: index_select needs concrete indices, not traced ones")
+    runs = _runs(index.tolist())
+    return cat_dim([slice_dim(q, dim, s, e) for s, e in runs], dim) if runs else slice_dim(q, dim, 0, 0)
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive positions, as ``[start, stop)``; each becomes one slice."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, p + 1])
+    return [(s, e) for s, e in runs]
+
+
+# -- views, copies and factories --------------------------------------------
+
+
+@implements("aten::detach", "aten::alias", "aten::lift_fresh")
+def _alias(func, q, *args, **kwargs):
+    return rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
+
+
+@implements("aten::view", "aten::_unsafe_view")
+def _view(func, q, size):
+    size = list(size)
+    if -1 in size:
+        known = 1
+        for s in size:
+            known *= s if s != -1 else 1
+        size[size.index(-1)] = q.numel() // max(known, 1)
+    if tuple(size) == tuple(q.shape):
+        return _alias(func, q)
+    if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
+        return _flatten(q)
+    if q.ndim == 2 and tuple(size) == (1, q.shape[0] * q.shape[1]):
+        # funcol's all-gather along dim 1 views [world, cols] as [1, world * cols].
+        return cat_dim([slice_dim(q, 0, i, i + 1) for i in range(q.shape[0])], 1)
+    if q.ndim == 1 and q.dims == ((0, 1),) and len(size) == 2:
+        return _unflatten(q, tuple(size))
+    raise UnsupportedOpError(
+        f"{_describe(q)}: view/reshape to {tuple(size)} is not expressible in the quantized layout "
+        "(only the same shape, and -1 for a canonical 2-D weight)"
+    )
+
+
+def _flatten(q: QuantizedTensor) -> QuantizedTensor:
+    """``view(-1)`` (FSDP2 calls it on every sharded parameter)."""
+    n_cols = q.shape[1]
+    rels = tuple((can_flatten(r[0], r[1], n_cols) or _Opaque(),) for r in q.rels)
+    inner = _map_inner(q, lambda t: t.reshape(-1))
+    return rebuild(q, inner, (q.numel(),), rels=rels, dims=((0, 1),), stride=(1,))
+
+
+def _unflatten(q: QuantizedTensor, size: tuple[int, int]) -> QuantizedTensor:
+    rows = tuple(q.fmt.layout.values())
+    inner = {}
+    for (name, t), rel_row in zip(q.inner.items(), rows):
+        shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
+        if t.numel() != shape[0] * shape[1]:
+            raise UnsupportedOpError(f"{_describe(q)}: cannot view as {size}: inner '{name}' does not match")
+        inner[name] = t.reshape(shape)
+    return rebuild(q, inner, size, rels=rows, dims=canonical_dims(2), stride=contiguous_strides(size))
+
+
+class _Opaque:
+    """The relation of an inner tensor after a flatten that does not follow the flat index."""
+
+    factor = 0
+
+    def inner_len(self, n):
+        raise LayoutError("this flattened quantized view cannot be sliced or resized")
+
+    def __str__(self):
+        return "not sliceable after view(-1)"
+
+
+@implements("aten::as_strided")
+def _as_strided(func, q, size, stride, storage_offset=None):
+    size, stride = tuple(size), tuple(stride)
+    if storage_offset in (None, 0) and size == tuple(q.shape) and stride == tuple(q.stride()):
+        return _alias(func, q)
+    # FSDP2 narrows the padded rows of an unevenly sharded parameter away this way.
+    if (
+        storage_offset in (None, 0)
+        and q.is_contiguous()
+        and len(size) == q.ndim
+        and size[1:] == tuple(q.shape[1:])
+        and size[0] <= q.shape[0]
+        and stride == contiguous_strides(size)
+    ):
+        return slice_dim(q, 0, 0, size[0])
+    raise UnsupportedOpError(
+        f"{_describe(q)}: as_strided(size={size}, stride={stride}, offset={storage_offset}) "
+        "is only supported as an identity or a leading-rows narrow"
+    )
+
+
+@implements("aten::t")
+def _t(func, q):
+    return _transpose(func, q, 0, 1) if q.ndim == 2 else _alias(func, q)
+
+
+@implements("aten::transpose")
+def _transpose(func, q, dim0, dim1):
+    dim0, dim1 = dim0 % q.ndim, dim1 % q.ndim
+    if dim0 == dim1:
+        return _alias(func, q)
+
+    def swap(seq):
+        seq = list(seq)
+        seq[dim0], seq[dim1] = seq[dim1], seq[dim0]
+        return tuple(seq)
+
+    inner = _map_inner(q, lambda t: t.transpose(dim0, dim1))
+    rels = tuple(swap(r) for r in q.rels)
+    return rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
+
+
+@implements("aten::permute")
+def _permute(func, q, dims):
+    dims = [d % q.ndim for d in dims]
+    if dims == sorted(dims):
+        return _alias(func, q)
+    if q.ndim == 2:
+        return _transpose(func, q, 0, 1)
+    raise UnsupportedOpError(f"{_describe(q)}: permute({dims}) of a quantized tensor")
+
+
+@implements("aten::clone")
+def _clone(func, q, memory_format=None):
+    contiguous = memory_format == torch.contiguous_format or q.is_contiguous()
+    inner = _map_inner(q, lambda t: t.clone(memory_format=torch.contiguous_format))
+    return rebuild(q, inner, q.shape, stride=contiguous_strides(q.shape) if contiguous else q.stride())
+
+
+@implements("aten::_to_copy")
+def _to_copy(func, q, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    """Device moves copy the stored bytes; a dtype only changes the logical (dequantized) dtype."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise LayoutError(f"{_describe(q)}: cannot convert to {dtype}; dequantize() first")
+
+    def move(t):
+        out = t.to(device=device, non_blocking=non_blocking, copy=True)
+        return out.pin_memory() if pin_memory else out
+
+    return rebuild(q, _map_inner(q, move), q.shape, dtype=dtype, stride=q.stride())
+
+
+def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
+    """A quantized tensor of logical ``size`` laid out like ``q``, filled with zero bytes (or empty)."""
+    size = tuple(size)
+    if len(size) != q.ndim:
+        raise UnsupportedOpError(f"{_describe(q)}: cannot create a quantized tensor of shape {size}")
+    inner = {}
+    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+        try:
+            shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
+        except LayoutError as e:
+            raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}': {e}") from None
+        inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
+    return rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+
+
+@implements("aten::empty_like")
+def _empty_like(func, q, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _factory(q, q.shape, torch.empty, dtype, device)
+
+
+@implements("aten::zeros_like")
+def _zeros_like(func, q, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _factory(q, q.shape, torch.zeros, dtype, device)
+
+
+@implements("aten::new_zeros")
+def _new_zeros(func, q, size, dtype=None, layout=None, device=None, pin_memory=None):
+    return _factory(q, size, torch.zeros, dtype, device)
+
+
+@implements("aten::new_empty")
+def _new_empty(func, q, size, dtype=None, layout=None, device=None, pin_memory=None):
+    return _factory(q, size, torch.empty, dtype, device)
+
+
+@implements("aten::copy_")
+def _copy_(func, dst, src, non_blocking=False):
+    if not isinstance(dst, QuantizedTensor) or not isinstance(src, QuantizedTensor):
+        dense, quant = (dst, src) if isinstance(src, QuantizedTensor) else (src, dst)
+        raise LayoutError(
+            f"cannot copy between a dense {tuple(dense.shape)} tensor and a {_describe(quant)}: that "
+            "would silently requantize or dequantize. Use dtensor_quant.quantize() or .dequantize()."
+        )
+    if dst.fmt != src.fmt or dst.shape != src.shape:
+        raise LayoutError(f"cannot copy a {_describe(src)} into a {_describe(dst)}")
+    for name in dst.fmt.inner_names:
+        d, s = getattr(dst, name), getattr(src, name)
+        if d.shape != s.shape or d.dtype != s.dtype:
+            raise LayoutError(
+                f"cannot copy into {_describe(dst)}: inner '{name}' is {tuple(s.shape)}:{s.dtype} in the "
+                f"source and {tuple(d.shape)}:{d.dtype} in the destination"
+            )
+        d.copy_(s, non_blocking=non_blocking)
+    return dst
+
+
+@implements("aten::is_pinned")
+def _is_pinned(func, q, device=None):
+    return all(t.is_pinned() for t in q.inner.values())
+
+
+@implements("aten::_pin_memory")
+def _pin_memory(func, q, device=None):
+    return rebuild(q, _map_inner(q, lambda t: t.pin_memory()), q.shape, stride=q.stride())
+
+
+@implements("aten::record_stream")
+def _record_stream(func, q, stream):
+    for t in q.inner.values():
+        t.record_stream(stream)
+
+
+# -- dequantize --------------------------------------------------------------
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dense values of ``q`` in ``dtype``, whatever its orientation or stacking."""
+    for rel_row in q.rels:
+        for dim, rel in enumerate(rel_row):
+            if isinstance(rel, Stacked):
+                run = rel.n
+                pieces = [slice_dim(q, dim, s, min(s + run, q.shape[dim])) for s in range(0, q.shape[dim], run)]
+                return torch.cat([dequantize(p, dtype) for p in pieces], dim)
+    if q.dims == canonical_dims(q.ndim):
+        return q.fmt.dequantize(q.inner, dtype)
+    if is_transposed(q):
+        return q.fmt.dequantize(_map_inner(q, lambda t: t.t()), dtype).t()
+    raise UnsupportedOpError(f"{_describe(q)}: dequantize the tensor before view(-1), not after")
+
+
+def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:
+    """Inner tensors in the format's ``[out, in]`` orientation, or None if ``q`` is not a plain weight view."""
+    if any(isinstance(r, Stacked) for row in q.rels for r in row):
+        return None
+    if q.dims == canonical_dims(2):
+        return q.inner
+    if is_transposed(q):
+        return _map_inner(q, lambda t: t.t())
+    return None

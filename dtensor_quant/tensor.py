@@ -1,0 +1,107 @@
+"""QuantizedTensor: a traceable wrapper subclass standing for a dense weight.
+
+The wrapper carries the *logical* shape, dtype and strides of the weight it
+stands for, so DTensor's sharding propagation, FSDP2's bookkeeping and DCP's
+metadata all see an ordinary ``[out, in]`` tensor of the weight's dtype. The
+bytes live in the inner tensors the format declares. Every op on the wrapper
+goes through :func:`dtensor_quant.ops.dispatch`, which derives the inner ops
+from the format's layout; an op it cannot derive raises instead of
+dequantizing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .format import QuantFormat
+from .layout import Relation
+
+# Per logical dim, the canonical dims of the format's weight it holds:
+# ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
+Dims = tuple[tuple[int, ...], ...]
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized weight: inner tensors plus the relations that tie them to logical dims.
+
+    Build one with :func:`dtensor_quant.quantize`; read it back with
+    :meth:`dequantize`. ``fmt`` is the format, ``rels[i]`` the current
+    relation of inner ``fmt.inner_names[i]`` to each logical dim, ``dims`` the
+    orientation relative to the format's canonical ``[out, in]``.
+    """
+
+    fmt: QuantFormat
+    rels: tuple[tuple[Relation, ...], ...]
+    dims: Dims
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
+        device = next(iter(inner.values())).device
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=stride if stride is not None else contiguous_strides(shape),
+            dtype=dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(self, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
+        assert tuple(inner) == fmt.inner_names, (tuple(inner), fmt.inner_names)
+        assert len(rels) == len(inner) and all(len(r) == len(shape) for r in rels)
+        self.fmt = fmt
+        self.rels = tuple(tuple(r) for r in rels)
+        self.dims = tuple(tuple(d) for d in dims)
+        for name, t in inner.items():
+            setattr(self, name, t)
+
+    @property
+    def inner(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.fmt.inner_names}
+
+    def rel(self, name: str) -> tuple[Relation, ...]:
+        return self.rels[self.fmt.inner_names.index(name)]
+
+    # -- traceability (torch.compile, FSDP2, DCP) --------------------------
+    def __tensor_flatten__(self):
+        ctx = (self.fmt, self.rels, self.dims, self.dtype, tuple(self.stride()))
+        return list(self.fmt.inner_names), ctx
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        fmt, rels, dims, dtype, stride = ctx
+        inner = {name: inner[name] for name in fmt.inner_names}
+        return QuantizedTensor(inner, fmt, rels, dims, outer_size, dtype, outer_stride or stride)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .ops import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # -- user API ----------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense tensor this stands for (in ``dtype``, default the logical dtype)."""
+        from .ops import dequantize
+
+        return dequantize(self, dtype or self.dtype)
+
+    @property
+    def nbytes_stored(self) -> int:
+        """Bytes held by the inner tensors (what a collective of the whole tensor moves)."""
+        return sum(t.numel() * t.element_size() for t in self.inner.values())
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        inner = ", ".join(f"{n}={tuple(t.shape)}:{t.dtype}" for n, t in self.inner.items())
+        orient = "" if self.dims == tuple((i,) for i in range(len(self.dims))) else f", dims={self.dims}"
+        return f"QuantizedTensor({self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}{orient}, {inner})"

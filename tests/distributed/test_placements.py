@@ -1,0 +1,318 @@
+"""DTensor of quantized locals: distribute, gather and redistribute, bit-exactly, on real gloo ranks.
+
+Every check compares against a single-process reference on the same rank:
+the full tensor quantized once, ``Q``. A local shard must dequantize to
+exactly DTensor's own shard of ``Q.dequantize()``, and every gather must give
+back ``Q``'s inner tensors byte for byte.
+"""
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import dtensor_quant as dq
+from dtensor_quant import wire
+from dtensor_quant.launch import RankError
+
+from helpers import assert_same_bits, mesh, rank, weight
+
+FORMATS = {"int8": dq.Int8Rowwise(), "int4g32": dq.Int4Groupwise(32), "int4g64": dq.Int4Groupwise(64)}
+
+
+def parse(spec: str):
+    """``"R"``, ``"S0"``, ``"S1"``, ``"SS0:2"`` (_StridedShard(0, split_factor=2)), ``"P"``."""
+    if spec == "R":
+        return Replicate()
+    if spec == "P":
+        return Partial()
+    if spec.startswith("SS"):
+        dim, sf = spec[2:].split(":")
+        return _StridedShard(int(dim), split_factor=int(sf))
+    return Shard(int(spec[1:]))
+
+
+def placements(specs: str):
+    return [parse(s) for s in specs.split(",")]
+
+
+def check_local(dt: DTensor, dense: torch.Tensor, what: str) -> None:
+    """``dt``'s local shard dequantizes to exactly DTensor's shard of the dense reference."""
+    expected = distribute_tensor(dense, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
+    local = dt.to_local()
+    assert isinstance(local, dq.QuantizedTensor), f"{what}: local is {type(local).__name__}"
+    assert local.shape == expected.shape, f"{what}: local {tuple(local.shape)} vs {tuple(expected.shape)}"
+    assert torch.equal(local.dequantize(), expected), f"{what}: local values differ"
+
+
+def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0, transposed=False):
+    """distribute_tensor, full_tensor and redistribute to each target; all checked bit-exactly."""
+    fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
+    q = dq.quantize(weight(shape, seed), fmt)
+    q = q.t() if transposed else q
+    dense = q.dequantize()
+    dt = distribute_tensor(q, m, placements(src), src_data_rank=src_data_rank)
+    check_local(dt, dense, f"distribute {src}")
+    assert_same_bits(dt.full_tensor(), q, f"full_tensor from {src}")
+    for tgt in targets:
+        moved = dt.redistribute(m, placements(tgt))
+        check_local(moved, dense, f"{src} -> {tgt}")
+        assert_same_bits(moved.full_tensor(), q, f"full_tensor after {src} -> {tgt}")
+    return True
+
+
+PAIRS_1D = ["R", "S0", "S1"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("fmt_name,shape", [("int8", (10, 36)), ("int4g32", (10, 254)), ("int4g64", (8, 512))])
+@pytest.mark.parametrize("src", PAIRS_1D)
+def test_distribute_redistribute_1d(ranks, world, fmt_name, shape, src):
+    """Every pair of R, S0, S1 on 1..4 ranks, uneven rows (10 over 3 and 4) and a partial last group."""
+    if not _legal(fmt_name, shape, (world,), src):
+        pytest.skip("source placement illegal for this layout (covered by the error tests)")
+    targets = [t for t in PAIRS_1D if _legal(fmt_name, shape, (world,), t)]
+    assert all(ranks(world).run(roundtrip, fmt_name, shape, (world,), src, targets))
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
+@pytest.mark.parametrize("src", PAIRS_1D)
+def test_transposed_weight(ranks, fmt_name, src):
+    """A weight after .t(): its row scale is constant along dim 0 but varies along dim 1."""
+    assert all(ranks(2).run(roundtrip, fmt_name, (6, 64), (2,), src, PAIRS_1D, transposed=True))
+
+
+@pytest.mark.parametrize("src_data_rank", [None, 1])
+def test_distribute_src_data_rank(ranks, src_data_rank):
+    assert all(ranks(2).run(roundtrip, "int4g32", (6, 128), (2,), "S1", ["S0"], src_data_rank=src_data_rank))
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
+@pytest.mark.parametrize(
+    "src,targets",
+    [
+        ("S0,S1", ["R,R", "S1,S0", "R,S1"]),
+        ("S1,S0", ["S0,S1", "R,R"]),
+        ("S0,S0", ["R,R", "R,S0"]),
+        ("R,S1", ["S0,S1", "R,R"]),
+        ("SS0:2,S0", ["R,R", "R,S0"]),
+    ],
+)
+def test_2d_mesh(ranks, fmt_name, src, targets):
+    """A 2x2 mesh, including the _StridedShard that FSDP + TP produce."""
+    assert all(ranks(4).run(roundtrip, fmt_name, (12, 256), (2, 2), src, targets))
+
+
+def from_local_uneven(fmt_name, shape):
+    """Locals built by hand with from_local(shape=, stride=) gather back to the reference."""
+    fmt, m = FORMATS[fmt_name], mesh(3)
+    q = dq.quantize(weight(shape), fmt)
+    local = torch.chunk(q, 3, dim=0)[rank()]
+    dt = DTensor.from_local(local, m, [Shard(0)], shape=q.shape, stride=q.stride())
+    assert_same_bits(dt.full_tensor(), q, "from_local uneven")
+    assert_same_bits(dt.redistribute(m, [Shard(1)]).full_tensor(), q, "uneven S0 -> S1")
+    return True
+
+
+def test_from_local_uneven(ranks):
+    assert all(ranks(3).run(from_local_uneven, "int4g32", (7, 96)))
+
+
+def quantize_sharded(fmt_name, shape, mesh_shape, src):
+    """quantize(DTensor) == distribute_tensor(quantize(full)), inner tensor by inner tensor."""
+    fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
+    w = weight(shape, seed=3)
+    reference = distribute_tensor(dq.quantize(w, fmt), m, placements(src))
+    with wire.record() as log:
+        got = dq.quantize(distribute_tensor(w, m, placements(src)), fmt)
+    assert isinstance(got, DTensor) and got.placements == reference.placements
+    assert_same_bits(got.to_local(), reference.to_local(), f"quantize on {src}")
+    return len(log)
+
+
+@pytest.mark.parametrize(
+    "fmt_name,src,collectives",
+    [
+        ("int8", "S0", 0),  # each row's scale lives on one rank
+        ("int8", "S1", 1),  # each row's maximum spans ranks: one all-reduce
+        ("int4g32", "S0", 0),
+        ("int4g32", "S1", 0),  # groups align with shards: nothing to reduce
+        ("int8", "R", 0),
+    ],
+)
+def test_quantize_sharded_dtensor(ranks, fmt_name, src, collectives):
+    counts = ranks(4).run(quantize_sharded, fmt_name, (10, 256), (4,), src)
+    # distribute_tensor's scatter of the dense input is not part of quantize(); count only ours
+    assert all(c >= collectives for c in counts)
+
+
+def quantize_sharded_count(fmt_name, src):
+    fmt, m = FORMATS[fmt_name], mesh(4)
+    dense = distribute_tensor(weight((10, 256)), m, placements(src))
+    with wire.record() as log:
+        dq.quantize(dense, fmt)
+    return len(log)
+
+
+@pytest.mark.parametrize("fmt_name,src,expected", [("int8", "S0", 0), ("int8", "S1", 1), ("int4g32", "S1", 0)])
+def test_quantize_sharded_collectives(ranks, fmt_name, src, expected):
+    """A collective only where a scale block spans shards."""
+    assert ranks(4).run(quantize_sharded_count, fmt_name, src) == [expected] * 4
+
+
+def test_quantize_sharded_2d(ranks):
+    assert all(ranks(4).run(quantize_sharded, "int8", (12, 256), (2, 2), "S0,S1"))
+
+
+# -- errors: every rank, before any collective ---------------------------------
+
+
+def distribute_misaligned():
+    m = mesh(3)
+    q = dq.quantize(weight((4, 256)), dq.Int4Groupwise(64))
+    with wire.record() as log:
+        try:
+            distribute_tensor(q, m, [Shard(1)])
+        except dq.LayoutError as e:
+            return ("LayoutError", len(log), str(e))
+    return ("no error", len(log), "")
+
+
+def quantize_misaligned():
+    m = mesh(3)
+    dense = distribute_tensor(weight((4, 256)), m, [Shard(1)])
+    with wire.record() as log:
+        try:
+            dq.quantize(dense, dq.Int4Groupwise(64))
+        except dq.LayoutError as e:
+            return ("LayoutError", len(log), str(e))
+    return ("no error", len(log), "")
+
+
+@pytest.mark.parametrize("fn", [distribute_misaligned, quantize_misaligned])
+def test_misaligned_errors_on_every_rank_before_any_collective(ranks, fn):
+    start = time.monotonic()
+    results = ranks(3).run(fn, timeout=60)
+    assert time.monotonic() - start < 30
+    for kind, collectives, msg in results:
+        assert kind == "LayoutError" and collectives == 0, (kind, collectives)
+        assert "dim 1" in msg and "64" in msg
+    assert "1, 2, 4" in results[0][2] and ", 3," not in results[0][2]
+
+
+def test_check_placements_without_data():
+    with pytest.raises(dq.LayoutError, match=r"legal with size 1, 2, 4, 8, 16, 32"):
+        dq.check_placements((4096, 4096), dq.Int4Groupwise(128), (3,), [Shard(1)])
+    dq.check_placements((4096, 4096), dq.Int4Groupwise(128), (4,), [Shard(1)])
+    dq.check_placements((4096, 4096), dq.Int4Groupwise(128), (3,), [Shard(0)])
+    dq.check_placements((4096, 4096), dq.Int8Rowwise(), (3, 5), [Shard(0), Shard(1)])
+    with pytest.raises(dq.LayoutError, match="Partial"):
+        dq.check_placements((64, 64), dq.Int8Rowwise(), (2,), [Partial()])
+    with pytest.raises(dq.LayoutError, match=r"mesh dim 1"):
+        dq.check_placements((64, 256), dq.Int4Groupwise(64), (2, 3), [Shard(0), Shard(1)])
+    # _StridedShard cuts inside each of the split_factor pieces
+    with pytest.raises(dq.LayoutError):
+        dq.check_placements((64, 128), dq.Int4Groupwise(64), (2, 2), [_StridedShard(1, split_factor=2), Shard(1)])
+    dq.check_placements((64, 256), dq.Int4Groupwise(64), (2, 2), [_StridedShard(1, split_factor=2), Shard(1)])
+    dq.check_placements((64, 512), dq.Int4Groupwise(64), (2, 2), [_StridedShard(1, split_factor=2), Shard(1)])
+
+
+def partial_refused():
+    m = mesh(2)
+    q = dq.quantize(weight((4, 64)), dq.Int8Rowwise())
+    errors = []
+    try:
+        dq.quantize(DTensor.from_local(weight((4, 64)), m, [Partial()]), dq.Int8Rowwise())
+    except dq.LayoutError as e:
+        errors.append(str(e))
+    try:
+        DTensor.from_local(q, m, [Partial()]).full_tensor()
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_partial_refused_on_every_rank(ranks):
+    for errors in ranks(2).run(partial_refused, timeout=60):
+        assert len(errors) == 2 and all("Partial" in e for e in errors), errors
+
+
+def test_rank_error_reports_every_rank(ranks):
+    with pytest.raises(RankError) as info:
+        ranks(2).run(partial_refused_raises)
+    assert set(info.value.errors) == {0, 1}
+
+
+def partial_refused_raises():
+    DTensor.from_local(dq.quantize(weight((4, 64)), dq.Int8Rowwise()), mesh(2), [Partial()]).full_tensor()
+
+
+# -- the NCCL all-to-all path, run on gloo --------------------------------------
+
+
+def alltoall(fmt_name, shape, old, new):
+    """_dtensor.shard_dim_alltoall on quantized locals (what NCCL runs for Shard(i) -> Shard(j))."""
+    from torch.distributed.tensor._collective_utils import shard_dim_alltoall  # noqa: F401 (registers op)
+
+    fmt, m = FORMATS[fmt_name], mesh(2)
+    q = dq.quantize(weight(shape), fmt)
+    dt = distribute_tensor(q, m, [Shard(old)])
+    group = m.get_group(0)
+    out = torch.ops._dtensor.shard_dim_alltoall(dt.to_local(), old, new, group.group_name)
+    expected = distribute_tensor(q, m, [Shard(new)]).to_local()
+    assert_same_bits(out, expected, f"alltoall S{old} -> S{new}")
+    return True
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
+@pytest.mark.parametrize("old,new", [(0, 1), (1, 0)])
+def test_shard_dim_alltoall(ranks, fmt_name, old, new):
+    assert all(ranks(2).run(alltoall, fmt_name, (8, 128), old, new))
+
+
+# -- property: gather(shard(x)) == x, over shapes, groups, meshes and placement pairs
+
+
+def _legal(fmt_name, shape, mesh_shape, spec) -> bool:
+    try:
+        dq.check_placements(shape, FORMATS.get(fmt_name) or _fmt(fmt_name), mesh_shape, placements(spec))
+    except dq.LayoutError:
+        return False
+    return True
+
+
+def _fmt(name):
+    return dq.Int8Rowwise() if name == "int8" else dq.Int4Groupwise(int(name[5:]))
+
+
+def property_case(fmt_name, shape, world, src, tgt, seed):
+    FORMATS.setdefault(fmt_name, _fmt(fmt_name))
+    try:
+        return roundtrip(fmt_name, shape, (world,), src, [tgt], seed)
+    except dq.LayoutError:
+        return "LayoutError"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    fmt_name=st.sampled_from(["int8", "int4g2", "int4g8", "int4g16", "int4g32"]),
+    rows=st.integers(1, 12),
+    half_cols=st.integers(1, 80),
+    world=st.sampled_from([1, 2, 3, 4]),
+    src=st.sampled_from(PAIRS_1D),
+    tgt=st.sampled_from(PAIRS_1D),
+    seed=st.integers(0, 2**16),
+)
+def test_property_gather_of_shard_is_identity(ranks, fmt_name, rows, half_cols, world, src, tgt, seed):
+    """Legal placements round-trip bit-exactly; illegal ones raise LayoutError on every rank."""
+    shape = (rows, 2 * half_cols)
+    legal = _legal(fmt_name, shape, (world,), src) and _legal(fmt_name, shape, (world,), tgt)
+    results = ranks(world).run(property_case, fmt_name, shape, world, src, tgt, seed, timeout=60)
+    if legal:
+        assert results == [True] * world
+    else:
+        assert results == ["LayoutError"] * world
