@@ -5,10 +5,12 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 """
 
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
+from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from . import wire
 from .format import QuantFormat
 from .formats import Int4Groupwise, Int8Rowwise
 from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
+from .nn import quantize_
 from .ops import UnsupportedOpError
 from .placements import check_placements, legal_mesh_sizes
 from .quantize import quantize
@@ -28,5 +30,6 @@ __all__ = [
     "check_placements",
     "legal_mesh_sizes",
     "quantize",
+    "quantize_",
     "wire",
 ]

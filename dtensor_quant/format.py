@@ -10,8 +10,10 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
   weight. Statistics that a scale needs from the whole weight go through
   ``reduce``, which is the identity on one process and an all-reduce over the
   mesh dims whose shards share a block when the weight is a sharded DTensor.
-* ``linear`` (optional): a fast ``x @ W.T`` on the canonical inner tensors;
-  returning ``None`` falls back to dequantize + matmul.
+* ``prepare``/``linear`` (optional): a fast ``x @ W.T``. ``prepare`` turns the
+  canonical inner tensors into whatever the kernel wants (the library caches
+  it per weight); ``linear`` returning ``None`` falls back to dequantize +
+  matmul.
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ class QuantFormat:
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        inner: dict[str, torch.Tensor],
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor | None:
+    def prepare(self, inner: dict[str, torch.Tensor]):
+        """The kernel's view of a canonical weight (cached by the library); default: ``inner``."""
+        return inner
+
+    def linear(self, x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x @ W.T + bias`` from ``prepare``'s result, or None to dequantize instead."""
         return None
 
     @property

@@ -427,7 +427,10 @@ def _transpose(func, q, dim0, dim1):
 
     inner = _map_inner(q, lambda t: t.transpose(dim0, dim1))
     rels = tuple(swap(r) for r in q.rels)
-    return rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
+    out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
+    # Kernels cache their prepared weight on the persistent tensor, not on this view.
+    out.__dict__["_transposed_from"] = q.__dict__.get("_transposed_from", q)
+    return out
 
 
 @implements("aten::permute")

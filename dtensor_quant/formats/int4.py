@@ -63,5 +63,24 @@ class Int4Groupwise(QuantFormat):
         zero = expand_blocks(inner["zero"].float(), 1, g, n_in)
         return ((q - 8) * scale + zero).to(dtype)
 
+    def prepare(self, inner):
+        """Repack for ``aten._weight_int4pack_mm_for_cpu`` where its shape rules allow it."""
+        qdata = inner["qdata"]
+        n_out, n_in = qdata.shape[0], qdata.shape[1] * 2
+        if qdata.device.type != "cpu" or n_out % 16 or n_in % self.group_size or n_in % 32 or not n_out:
+            return None
+        codes = torch.stack([qdata & 0xF, qdata >> 4], dim=-1).flatten(-2).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+        scale_zeros = torch.stack([inner["scale"], inner["zero"]], dim=-1).transpose(0, 1).contiguous()
+        return packed, scale_zeros
+
+    def linear(self, x, prepared, bias):
+        """``aten._weight_int4pack_mm_for_cpu`` (torch's CPU int4 kernel, bf16 activations)."""
+        if prepared is None or x.dtype != torch.bfloat16:
+            return None
+        packed, scale_zeros = prepared
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, self.group_size, scale_zeros)
+        return out + bias if bias is not None else out
+
     def __str__(self) -> str:
         return f"Int4Groupwise(group_size={self.group_size})"

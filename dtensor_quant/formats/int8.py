@@ -17,6 +17,7 @@ from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
 _QMAX = 127
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,16 @@ class Int8Rowwise(QuantFormat):
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
 
-    def linear(self, x, inner, bias):
-        """``torch._weight_int8pack_mm`` on CPU (int8 weight, per-row scale)."""
-        q, scale = inner["qdata"], inner["scale"]
-        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+    def prepare(self, inner):
+        return inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
+
+    def linear(self, x, prepared, bias):
+        """``aten._weight_int8pack_mm`` (int8 weight, per-row scale) on CPU."""
+        q, scale = prepared
+        # The kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
+        if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or 0 in q.shape or q.shape[1] % 8:
             return None
-        if q.shape[0] == 0 or q.shape[1] == 0:
-            return None
-        out = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, x.shape[-1]).contiguous(), q.contiguous(), scale.reshape(-1).to(x.dtype)
-        )
-        out = out.reshape(*x.shape[:-1], q.shape[0])
+        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
         return out + bias if bias is not None else out
 
     def __str__(self) -> str:
