@@ -31,7 +31,9 @@ def invalidate(q: QuantizedTensor) -> None:
 def _prepared(w: QuantizedTensor, inner: dict[str, torch.Tensor]):
     """``w.fmt.prepare(inner)``, cached on the tensor ``w`` was transposed from."""
     owner = w.__dict__.get("_transposed_from", w)
-    if any(_is_traced(t) for t in inner.values()):
+    if any(_is_traced(t) for t in inner.values()) or "fsdp_gathered" in w.__dict__:
+        # An FSDP2-gathered weight lives in a buffer FSDP2 frees after use: a cached
+        # prepared copy would outlive it (one extra weight per layer) and go stale.
         return w.fmt.prepare(inner)
     key = (tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in inner.values()))
     cached = owner.__dict__.get(_CACHE_ATTR)

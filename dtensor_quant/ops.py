@@ -83,9 +83,17 @@ def _strides(q: QuantizedTensor, shape, dims) -> tuple[int, ...]:
     return tuple(reversed(contiguous_strides(tuple(reversed(shape)))))
 
 
+# Facts about a tensor that survive the views FSDP2 takes of it (see dtensor_quant.fsdp):
+# "fsdp_padded_rows": the rows of the buffer this tensor is a leading-rows narrow of
+#   (FSDP2 keeps an uneven shard as such a narrow of its padded shard);
+# "fsdp_gathered": the tensor views an FSDP2 all-gather buffer, which FSDP2 frees
+#   after use, so kernels must not cache a prepared copy of it.
+STICKY = ("fsdp_padded_rows", "fsdp_gathered")
+
+
 def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None):
     dims = q.dims if dims is None else dims
-    return QuantizedTensor(
+    out = QuantizedTensor(
         inner,
         q.fmt,
         q.rels if rels is None else rels,
@@ -94,6 +102,10 @@ def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=Non
         q.dtype if dtype is None else dtype,
         stride if stride is not None else _strides(q, shape, dims),
     )
+    for key in STICKY:
+        if key in q.__dict__:
+            out.__dict__[key] = q.__dict__[key]
+    return out
 
 
 def _map_inner(q: QuantizedTensor, fn) -> dict[str, torch.Tensor]:
@@ -135,7 +147,12 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
         rels.append(_with_rel(rel_row, dim, rel))
     shape = list(q.shape)
     shape[dim] = stop - start
-    return rebuild(q, inner, shape, rels=tuple(rels))
+    out = rebuild(q, inner, shape, rels=tuple(rels))
+    if dim == 0 and start == 0 and stop < length:
+        out.__dict__["fsdp_padded_rows"] = max(length, q.__dict__.get("fsdp_padded_rows", 0))
+    elif dim == 0 and start != 0:
+        out.__dict__.pop("fsdp_padded_rows", None)
+    return out
 
 
 def _empty(rel, t: torch.Tensor, dim: int, start: int) -> tuple[int, int]:
@@ -178,8 +195,13 @@ def check_cat_alignment(q: QuantizedTensor, dim: int, pieces: int, what: str) ->
             )
 
 
-def cat_dim(pieces: Sequence[QuantizedTensor], dim: int) -> QuantizedTensor:
-    """Concatenate quantized pieces of one tensor along ``dim``."""
+def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = None) -> QuantizedTensor:
+    """Concatenate quantized pieces of one tensor along ``dim``.
+
+    ``joined`` maps inner names to tensors that already hold ``torch.cat`` of
+    the pieces' inner tensors (an all-gather output the pieces are views of);
+    they are used as they are instead of being copied.
+    """
     first = pieces[0]
     for p in pieces[1:]:
         if not isinstance(p, QuantizedTensor) or p.fmt != first.fmt or p.dims != first.dims:
@@ -195,6 +217,8 @@ def cat_dim(pieces: Sequence[QuantizedTensor], dim: int) -> QuantizedTensor:
         rel = _cat_relation(name, [r[dim] for r in rel_rows], parts, pieces, dim)
         if isinstance(rel, Constant):
             inner[name] = parts[0]
+        elif joined is not None and name in joined:
+            inner[name] = joined[name]
         else:
             inner[name] = torch.cat(parts, dim)
         rels.append(_with_rel(rel_rows[0], dim, rel))
@@ -466,6 +490,9 @@ def _to_copy(func, q, dtype=None, layout=None, device=None, pin_memory=None, non
 def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
     """A quantized tensor of logical ``size`` laid out like ``q``, filled with zero bytes (or empty)."""
     size = tuple(size)
+    if size == (0,) and q.ndim == 2 and q.dims == canonical_dims(2):
+        # FSDP2's placeholder for the ranks past torch.chunk's last piece.
+        return _flatten(_factory(q, (0, q.shape[1]), fill, dtype, device))
     if len(size) != q.ndim:
         raise UnsupportedOpError(f"{_describe(q)}: cannot create a quantized tensor of shape {size}")
     inner = {}

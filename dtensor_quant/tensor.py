@@ -89,6 +89,23 @@ class QuantizedTensor(torch.Tensor):
 
         return dispatch(func, args, kwargs or {})
 
+    # -- FSDP2 all-gather extension (derived from the layout: dtensor_quant.fsdp) --
+    @property
+    def fsdp_pre_all_gather(self):
+        """``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)``.
+
+        A property because FSDP2 picks the hook's form by its signature: an
+        uneven (short) shard presents the 1-argument form, see dtensor_quant.fsdp.
+        """
+        from .fsdp import hook_for
+
+        return hook_for(self, lambda mesh: self)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        from .fsdp import post_all_gather
+
+        return post_all_gather(outputs, metadata, param_dtype, out=out)
+
     # -- user API ----------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense tensor this stands for (in ``dtype``, default the logical dtype)."""

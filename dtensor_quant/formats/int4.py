@@ -79,7 +79,10 @@ class Int4Groupwise(QuantFormat):
         if prepared is None or x.dtype != torch.bfloat16:
             return None
         packed, scale_zeros = prepared
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, self.group_size, scale_zeros)
+        # Scales are stored in the weight's dtype; the kernel wants the activations' (bf16).
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), packed, self.group_size, scale_zeros.to(x.dtype)
+        )
         return out + bias if bias is not None else out
 
     def __str__(self) -> str:

@@ -1,0 +1,245 @@
+"""FSDP2's all-gather of quantized weights, derived from the same layout rules as DTensor's.
+
+``fully_shard`` shards every parameter along dim 0. For a local tensor that
+defines ``fsdp_pre_all_gather``/``fsdp_post_all_gather``, FSDP2 all-gathers
+whatever the pre hook returns and lets the post hook build the unsharded
+parameter from the gathered buffers. For a :class:`QuantizedTensor` the pre
+hook returns the stored inner tensors as ``uint8`` views (gloo has no float8,
+and bytes cannot have their NaN payloads rewritten on the wire); the post hook
+concatenates them with the layout's rule (:func:`dtensor_quant.ops.cat_dim`,
+the rule DTensor's all-gather uses) without copying, and gives the result the
+logical dtype ``mp_policy.param_dtype``. An inner tensor constant along every
+dim (a per-tensor scale) is the same on every rank and is not sent. No format
+writes hook code.
+
+Uneven shards. FSDP2 keeps a short shard as a leading-rows narrow of a
+zero-padded buffer of ``ceil(rows / world)`` rows, and every rank must send
+the same number of bytes, so a short rank pads its inner tensors to that many
+rows itself. It cannot tell the padded length from its own shape:
+``dtensor_quant.ops.slice_dim`` records it (``fsdp_padded_rows``) when FSDP2
+narrows the padded buffer. With the 5-argument hook, torch 2.13 asserts -- on
+the short rank only, so the others hang -- that every all-gather input has the
+padded *logical* shard shape, which compact quantized bytes never have; torch
+skips that assertion for the 1-argument form ``fsdp_pre_all_gather(mesh)``.
+So a short shard presents the 1-argument form and a full one the 5-argument
+form; both compute the same inputs from the same facts, and the only check
+that uses ``outer_size`` (dim-0 sharding) can fail only where torch makes every
+shard full. See docs/fsdp.md.
+
+What FSDP2 cannot do with a compact all-gather is refused before any
+collective, on every rank: ``shard_placement_fn`` other than ``Shard(0)``
+(FSDP2 regroups other dims assuming dense bytes), integer
+``reshard_after_forward`` (FSDP2 re-shards the gathered bytes as if dense), and
+dim-0 shards that cut a pack or a block. :func:`fully_shard` checks all of
+them when sharding; the hooks check what they can see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .layout import Constant, LayoutError, dim_factor, legal_chunk
+from .ops import _describe, _pad_end, canonical_dims, cat_dim, check_cat_alignment, slice_dim
+from .tensor import QuantizedTensor
+
+
+def padded_rows(t: torch.Tensor) -> int:
+    """Rows of FSDP2's padded shard that ``t`` (this rank's shard) is a leading narrow of."""
+    return max(t.__dict__.get("fsdp_padded_rows", 0), t.shape[0])
+
+
+@dataclass(frozen=True)
+class GatherMeta:
+    """What the post hook needs to rebuild the weight from the gathered bytes."""
+
+    template: QuantizedTensor  # one rank's padded shard with the unsent inner tensors (no sent bytes)
+    world: int
+    sent: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    rows: tuple[int, ...]  # inner rows each rank sends, per sent inner
+
+
+def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor]):
+    """The ``fsdp_pre_all_gather`` FSDP2 sees on shard ``t``: 5 arguments if full, 1 if short.
+
+    ``quantized(mesh)`` gives this rank's shard as a QuantizedTensor.
+    """
+
+    def five(mesh, outer_size, outer_stride, module, mp_policy):
+        return pre_all_gather(quantized(mesh), mesh, outer_size)
+
+    def one(mesh):
+        return pre_all_gather(quantized(mesh), mesh)
+
+    return one if t.shape[0] < padded_rows(t) else five
+
+
+def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
+    """``(all-gather inputs, metadata)`` for this rank's shard ``q``: its inner tensors as bytes.
+
+    Raises (identically on every rank, before FSDP2's collective) when the
+    shard is not a dim-0 shard or its padded length cuts a pack or a block.
+    """
+    world = mesh.size()
+    if q.dims != canonical_dims(2) or not q.is_contiguous():
+        raise LayoutError(f"FSDP2 all-gathers whole [out, in] weights; got a view {q!r}")
+    if outer_size is not None and tuple(outer_size)[1:] != tuple(q.shape)[1:]:
+        raise LayoutError(
+            f"FSDP2 sharded a {_describe(q)} along dim 1 (full shape {tuple(outer_size)}): dtensor_quant's "
+            "all-gather supports Shard(0) only, because FSDP2 regroups other dims as if the bytes were "
+            "dense. Drop shard_placement_fn for quantized weights (or return Shard(0))."
+        )
+    rows = padded_rows(q)
+    piece = q if q.shape[0] == rows else _pad_end(q, 0, rows - q.shape[0])
+    check_cat_alignment(piece, 0, world, "all-gather (FSDP2)")
+    sent = tuple(n for n in q.fmt.inner_names if not all(isinstance(r, Constant) for r in piece.rel(n)))
+    inputs = [getattr(piece, n).contiguous() for n in sent]
+    kept = {n: (t if n not in sent else t.new_empty((0,) * t.ndim)) for n, t in piece.inner.items()}
+    template = QuantizedTensor(kept, q.fmt, piece.rels, piece.dims, piece.shape, q.dtype)
+    meta = GatherMeta(template, world, sent, tuple(t.dtype for t in inputs), tuple(t.shape[0] for t in inputs))
+    return tuple(_as_bytes(t) for t in inputs), meta
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as uint8 rows ``[rows, bytes per row]`` (a view)."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=None):
+    """Rebuild the unsharded weight (logical dtype ``param_dtype``) from FSDP2's gathered buffers.
+
+    Returns ``(weight, buffers)`` the first time, the weight's inner tensors
+    being views of FSDP2's buffers so that FSDP2 can free and reuse them. With
+    ``out`` (later gathers), ``out``'s inner tensors already view the refilled
+    buffers; anything that does not (the unsent constant inners) is copied in.
+    """
+    tmpl, world = meta.template, meta.world
+    joined = {}
+    for name, dtype, buf in zip(meta.sent, meta.dtypes, outputs):
+        joined[name] = buf.view(dtype)  # [world * rows, bytes per row] -> [world * rows, cols]
+    pieces = []
+    for r in range(world):
+        inner = {n: joined[n].narrow(0, r * rows, rows) for n, rows in zip(meta.sent, meta.rows)}
+        inner = {n: inner.get(n, t) for n, t in tmpl.inner.items()}
+        pieces.append(QuantizedTensor(inner, tmpl.fmt, tmpl.rels, tmpl.dims, tmpl.shape, param_dtype))
+    full = cat_dim(pieces, 0, joined=joined)
+    full.__dict__["fsdp_gathered"] = True
+    if out is None:
+        return full, list(outputs)
+    target = out._local_tensor if isinstance(out, DTensor) else out
+    fresh = slice_dim(full, 0, 0, target.shape[0])
+    for name in tmpl.fmt.inner_names:
+        dst, src = getattr(target, name), getattr(fresh, name)
+        assert dst.shape == src.shape and dst.dtype == src.dtype, (name, dst.shape, src.shape)
+        if not _same_memory(dst, src):
+            with torch.no_grad():
+                dst.copy_(src)
+    from .matmul import invalidate
+
+    invalidate(target)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.stride() == b.stride()
+    )
+
+
+# -- fully_shard with the checks FSDP2 cannot make for quantized weights ------
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None, **kwargs):
+    """``torch.distributed.fsdp.fully_shard`` after refusing what quantized weights cannot do.
+
+    The checks use only shapes and arguments, so every rank raises the same
+    error before any collective. Plain ``fully_shard`` works on quantized
+    models too; this adds the early, clear errors.
+    """
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs)
+    return torch_fully_shard(
+        module, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn, **kwargs
+    )
+
+
+def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs=None) -> None:
+    """Raise ``ValueError`` if ``fully_shard(module, ...)`` cannot gather its quantized weights compactly."""
+    world = _shard_size(mesh, kwargs or {})
+    for fqn, param, local, fmt in quantized_params(module):
+        where = f"{fqn or 'parameter'} ({type(local).__name__} {fmt})"
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            if world is not None and reshard_after_forward not in (1, world):
+                raise ValueError(
+                    f"{where}: reshard_after_forward={reshard_after_forward} re-shards the gathered weight "
+                    "as if its bytes were dense, which quantized weights cannot do. Use True or False."
+                )
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(param)
+            placement = getattr(placement, "placement", placement)
+            if placement is not None and not (isinstance(placement, Shard) and placement.dim % 2 == 0):
+                raise ValueError(
+                    f"{where}: shard_placement_fn gives {placement}; quantized weights are all-gathered "
+                    "along dim 0 only (FSDP2 regroups other dims as if the bytes were dense). Return "
+                    "None or Shard(0) for them."
+                )
+        if not local.is_contiguous():
+            raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
+        if world is not None and world > 1:
+            factor = _row_factor(local)
+            if not legal_chunk(local.shape[0], world, factor):
+                legal = [n for n in range(1, 65) if legal_chunk(local.shape[0], n, factor)]
+                raise LayoutError(
+                    f"{where}: FSDP2 over {world} ranks cuts its {local.shape[0]} rows into chunks of "
+                    f"{-(-local.shape[0] // world)}, but its layout needs multiples of {factor} along dim 0. "
+                    f"Legal FSDP2 sizes: {', '.join(map(str, legal))}."
+                )
+
+
+def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, object]]:
+    """``(fqn, param, local tensor, format)`` of the quantized parameters FSDP2 would manage.
+
+    Skips submodules already sharded by ``fully_shard``, as FSDP2 does.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from .gather_quantized import GatherQuantized
+
+    roots = module if isinstance(module, (list, tuple)) else [module]
+
+    def walk(m, prefix, is_root):
+        if not is_root and isinstance(m, FSDPModule):
+            return
+        for name, p in m.named_parameters(recurse=False):
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if isinstance(local, (QuantizedTensor, GatherQuantized)):
+                yield prefix + name, p, local, local.fmt
+        for name, child in m.named_children():
+            yield from walk(child, f"{prefix}{name}.", False)
+
+    for root in roots:
+        yield from walk(root, "", True)
+
+
+def _row_factor(local) -> int:
+    if isinstance(local, QuantizedTensor):
+        return dim_factor([rels[0] for rels in local.rels])
+    return dim_factor([rels[0] for rels in local.fmt.layout.values()])
+
+
+def _shard_size(mesh, kwargs) -> int | None:
+    import torch.distributed as dist
+
+    if kwargs.get("dp_mesh_dims") is not None:
+        return None  # torch's own split check still applies
+    if mesh is None:
+        return dist.get_world_size() if dist.is_initialized() else None
+    return mesh.size(mesh.ndim - 1)
+

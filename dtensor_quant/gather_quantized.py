@@ -1,0 +1,204 @@
+"""Trainable high-precision weights that FSDP2 all-gathers quantized (any format).
+
+Like ZeRO++'s quantized weights or torchao's float8 all-gather, but for any
+:class:`~dtensor_quant.QuantFormat`: the optimizer updates a high-precision
+master shard, and FSDP2 moves only quantized bytes. Before each all-gather,
+every rank quantizes its own shard; a statistic whose block spans shards (a
+per-tensor scale, say) is all-reduced over the FSDP2 mesh first
+(:class:`~dtensor_quant.quantize.MeshReducer`), so the gathered weight is
+bit-identical to quantizing the whole master. The rest is the frozen path
+(:mod:`dtensor_quant.fsdp`): the gathered weight is a QuantizedTensor that the
+forward uses through the format's kernel.
+
+The gradient is straight-through: autograd's gradient for the gathered
+weight is dense (``grad_out.T @ x``, it does not depend on the weight), FSDP2
+reduce-scatters it and the optimizer applies it to the master.
+
+Outside FSDP2 the wrapper behaves the same way on one process: a matmul with
+it quantizes the whole master first. So a model trained with FSDP2 and the
+same model on one process compute the same thing, which is what the tests
+compare against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from .format import QuantFormat, no_reduce
+from .quantize import MeshReducer, _wrap
+from .tensor import QuantizedTensor
+
+aten = torch.ops.aten
+
+# Ops whose result is still this weight (or a piece of it): FSDP2's sharding,
+# padding and copies, the views autograd and DTensor take.
+_KEEP = {
+    "aten::detach",
+    "aten::alias",
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::as_strided",
+    "aten::slice",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::new_zeros",
+    "aten::new_empty",
+    "aten::empty_like",
+    "aten::clone",
+    "aten::_to_copy",
+    "aten::_pin_memory",
+}
+
+
+class GatherQuantized(torch.Tensor):
+    """A dense master weight ``[out, in]`` whose FSDP2 all-gather (and matmul) is quantized in ``fmt``.
+
+    ``quant_dtype``: the dtype the master is cast to before quantizing (the
+    dtype of the scales on the wire); default the master's own. Set it to the
+    mixed-precision ``param_dtype`` to keep scales as small as the weight.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data, fmt, quant_dtype=None, transposed=False):
+        self._data, self.fmt, self.quant_dtype, self.transposed = data, fmt, quant_dtype, transposed
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"GatherQuantized({self.fmt}, {self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], (self.fmt, self.quant_dtype, self.transposed)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return GatherQuantized(inner["_data"], *ctx)
+
+    def like(self, data: torch.Tensor, transposed: bool | None = None) -> GatherQuantized:
+        out = GatherQuantized(data, self.fmt, self.quant_dtype, self.transposed if transposed is None else transposed)
+        if "fsdp_padded_rows" in self.__dict__:
+            out.__dict__["fsdp_padded_rows"] = self.__dict__["fsdp_padded_rows"]
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in ("aten::mm", "aten::addmm"):
+            # One process: the forward uses the quantized weight, as under FSDP2.
+            args = [a.quantized() if isinstance(a, GatherQuantized) else a for a in args]
+            return func(*args, **kwargs)
+        if name in ("aten::t", "aten::transpose"):
+            w = args[0]
+            return w.like(func(w._data, *args[1:], **kwargs), transposed=not w.transposed)
+        raw = func(*_unwrap(args), **_unwrap(kwargs))
+        if name.endswith("_") and args and isinstance(args[0], GatherQuantized):
+            return args[0]  # in place (copy_, the optimizer's ops): the master changed
+        if name not in _KEEP:
+            return raw
+        w = next(a for a in _flat(args, kwargs) if isinstance(a, GatherQuantized))
+        out = _rewrap(w, raw)
+        if name == "aten::slice":
+            _record_padding(w, out, *args[1:], **kwargs)
+        return out
+
+    # -- quantizing ----------------------------------------------------------
+    def quantized(self, reduce=no_reduce) -> QuantizedTensor:
+        """The master (this shard of it, with ``reduce`` over the shards) quantized in ``fmt``."""
+        w = self._data.t() if self.transposed else self._data
+        w = w.detach().to(self.quant_dtype or w.dtype)
+        self.fmt.check_weight(w.shape, w.dtype)
+        with torch.no_grad():
+            q = _wrap(self.fmt, self.fmt.quantize(w, reduce), w.shape, w.dtype)
+        return q.t() if self.transposed else q
+
+    # -- FSDP2 ----------------------------------------------------------------
+    @property
+    def fsdp_pre_all_gather(self):
+        from .fsdp import hook_for
+
+        return hook_for(self, self._quantized_shard)
+
+    def _quantized_shard(self, mesh) -> QuantizedTensor:
+        q = self.quantized(MeshReducer(self.fmt, mesh, [Shard(0)]))
+        if "fsdp_padded_rows" in self.__dict__:
+            q.__dict__["fsdp_padded_rows"] = self.__dict__["fsdp_padded_rows"]
+        return q
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        from .fsdp import post_all_gather
+
+        return post_all_gather(outputs, metadata, param_dtype, out=out)
+
+
+def _flat(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def _unwrap(obj):
+    if isinstance(obj, GatherQuantized):
+        return obj._data
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _unwrap(v) for k, v in obj.items()}
+    return obj
+
+
+def _rewrap(w: GatherQuantized, raw):
+    if isinstance(raw, torch.Tensor):
+        return w.like(raw)
+    if isinstance(raw, (list, tuple)):
+        return type(raw)(_rewrap(w, r) for r in raw)
+    return raw
+
+
+def _record_padding(w: GatherQuantized, out: GatherQuantized, dim=0, start=None, end=None, step=1) -> None:
+    """A leading-rows narrow remembers the rows it was cut from (FSDP2's padded shard)."""
+    length = w.shape[0]
+    if dim % w.ndim == 0 and (start or 0) == 0 and out.shape[0] < length:
+        out.__dict__["fsdp_padded_rows"] = max(length, w.__dict__.get("fsdp_padded_rows", 0))
+    elif dim % w.ndim == 0 and (start or 0) != 0:
+        out.__dict__.pop("fsdp_padded_rows", None)
+
+
+def gather_quantized_(
+    model: nn.Module,
+    fmt: QuantFormat,
+    quant_dtype: torch.dtype | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Wrap every ``nn.Linear`` weight (``filter_fn(module, fqn)`` picks) so FSDP2 gathers it quantized.
+
+    Call before ``fully_shard``. The weights stay trainable in their own
+    dtype; raises ``ValueError`` naming the module if ``fmt`` cannot hold one.
+    """
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or (filter_fn is not None and not filter_fn(module, fqn)):
+            continue
+        w = module.weight
+        try:
+            fmt.check_weight(w.shape, quant_dtype or w.dtype)
+        except ValueError as e:
+            raise type(e)(f"{fqn}.weight: {e}") from None
+        module.weight = nn.Parameter(GatherQuantized(w.detach(), fmt, quant_dtype), requires_grad=w.requires_grad)
+    return model
