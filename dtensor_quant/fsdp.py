@@ -94,7 +94,9 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
             "all-gather supports Shard(0) only, because FSDP2 regroups other dims as if the bytes were "
             "dense. Drop shard_placement_fn for quantized weights (or return Shard(0))."
         )
-    rows = padded_rows(q)
+    # A full shard knows FSDP2's padded length from outer_size; a short one from its narrow.
+    rows = -(-outer_size[0] // world) if outer_size is not None else padded_rows(q)
+    assert q.shape[0] <= rows, (tuple(q.shape), rows)
     piece = q if q.shape[0] == rows else _pad_end(q, 0, rows - q.shape[0])
     check_cat_alignment(piece, 0, world, "all-gather (FSDP2)")
     sent = tuple(n for n in q.fmt.inner_names if not all(isinstance(r, Constant) for r in piece.rel(n)))

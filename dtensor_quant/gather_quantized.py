@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from .format import QuantFormat, no_reduce
+from .ops import PADDED_ROWS
 from .quantize import MeshReducer, _wrap
 from .tensor import QuantizedTensor
 
@@ -52,6 +53,10 @@ _KEEP = {
     "aten::_to_copy",
     "aten::_pin_memory",
 }
+
+
+# Results that are this very shard (an alias or a device copy): they keep its padded rows.
+_ALIASES = {"aten::detach", "aten::alias", "aten::view", "aten::as_strided", "aten::_to_copy", "aten::_pin_memory"}
 
 
 class GatherQuantized(torch.Tensor):
@@ -90,10 +95,7 @@ class GatherQuantized(torch.Tensor):
         return GatherQuantized(inner["_data"], *ctx)
 
     def like(self, data: torch.Tensor, transposed: bool | None = None) -> GatherQuantized:
-        out = GatherQuantized(data, self.fmt, self.quant_dtype, self.transposed if transposed is None else transposed)
-        if "fsdp_padded_rows" in self.__dict__:
-            out.__dict__["fsdp_padded_rows"] = self.__dict__["fsdp_padded_rows"]
-        return out
+        return GatherQuantized(data, self.fmt, self.quant_dtype, self.transposed if transposed is None else transposed)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -115,6 +117,9 @@ class GatherQuantized(torch.Tensor):
         out = _rewrap(w, raw)
         if name == "aten::slice":
             _record_padding(w, out, *args[1:], **kwargs)
+        elif name in _ALIASES and isinstance(out, GatherQuantized) and out.shape == w.shape:
+            if PADDED_ROWS in w.__dict__:
+                out.__dict__[PADDED_ROWS] = w.__dict__[PADDED_ROWS]
         return out
 
     # -- quantizing ----------------------------------------------------------
@@ -136,8 +141,8 @@ class GatherQuantized(torch.Tensor):
 
     def _quantized_shard(self, mesh) -> QuantizedTensor:
         q = self.quantized(MeshReducer(self.fmt, mesh, [Shard(0)]))
-        if "fsdp_padded_rows" in self.__dict__:
-            q.__dict__["fsdp_padded_rows"] = self.__dict__["fsdp_padded_rows"]
+        if PADDED_ROWS in self.__dict__:
+            q.__dict__[PADDED_ROWS] = self.__dict__[PADDED_ROWS]
         return q
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -176,9 +181,9 @@ def _record_padding(w: GatherQuantized, out: GatherQuantized, dim=0, start=None,
     """A leading-rows narrow remembers the rows it was cut from (FSDP2's padded shard)."""
     length = w.shape[0]
     if dim % w.ndim == 0 and (start or 0) == 0 and out.shape[0] < length:
-        out.__dict__["fsdp_padded_rows"] = max(length, w.__dict__.get("fsdp_padded_rows", 0))
-    elif dim % w.ndim == 0 and (start or 0) != 0:
-        out.__dict__.pop("fsdp_padded_rows", None)
+        out.__dict__[PADDED_ROWS] = max(length, w.__dict__.get(PADDED_ROWS, 0))
+    elif out.shape == w.shape and PADDED_ROWS in w.__dict__:
+        out.__dict__[PADDED_ROWS] = w.__dict__[PADDED_ROWS]
 
 
 def gather_quantized_(

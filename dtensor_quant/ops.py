@@ -83,12 +83,21 @@ def _strides(q: QuantizedTensor, shape, dims) -> tuple[int, ...]:
     return tuple(reversed(contiguous_strides(tuple(reversed(shape)))))
 
 
-# Facts about a tensor that survive the views FSDP2 takes of it (see dtensor_quant.fsdp):
+# "fsdp_gathered": the tensor (or what it was made from) views an FSDP2 all-gather
+# buffer, which FSDP2 frees after use, so kernels must not cache a prepared copy of
+# it. Every result made from such a tensor keeps the mark.
+STICKY = ("fsdp_gathered",)
 # "fsdp_padded_rows": the rows of the buffer this tensor is a leading-rows narrow of
-#   (FSDP2 keeps an uneven shard as such a narrow of its padded shard);
-# "fsdp_gathered": the tensor views an FSDP2 all-gather buffer, which FSDP2 frees
-#   after use, so kernels must not cache a prepared copy of it.
-STICKY = ("fsdp_padded_rows", "fsdp_gathered")
+# (FSDP2 keeps an uneven shard as such a narrow of its zero-padded shard, and
+# dtensor_quant.fsdp pads to it). Only aliases and device copies of the narrow keep it:
+# a factory or clone of a split piece is not a narrow of anything.
+PADDED_ROWS = "fsdp_padded_rows"
+
+
+def _keep_padded_rows(src: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
+    if PADDED_ROWS in src.__dict__ and out.shape == src.shape:
+        out.__dict__[PADDED_ROWS] = src.__dict__[PADDED_ROWS]
+    return out
 
 
 def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None):
@@ -149,9 +158,9 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     shape[dim] = stop - start
     out = rebuild(q, inner, shape, rels=tuple(rels))
     if dim == 0 and start == 0 and stop < length:
-        out.__dict__["fsdp_padded_rows"] = max(length, q.__dict__.get("fsdp_padded_rows", 0))
-    elif dim == 0 and start != 0:
-        out.__dict__.pop("fsdp_padded_rows", None)
+        out.__dict__[PADDED_ROWS] = max(length, q.__dict__.get(PADDED_ROWS, 0))
+    elif dim != 0 or start == 0:
+        _keep_padded_rows(q, out)
     return out
 
 
@@ -355,7 +364,7 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
 
 @implements("aten::detach", "aten::alias", "aten::lift_fresh")
 def _alias(func, q, *args, **kwargs):
-    return rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
+    return _keep_padded_rows(q, rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride()))
 
 
 @implements("aten::view", "aten::_unsafe_view")
@@ -484,7 +493,7 @@ def _to_copy(func, q, dtype=None, layout=None, device=None, pin_memory=None, non
         out = t.to(device=device, non_blocking=non_blocking, copy=True)
         return out.pin_memory() if pin_memory else out
 
-    return rebuild(q, _map_inner(q, move), q.shape, dtype=dtype, stride=q.stride())
+    return _keep_padded_rows(q, rebuild(q, _map_inner(q, move), q.shape, dtype=dtype, stride=q.stride()))
 
 
 def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
@@ -553,7 +562,7 @@ def _is_pinned(func, q, device=None):
 
 @implements("aten::_pin_memory")
 def _pin_memory(func, q, device=None):
-    return rebuild(q, _map_inner(q, lambda t: t.pin_memory()), q.shape, stride=q.stride())
+    return _keep_padded_rows(q, rebuild(q, _map_inner(q, lambda t: t.pin_memory()), q.shape, stride=q.stride()))
 
 
 @implements("aten::record_stream")
