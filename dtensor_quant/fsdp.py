@@ -8,9 +8,14 @@ hook returns the stored inner tensors as ``uint8`` views (gloo has no float8,
 and bytes cannot have their NaN payloads rewritten on the wire); the post hook
 concatenates them with the layout's rule (:func:`dtensor_quant.ops.cat_dim`,
 the rule DTensor's all-gather uses) without copying, and gives the result the
-logical dtype ``mp_policy.param_dtype``. An inner tensor constant along every
-dim (a per-tensor scale) is the same on every rank and is not sent. No format
-writes hook code.
+logical dtype ``mp_policy.param_dtype``. No format writes hook code.
+
+One difference from DTensor's gather: an inner tensor constant along dim 0 (a
+per-tensor or per-column scale) is sent too and taken from rank 0. DTensor's
+empty shards keep a copy of such constants, but FSDP2 gives a rank past the
+last row a zero-filled ``new_zeros`` shard and copies nothing into it, so that
+rank's copy is zeros, not data (a few bytes on the wire; rank 0 always holds
+rows because ``torch.chunk`` fills ranks in order).
 
 Uneven shards. FSDP2 keeps a short shard as a leading-rows narrow of a
 zero-padded buffer of ``ceil(rows / world)`` rows, and every rank must send
@@ -57,11 +62,12 @@ def padded_rows(t: torch.Tensor) -> int:
 class GatherMeta:
     """What the post hook needs to rebuild the weight from the gathered bytes."""
 
-    template: QuantizedTensor  # one rank's padded shard with the unsent inner tensors (no sent bytes)
+    fmt: object
+    rels: tuple  # of one rank's padded shard
+    shape: torch.Size  # of one rank's padded shard
     world: int
-    sent: tuple[str, ...]
-    dtypes: tuple[torch.dtype, ...]
-    rows: tuple[int, ...]  # inner rows each rank sends, per sent inner
+    dtypes: tuple[torch.dtype, ...]  # per inner tensor, in fmt.inner_names order
+    rows: tuple[int, ...]  # inner rows each rank sends, per inner tensor
 
 
 def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor]):
@@ -99,11 +105,9 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
     assert q.shape[0] <= rows, (tuple(q.shape), rows)
     piece = q if q.shape[0] == rows else _pad_end(q, 0, rows - q.shape[0])
     check_cat_alignment(piece, 0, world, "all-gather (FSDP2)")
-    sent = tuple(n for n in q.fmt.inner_names if not all(isinstance(r, Constant) for r in piece.rel(n)))
-    inputs = [getattr(piece, n).contiguous() for n in sent]
-    kept = {n: (t if n not in sent else t.new_empty((0,) * t.ndim)) for n, t in piece.inner.items()}
-    template = QuantizedTensor(kept, q.fmt, piece.rels, piece.dims, piece.shape, q.dtype)
-    meta = GatherMeta(template, world, sent, tuple(t.dtype for t in inputs), tuple(t.shape[0] for t in inputs))
+    names = q.fmt.inner_names
+    inputs = [getattr(piece, n).contiguous() for n in names]
+    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, tuple(t.dtype for t in inputs), tuple(t.shape[0] for t in inputs))
     return tuple(_as_bytes(t) for t in inputs), meta
 
 
@@ -118,24 +122,26 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     Returns ``(weight, buffers)`` the first time, the weight's inner tensors
     being views of FSDP2's buffers so that FSDP2 can free and reuse them. With
     ``out`` (later gathers), ``out``'s inner tensors already view the refilled
-    buffers; anything that does not (the unsent constant inners) is copied in.
+    buffers (FSDP2 re-allocates the same storages); anything that does not is
+    copied in, and a cached kernel weight is dropped.
     """
-    tmpl, world = meta.template, meta.world
-    joined = {}
-    for name, dtype, buf in zip(meta.sent, meta.dtypes, outputs):
-        joined[name] = buf.view(dtype)  # [world * rows, bytes per row] -> [world * rows, cols]
+    world, names = meta.world, meta.fmt.inner_names
+    joined = {n: buf.view(dtype) for n, dtype, buf in zip(names, meta.dtypes, outputs)}  # [world * rows, cols]
+    # An inner tensor constant along dim 0 (a per-tensor or per-column scale) is the
+    # same for every row; rank 0 always holds rows, while a rank past the last row
+    # holds FSDP2's zero-filled shard, whose copy is zeros, not data.
+    along_rows = {n: isinstance(rels[0], Constant) for n, rels in zip(names, meta.rels)}
     pieces = []
     for r in range(world):
-        inner = {n: joined[n].narrow(0, r * rows, rows) for n, rows in zip(meta.sent, meta.rows)}
-        inner = {n: inner.get(n, t) for n, t in tmpl.inner.items()}
-        pieces.append(QuantizedTensor(inner, tmpl.fmt, tmpl.rels, tmpl.dims, tmpl.shape, param_dtype))
+        inner = {n: joined[n].narrow(0, (0 if along_rows[n] else r) * k, k) for n, k in zip(names, meta.rows)}
+        pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(2), meta.shape, param_dtype))
     full = cat_dim(pieces, 0, joined=joined)
     full.__dict__["fsdp_gathered"] = True
     if out is None:
         return full, list(outputs)
     target = out._local_tensor if isinstance(out, DTensor) else out
     fresh = slice_dim(full, 0, 0, target.shape[0])
-    for name in tmpl.fmt.inner_names:
+    for name in names:
         dst, src = getattr(target, name), getattr(fresh, name)
         assert dst.shape == src.shape and dst.dtype == src.dtype, (name, dst.shape, src.shape)
         if not _same_memory(dst, src):

@@ -10,6 +10,10 @@ the process in bf16 or fp32::
     with wire.record() as log:
         w.full_tensor()
     assert log.dtypes() == {torch.uint8}
+
+FSDP2's collectives go through the dispatcher as ``c10d::_allgather_base_``
+and ``c10d::_reduce_scatter_base_`` on flat buffers and are recorded the same
+way; ``log.all_gathers()`` selects the all-gathers of either API.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ class WireLog:
         for t in self.transfers:
             out[t.dtype] += t.nbytes
         return dict(out)
+
+    def all_gathers(self) -> WireLog:
+        """Only the all-gathers (DTensor's ``all_gather_into_tensor``, FSDP2's ``_allgather_base_``, ...)."""
+        return WireLog([t for t in self.transfers if "allgather" in t.op or "all_gather" in t.op])
 
     def __len__(self) -> int:
         return len(self.transfers)
