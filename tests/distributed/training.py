@@ -20,6 +20,8 @@ from torch.func import functional_call
 import dtensor_quant as dq
 from dtensor_quant.lora import add_lora_
 
+from extra_formats import PerTensorInt8
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import llama  # noqa: E402
 
@@ -30,6 +32,7 @@ CONFIGS = {"even": CFG, "uneven": UNEVEN}
 BATCH, SEQ = 12, 16  # 12 splits over 1, 2, 3 and 4 data-parallel ranks
 FORMATS = {
     "int8": dq.Int8Rowwise(),
+    "pertensor": PerTensorInt8(),
     "int4g32": dq.Int4Groupwise(32),
     "int4g128": dq.Int4Groupwise(128),
 }
@@ -103,3 +106,21 @@ def reference_losses(fmt_name: str, cfg_name: str, steps: int, mp: str | None = 
     model = qlora_model(fmt_name, cfg_name)
     mp_dtype = getattr(torch, mp) if mp else None
     return tuple(train(model, batches(steps, cfg_name), mp_dtype=mp_dtype))
+
+
+def gather_quantized_model(fmt_name: str | None, cfg_name: str = "even", quant_dtype=None):
+    """The tiny LLaMA, fully trainable; its blocks' Linears all-gathered quantized (None: dense)."""
+    from dtensor_quant.gather_quantized import gather_quantized_
+
+    model = llama.build(CONFIGS[cfg_name], seed=0, dtype=torch.float32)
+    if fmt_name is not None:
+        gather_quantized_(model, FORMATS[fmt_name], quant_dtype=quant_dtype, filter_fn=in_layers)
+    return model
+
+
+@functools.cache
+def gather_quantized_reference(fmt_name, cfg_name, steps, mp=None, lr=3e-3) -> tuple[float, ...]:
+    """Single-process training of the wrapped model: its matmuls quantize the whole master."""
+    mp_dtype = getattr(torch, mp) if mp else None
+    model = gather_quantized_model(fmt_name, cfg_name, quant_dtype=mp_dtype)
+    return tuple(train(model, batches(steps, cfg_name), lr=lr, mp_dtype=mp_dtype))

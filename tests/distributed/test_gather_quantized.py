@@ -1,0 +1,124 @@
+"""Trainable high-precision weights that FSDP2 all-gathers quantized (GatherQuantized).
+
+The reference is the same wrapped weight on one process, whose matmul
+quantizes the whole master: FSDP2 must gather exactly those bytes (scales
+reduced across shards where the layout needs it), forward with them, and
+hand the master the dense straight-through gradient.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import dtensor_quant as dq
+from dtensor_quant import wire
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.gather_quantized import GatherQuantized
+
+from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
+from helpers import assert_same_bits, mesh, rank, weight
+from training import batches, gather_quantized_model, gather_quantized_reference, train
+
+FORMATS = {
+    "int8": dq.Int8Rowwise(),
+    "int4g32": dq.Int4Groupwise(32),
+    "pertensor": PerTensorInt8(),
+    "column": ColumnInt8(),
+    "rowblock4": RowBlockInt8(4),
+}
+
+
+def gather_and_grad(fmt_name, shape, mp):
+    """Unshard a wrapped Linear: quantize(master) bit for bit; its gradient reaches the master shard."""
+    world = torch.distributed.get_world_size()
+    fmt, param_dtype = FORMATS[fmt_name], getattr(torch, mp) if mp else None
+    master = weight(shape, seed=4, dtype=torch.float32)
+    x = weight((3, shape[1]), seed=5, dtype=param_dtype or torch.float32)
+
+    ref_w = nn.Parameter(GatherQuantized(master.clone(), fmt, quant_dtype=param_dtype))
+    y_ref = F.linear(x, ref_w)
+    y_ref.float().sum().backward()
+    expected = ref_w.detach().quantized()
+
+    lin = nn.Linear(shape[1], shape[0], bias=False)
+    lin.weight = nn.Parameter(GatherQuantized(master.clone(), fmt, quant_dtype=param_dtype))
+    model = nn.Sequential(lin)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=mesh(world), mp_policy=policy)
+    with wire.record() as log:
+        model.unshard()
+    full = lin.weight
+    assert isinstance(full, dq.QuantizedTensor) and full.dtype == (param_dtype or torch.float32)
+    assert_same_bits(full.to(expected.dtype), expected, f"{fmt_name} over {world}")
+    assert log.all_gathers().dtypes() == {torch.uint8}
+
+    y = model(x)
+    assert torch.equal(y, y_ref), (y - y_ref).abs().max()
+    y.float().sum().backward()
+    grad = lin.weight.grad  # the master's shard, after FSDP2's reduce-scatter
+    assert isinstance(lin.weight.to_local(), GatherQuantized)
+    chunks = torch.chunk(ref_w.grad, world)
+    local = grad.to_local()
+    if rank() < len(chunks):
+        torch.testing.assert_close(local, chunks[rank()].to(local.dtype), rtol=1e-6, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("world,shape", [(2, (16, 256)), (3, (10, 256)), (4, (5, 256))])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column"])
+def test_gathered_weight_and_gradient(ranks, fmt_name, world, shape):
+    """Per-tensor and per-column scales are all-reduced across the shards before quantizing."""
+    assert all(ranks(world).run(gather_and_grad, fmt_name, shape, None))
+
+
+@pytest.mark.parametrize("fmt_name,world,shape", [("int8", 2, (16, 256)), ("rowblock4", 3, (22, 256))])
+def test_gathered_weight_bf16(ranks, fmt_name, world, shape):
+    assert all(ranks(world).run(gather_and_grad, fmt_name, shape, "bfloat16"))
+
+
+def scale_reduction_collectives(fmt_name):
+    """All-reduces the pre-hook issues: one per weight whose scale spans shards, none otherwise."""
+    lin = nn.Linear(256, 16, bias=False)
+    lin.weight = nn.Parameter(GatherQuantized(weight((16, 256), dtype=torch.float32), FORMATS[fmt_name]))
+    model = nn.Sequential(lin)
+    fully_shard(model, mesh=mesh(2))
+    with wire.record() as log:
+        model.unshard()
+    return sum("all_reduce" in t.op or "allreduce" in t.op for t in log.transfers)
+
+
+@pytest.mark.parametrize("fmt_name,expected", [("int8", 0), ("int4g32", 0), ("pertensor", 1), ("column", 1)])
+def test_scale_reduction_only_where_the_layout_needs_it(ranks, fmt_name, expected):
+    assert ranks(2).run(scale_reduction_collectives, fmt_name) == [expected, expected]
+
+
+# -- training: FSDP2 == the same wrapped model on one process -------------------
+
+
+def fsdp_train(fmt_name, cfg_name, steps, mp):
+    world = torch.distributed.get_world_size()
+    mp_dtype = getattr(torch, mp) if mp else None
+    model = gather_quantized_model(fmt_name, cfg_name, quant_dtype=mp_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32 if mp else None)
+    m = mesh(world)
+    for layer in model.layers:
+        fully_shard(layer, mesh=m, mp_policy=policy)
+    fully_shard(model, mesh=m, mp_policy=policy)
+    return train(model, batches(steps, cfg_name), lr=3e-3, dp_group=m.get_group())
+
+
+@pytest.mark.parametrize(
+    "world,fmt_name,cfg_name,mp,rel",
+    [
+        pytest.param(2, "int8", "even", None, 2e-5, id="2r-int8"),
+        pytest.param(2, "pertensor", "even", None, 2e-5, id="2r-pertensor"),
+        pytest.param(3, "int4g32", "uneven", "bfloat16", 5e-3, id="3r-uneven-int4-bf16", marks=pytest.mark.slow),
+    ],
+)
+def test_training_matches_single_process(ranks, world, fmt_name, cfg_name, mp, rel):
+    expected = gather_quantized_reference(fmt_name, cfg_name, 4, mp)
+    for losses in ranks(world).run(fsdp_train, fmt_name, cfg_name, 4, mp, timeout=300):
+        assert losses == pytest.approx(list(expected), rel=rel), (losses, expected)
+    assert expected[-1] < expected[0]
