@@ -6,9 +6,10 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
-from . import wire
+from . import fsdp, lora, wire
 from .format import QuantFormat
 from .formats import Int4Groupwise, Int8Rowwise
+from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
 from .nn import quantize_
 from .ops import UnsupportedOpError
@@ -19,6 +20,7 @@ from .tensor import QuantizedTensor
 __all__ = [
     "Blocked",
     "Constant",
+    "GatherQuantized",
     "Int4Groupwise",
     "Int8Rowwise",
     "LayoutError",
@@ -28,7 +30,10 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedOpError",
     "check_placements",
+    "fsdp",
+    "gather_quantized_",
     "legal_mesh_sizes",
+    "lora",
     "quantize",
     "quantize_",
     "wire",

@@ -100,7 +100,7 @@ def test_scale_reduction_only_where_the_layout_needs_it(ranks, fmt_name, expecte
 def fsdp_train(fmt_name, cfg_name, steps, mp):
     world = torch.distributed.get_world_size()
     mp_dtype = getattr(torch, mp) if mp else None
-    model = gather_quantized_model(fmt_name, cfg_name, quant_dtype=mp_dtype)
+    model = gather_quantized_model(fmt_name, cfg_name, quant_dtype=mp_dtype)  # None: plain bf16 all-gather
     policy = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32 if mp else None)
     m = mesh(world)
     for layer in model.layers:
@@ -122,3 +122,22 @@ def test_training_matches_single_process(ranks, world, fmt_name, cfg_name, mp, r
     for losses in ranks(world).run(fsdp_train, fmt_name, cfg_name, 4, mp, timeout=300):
         assert losses == pytest.approx(list(expected), rel=rel), (losses, expected)
     assert expected[-1] < expected[0]
+
+
+@pytest.mark.slow
+def test_50_step_loss_curve_stays_close_to_bf16(ranks):
+    """bf16 mixed precision on 2 ranks: the quantized all-gathers train like the bf16 one.
+
+    bench/fsdp_gather_quantized.py prints the same comparison for a larger model.
+    """
+    curves = {name: ranks(2).run(fsdp_train, name, "even", 50, "bfloat16", timeout=900)[0] for name in (None, "int8", "int4g32")}
+    base = curves[None]
+    assert sum(base[-5:]) / 5 < 0.6 * base[0]  # it learns
+    for name, limit in [("int8", 0.02), ("int4g32", 0.04)]:
+        losses = curves[name]
+        mean_rel = sum(abs(a - b) / b for a, b in zip(losses, base)) / len(base)
+        final_ratio = (sum(losses[-5:]) / 5) / (sum(base[-5:]) / 5)
+        print(f"{name}: mean |dloss|/loss {mean_rel:.4f}, final x bf16 {final_ratio:.4f}")
+        print("  bf16 ", " ".join(f"{v:.3f}" for v in base))
+        print(f"  {name}", " ".join(f"{v:.3f}" for v in losses))
+        assert mean_rel < limit and abs(final_ratio - 1) < 0.03, (name, mean_rel, final_ratio, losses, base)
