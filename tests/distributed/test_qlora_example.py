@@ -1,0 +1,19 @@
+"""examples/qlora_fsdp2.py runs end to end: trains, logs, saves and reloads its DCP checkpoint."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+
+
+@pytest.mark.slow
+def test_qlora_example(tmp_path):
+    import qlora_fsdp2
+
+    losses = qlora_fsdp2.main(["--steps", "3", "--ranks", "2", "--format", "int8", "--out", str(tmp_path)])
+    assert len(losses) == 3
+    log = (tmp_path / "loss.csv").read_text().splitlines()
+    assert log[0] == "step,loss" and len(log) == 4
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
