@@ -91,6 +91,7 @@ def gather_exact(fmt_name, shape, mp):
 
 
 GATHER_CASES = [
+    (1, (16, 256)),  # a mesh of one
     (2, (16, 256)),  # even
     (3, (10, 256)),  # uneven: 4, 4, 2
     (4, (10, 256)),  # uneven: 3, 3, 3, 1

@@ -1,0 +1,87 @@
+"""One-process behaviour of the LoRA adapters and the GatherQuantized wrapper (no ranks needed)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+import dtensor_quant as dq
+from dtensor_quant.gather_quantized import GatherQuantized, gather_quantized_
+from dtensor_quant.lora import LoRALinear, add_lora_, lora_parameters, lora_tp_plan
+
+from helpers import assert_same_bits, weight
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 16))
+
+
+def test_lora_starts_as_the_base_and_trains_only_adapters():
+    model = small_model()
+    x = weight((4, 64), dtype=torch.float32)
+    expected = model(x)
+    dq.quantize_(model, dq.Int8Rowwise(), filter_fn=lambda m, fqn: fqn == "0")
+    base_out = model(x)
+    add_lora_(model, rank=4, alpha=8)
+    assert isinstance(model[0], LoRALinear) and isinstance(model[2], LoRALinear)
+    assert torch.equal(model(x), base_out)  # lora_b starts at zero
+    assert set(lora_parameters(model)) == {f"{i}.lora_{ab}.weight" for i in (0, 2) for ab in "ab"}
+    model(x).sum().backward()
+    assert model[0].lora_b.weight.grad is not None and model[0].base.weight.grad is None
+    assert (base_out - expected).abs().max() < 0.05  # int8 base
+
+
+def test_lora_same_adapters_for_the_same_seed():
+    a, b = add_lora_(small_model(), seed=3), add_lora_(small_model(), seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_lora_casts_inputs_to_the_adapter_dtype():
+    lin = LoRALinear(nn.Linear(16, 8, dtype=torch.bfloat16), rank=2, alpha=4)
+    nn.init.normal_(lin.lora_b.weight)
+    out = lin(weight((3, 16)))
+    assert out.dtype == torch.bfloat16 and lin.lora_a.weight.dtype == torch.float32
+
+
+def test_lora_tp_plan():
+    plan = lora_tp_plan({"wq": ColwiseParallel(), "wo": RowwiseParallel(), "norm": SequenceParallel()})
+    assert set(plan) == {"wq.base", "wq.lora_b", "wo.base", "wo.lora_a", "norm"}
+    assert isinstance(plan["wq.lora_b"], ColwiseParallel) and isinstance(plan["wo.lora_a"], RowwiseParallel)
+
+
+@pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.Int4Groupwise(32)])
+def test_wrapper_forward_is_quantized_and_gradient_straight_through(fmt):
+    master = weight((16, 64), dtype=torch.float32)
+    w = nn.Parameter(GatherQuantized(master.clone(), fmt))
+    x = weight((3, 64), seed=1, dtype=torch.float32).requires_grad_()
+    y = F.linear(x, w)
+    q = dq.quantize(master, fmt)
+    assert torch.equal(y, F.linear(x.detach(), q))
+    y.sum().backward()
+    # straight-through: d(sum(x W^T))/dW = ones^T x, dense, whatever the quantization
+    assert type(w.grad) is torch.Tensor and torch.allclose(w.grad, torch.ones(3, 16).t() @ x.detach())
+    assert torch.allclose(x.grad, torch.ones(3, 16) @ q.dequantize())
+    assert_same_bits(w.detach().quantized(), q)
+
+
+def test_wrapper_optimizer_updates_the_master():
+    model = gather_quantized_(small_model(), dq.Int8Rowwise())
+    assert isinstance(model[0].weight, GatherQuantized) and isinstance(model[2].weight, GatherQuantized)
+    before = model[0].weight._data.clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(weight((4, 64), dtype=torch.float32)).sum().backward()
+    opt.step()
+    assert isinstance(model[0].weight, GatherQuantized)
+    assert not torch.equal(model[0].weight._data, before)
+    clone = copy.deepcopy(model)
+    assert isinstance(clone[0].weight, GatherQuantized) and torch.equal(clone[0].weight._data, model[0].weight._data)
+
+
+def test_gather_quantized_refuses_what_the_format_cannot_hold():
+    model = nn.Sequential(nn.Linear(63, 8))
+    with pytest.raises(ValueError, match=r"0.weight: .*even"):
+        gather_quantized_(model, dq.Int4Groupwise(32))
