@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .layout import Constant, LayoutError, dim_factor, legal_chunk
+from .collectives import _pack, _unpack
 from .ops import _describe, _pad_end, canonical_dims, cat_dim, check_cat_alignment, slice_dim
 from .tensor import QuantizedTensor
 
@@ -67,7 +68,7 @@ class GatherMeta:
     shape: torch.Size  # of one rank's padded shard
     world: int
     dtypes: tuple[torch.dtype, ...]  # per inner tensor, in fmt.inner_names order
-    rows: tuple[int, ...]  # inner rows each rank sends, per inner tensor
+    shapes: tuple[torch.Size, ...]  # per inner tensor, as each rank sends it
 
 
 def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor]):
@@ -105,10 +106,12 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
     assert q.shape[0] <= rows, (tuple(q.shape), rows)
     piece = q if q.shape[0] == rows else _pad_end(q, 0, rows - q.shape[0])
     check_cat_alignment(piece, 0, world, "all-gather (FSDP2)")
-    names = q.fmt.inner_names
-    inputs = [getattr(piece, n).contiguous() for n in names]
-    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, tuple(t.dtype for t in inputs), tuple(t.shape[0] for t in inputs))
-    return tuple(_as_bytes(t) for t in inputs), meta
+    inner = [getattr(piece, n).contiguous() for n in q.fmt.inner_names]
+    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, tuple(t.dtype for t in inner), tuple(t.shape for t in inner))
+    if world == 1:
+        # torch 2.13's one-rank path copies only the first all-gather input
+        return (_pack(inner),), meta
+    return tuple(_as_bytes(t) for t in inner), meta
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +129,10 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     copied in, and a cached kernel weight is dropped.
     """
     world, names = meta.world, meta.fmt.inner_names
+    if world == 1:
+        buffers = list(outputs)
+        like = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(meta.shapes, meta.dtypes)]
+        outputs = _unpack(outputs[0].view(-1), like)
     joined = {n: buf.view(dtype) for n, dtype, buf in zip(names, meta.dtypes, outputs)}  # [world * rows, cols]
     # An inner tensor constant along dim 0 (a per-tensor or per-column scale) is the
     # same for every row; rank 0 always holds rows, while a rank past the last row
@@ -133,12 +140,13 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     along_rows = {n: isinstance(rels[0], Constant) for n, rels in zip(names, meta.rels)}
     pieces = []
     for r in range(world):
-        inner = {n: joined[n].narrow(0, (0 if along_rows[n] else r) * k, k) for n, k in zip(names, meta.rows)}
+        rows = (shape[0] for shape in meta.shapes)
+        inner = {n: joined[n].narrow(0, (0 if along_rows[n] else r) * k, k) for n, k in zip(names, rows)}
         pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(2), meta.shape, param_dtype))
     full = cat_dim(pieces, 0, joined=joined)
     full.__dict__["fsdp_gathered"] = True
     if out is None:
-        return full, list(outputs)
+        return full, buffers if world == 1 else list(outputs)
     target = out._local_tensor if isinstance(out, DTensor) else out
     fresh = slice_dim(full, 0, 0, target.shape[0])
     for name in names:
