@@ -48,8 +48,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .layout import Constant, LayoutError, dim_factor, legal_chunk
 from .collectives import _pack, _unpack
+from .layout import Constant, LayoutError, dim_factor, legal_chunk
 from .ops import _describe, _pad_end, canonical_dims, cat_dim, check_cat_alignment, slice_dim
 from .tensor import QuantizedTensor
 
@@ -128,25 +128,24 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     buffers (FSDP2 re-allocates the same storages); anything that does not is
     copied in, and a cached kernel weight is dropped.
     """
-    world, names = meta.world, meta.fmt.inner_names
+    world, names, buffers = meta.world, meta.fmt.inner_names, list(outputs)
     if world == 1:
-        buffers = list(outputs)
         like = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(meta.shapes, meta.dtypes)]
-        outputs = _unpack(outputs[0].view(-1), like)
+        outputs = _unpack(buffers[0].view(-1), like)
     joined = {n: buf.view(dtype) for n, dtype, buf in zip(names, meta.dtypes, outputs)}  # [world * rows, cols]
+    rows = {n: shape[0] for n, shape in zip(names, meta.shapes)}
     # An inner tensor constant along dim 0 (a per-tensor or per-column scale) is the
     # same for every row; rank 0 always holds rows, while a rank past the last row
     # holds FSDP2's zero-filled shard, whose copy is zeros, not data.
-    along_rows = {n: isinstance(rels[0], Constant) for n, rels in zip(names, meta.rels)}
+    rank_of = {n: (lambda r: 0) if isinstance(rels[0], Constant) else (lambda r: r) for n, rels in zip(names, meta.rels)}
     pieces = []
     for r in range(world):
-        rows = (shape[0] for shape in meta.shapes)
-        inner = {n: joined[n].narrow(0, (0 if along_rows[n] else r) * k, k) for n, k in zip(names, rows)}
+        inner = {n: joined[n].narrow(0, rank_of[n](r) * rows[n], rows[n]) for n in names}
         pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(2), meta.shape, param_dtype))
     full = cat_dim(pieces, 0, joined=joined)
     full.__dict__["fsdp_gathered"] = True
     if out is None:
-        return full, buffers if world == 1 else list(outputs)
+        return full, buffers
     target = out._local_tensor if isinstance(out, DTensor) else out
     fresh = slice_dim(full, 0, 0, target.shape[0])
     for name in names:
