@@ -8,7 +8,7 @@ from . import collectives as _collectives  # noqa: F401  (registers the collecti
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from . import wire
 from .format import QuantFormat
-from .formats import Int4Groupwise, Int8Rowwise
+from .formats import NF4, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
 from .nn import quantize_
 from .ops import UnsupportedOpError
@@ -19,9 +19,12 @@ from .tensor import QuantizedTensor
 __all__ = [
     "Blocked",
     "Constant",
+    "Float8Rowwise",
+    "Float8Tensorwise",
     "Int4Groupwise",
     "Int8Rowwise",
     "LayoutError",
+    "NF4",
     "OneToOne",
     "Packed",
     "QuantFormat",

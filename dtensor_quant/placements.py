@@ -27,9 +27,9 @@ def _shard_like(p: Placement) -> bool:
     return isinstance(p, (Shard, _StridedShard))
 
 
-def dim_alignment(fmt: QuantFormat, dim: int) -> int:
-    """The multiple every shard boundary along logical ``dim`` must fall on."""
-    return dim_factor([rels[dim] for rels in fmt.layout.values()])
+def dim_alignment(fmt: QuantFormat, shape: Sequence[int], dim: int) -> int:
+    """The multiple every shard boundary along logical ``dim`` of a ``shape`` weight must fall on."""
+    return dim_factor([rels[dim] for rels in fmt.layout_for(shape).values()])
 
 
 def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[list[int]]:
@@ -85,7 +85,7 @@ def _first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] |
     """``(dim, index, alignment)`` of the first misaligned shard boundary, or None."""
     for dim, length in enumerate(shape):
         cuts = [(p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
-        factor = dim_alignment(fmt, dim)
+        factor = dim_alignment(fmt, shape, dim)
         if not cuts or factor == 1:
             continue
         bad = _bad_cut(length, cuts, factor)
@@ -113,7 +113,7 @@ def legal_mesh_sizes(
 
 
 def _explain(fmt, shape, mesh_shape, placements, dim, bad, factor) -> str:
-    why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in fmt.layout.items() if rels[dim].factor > 1)
+    why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in fmt.layout_for(shape).items() if rels[dim].factor > 1)
     mesh_dims = [m for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
     hints = []
     for m in mesh_dims:

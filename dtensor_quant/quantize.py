@@ -14,7 +14,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from .format import QuantFormat, no_reduce
+from .format import QuantFormat, Reducer
 from .layout import Constant
 from .ops import canonical_dims
 from .placements import _shard_like, check_placements
@@ -37,12 +37,13 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         return _quantize_dtensor(weight, fmt)
     fmt.check_weight(weight.shape, weight.dtype)
     with torch.no_grad():
-        inner = fmt.quantize(weight.detach(), no_reduce)
-    return _wrap(fmt, inner, weight.shape, weight.dtype)
+        inner = fmt.quantize(weight.detach(), Reducer(weight.shape))
+    return _wrap(fmt, inner, weight.shape, weight.dtype, weight.shape)
 
 
-def _wrap(fmt: QuantFormat, inner: dict, shape, dtype) -> QuantizedTensor:
-    rels = tuple(fmt.layout.values())
+def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedTensor:
+    """Wrap a (local) shard of logical ``shape`` of a weight of ``full_shape``, checking the layout."""
+    rels = tuple(fmt.layout_for(full_shape).values())
     for (name, t), rel_row in zip(inner.items(), rels):
         expected = tuple(r.inner_len(n) for r, n in zip(rel_row, shape))
         assert tuple(t.shape) == expected, f"{fmt}.quantize made '{name}' {tuple(t.shape)}, layout says {expected}"
@@ -54,19 +55,21 @@ def _quantize_dtensor(weight: DTensor, fmt: QuantFormat) -> DTensor:
     check_placements(weight.shape, fmt, mesh.shape, placements)
     local = weight.to_local().detach()
     with torch.no_grad():
-        inner = fmt.quantize(local, MeshReducer(fmt, mesh, placements))
-    q = _wrap(fmt, inner, local.shape, weight.dtype)
+        inner = fmt.quantize(local, MeshReducer(fmt, weight.shape, mesh, placements))
+    q = _wrap(fmt, inner, local.shape, weight.dtype, weight.shape)
     return DTensor.from_local(q, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
 
 
-class MeshReducer:
+class MeshReducer(Reducer):
     """All-reduces a statistic over the mesh dims whose shards share its blocks."""
 
-    def __init__(self, fmt: QuantFormat, mesh, placements):
-        self.fmt, self.mesh, self.placements = fmt, mesh, placements
+    def __init__(self, fmt: QuantFormat, full_shape, mesh, placements):
+        super().__init__(full_shape)
+        self.layout = fmt.layout_for(full_shape)
+        self.mesh, self.placements = mesh, placements
 
     def __call__(self, stat: torch.Tensor, op: str, like: str) -> torch.Tensor:
-        rels = self.fmt.layout[like]
+        rels = self.layout[like]
         for mesh_dim, p in enumerate(self.placements):
             if _shard_like(p) and isinstance(rels[p.dim % len(rels)], Constant):
                 stat = funcol.all_reduce(stat.contiguous(), op, (self.mesh, mesh_dim))

@@ -57,11 +57,7 @@ class Int4Groupwise(QuantFormat):
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         packed = inner["qdata"]
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
-        n_in = q.shape[1]
-        g = self.group_size
-        scale = expand_blocks(inner["scale"].float(), 1, g, n_in)
-        zero = expand_blocks(inner["zero"].float(), 1, g, n_in)
-        return ((q - 8) * scale + zero).to(dtype)
+        return ((q - 8) * inner["scale"].float() + inner["zero"].float()).to(dtype)
 
     def prepare(self, inner):
         """Repack for ``aten._weight_int4pack_mm_for_cpu`` where its shape rules allow it."""
