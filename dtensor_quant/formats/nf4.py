@@ -1,7 +1,9 @@
 """NF4: QLoRA's 4-bit NormalFloat with double-quantized block scales.
 
-The algorithm is the reference one (QLoRA paper; torchao's NF4Tensor; the
-same dtype flow, so it agrees with it bit for bit on the same input):
+The algorithm is the reference one (QLoRA paper, bitsandbytes, torchao's
+NF4Tensor, with torchao's dtype flow). The 16 levels are the paper's values;
+torchao rounds them to 4 decimals, which in bf16 moves a few levels by one
+ulp, so codes agree except within ~1e-4 of a decision boundary:
 
 * every ``block_size`` consecutive weights of a row share a scale, their
   absolute maximum; each weight becomes the index of the nearest of the 16
