@@ -344,6 +344,12 @@ def _view(func, q, size):
         size[size.index(-1)] = q.numel() // max(known, 1)
     if tuple(size) == tuple(q.shape):
         return _alias(func, q)
+    if q.ndim > 2:  # a weight broadcast over a batch by torch.matmul (see matmul.py)
+        from .matmul import rebatch
+
+        out = rebatch(q, tuple(size))
+        if out is not None:
+            return out
     if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
         return _flatten(q)
     if q.ndim == 2 and tuple(size) == (1, q.shape[0] * q.shape[1]):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from . import wire
 from .format import QuantFormat, no_reduce
 from .layout import Constant
 from .ops import canonical_dims
@@ -50,25 +51,33 @@ def _wrap(fmt: QuantFormat, inner: dict, shape, dtype) -> QuantizedTensor:
 
 
 def _quantize_dtensor(weight: DTensor, fmt: QuantFormat) -> DTensor:
-    mesh, placements = weight.device_mesh, weight.placements
-    check_placements(weight.shape, fmt, mesh.shape, placements)
-    local = weight.to_local().detach()
-    with torch.no_grad():
-        inner = fmt.quantize(local, MeshReducer(fmt, mesh, placements))
-    q = _wrap(fmt, inner, local.shape, weight.dtype)
-    return DTensor.from_local(q, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
+    # One implementation for both entry points: the custom op, whose sharding
+    # strategy keeps the placements and whose kernel reduces the statistics.
+    from .custom_ops import quantize as quantize_op
+
+    return quantize_op(weight, fmt)
 
 
 class MeshReducer:
     """All-reduces a statistic over the mesh dims whose shards share its blocks."""
 
     def __init__(self, fmt: QuantFormat, mesh, placements):
-        self.fmt, self.mesh, self.placements = fmt, mesh, placements
+        ndim = len(next(iter(fmt.layout.values())))
+        axes = [(p.dim % ndim, mesh.get_group(m).group_name) for m, p in enumerate(placements) if _shard_like(p)]
+        self.fmt, self.axes = fmt, axes
+
+    @classmethod
+    def from_axes(cls, fmt: QuantFormat, axes: list[tuple[int, str]]) -> MeshReducer:
+        """A reducer over ``(logical dim sharded, process group name)`` pairs, one per sharded mesh dim."""
+        reducer = cls.__new__(cls)
+        reducer.fmt, reducer.axes = fmt, list(axes)
+        return reducer
 
     def __call__(self, stat: torch.Tensor, op: str, like: str) -> torch.Tensor:
         rels = self.fmt.layout[like]
-        for mesh_dim, p in enumerate(self.placements):
-            if _shard_like(p) and isinstance(rels[p.dim % len(rels)], Constant):
-                stat = funcol.all_reduce(stat.contiguous(), op, (self.mesh, mesh_dim))
+        for dim, group in self.axes:
+            if isinstance(rels[dim], Constant):
+                stat = funcol.all_reduce(stat.contiguous(), op, group)
+                wire.note_hidden("_c10d_functional::all_reduce", stat)
                 stat = funcol.wait_tensor(stat) if isinstance(stat, funcol.AsyncCollectiveTensor) else stat
         return stat
