@@ -102,10 +102,12 @@ def _kernel_linear_fake(x, inner, fmt_id, out_features, bias):
 
 def _kernel_inner(w_t: QuantizedTensor) -> dict[str, torch.Tensor] | None:
     """Canonical inner tensors of a transposed weight: the persistent ones when ``w_t = w.t()``."""
+    if not is_transposed(w_t):
+        return None
     owner = w_t.__dict__.get("_transposed_from")
     if owner is not None and owner.dims == canonical_dims(2) and canonical_inner(owner) is not None:
         return owner.inner
-    return canonical_inner(w_t) if is_transposed(w_t) else None
+    return canonical_inner(w_t)
 
 
 def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:

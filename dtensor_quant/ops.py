@@ -48,6 +48,13 @@ def implements(*names: str):
 
 def dispatch(func, args, kwargs):
     handler = HANDLERS.get(func._schema.name)
+    if handler is None and _composite(func):
+        # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
+        # under inference mode or from inside another subclass's dispatch (a redistribute
+        # DTensor runs while dispatching an op): decompose them into the ops defined here.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if handler is None:
         q = next(a for a in _flat(args, kwargs) if isinstance(a, QuantizedTensor))
         raise UnsupportedOpError(
@@ -55,6 +62,10 @@ def dispatch(func, args, kwargs):
             "need dense values. Call .dequantize() first to work on a dense copy."
         )
     return handler(func, *args, **kwargs)
+
+
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _flat(args, kwargs):
@@ -522,6 +533,9 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
         d.copy_(s, non_blocking=non_blocking)
+        # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
+        # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
+        torch.autograd.graph.increment_version(d)
     return dst
 
 
