@@ -17,7 +17,9 @@ from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
 _QMAX = 127
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower
+# than dequantize + mm for a batch of 16 (AVX2), so those dtypes dequantize.
+_KERNEL_DTYPES = (torch.bfloat16,)
 
 
 def _has_kernel(device_type: str) -> bool:
@@ -47,7 +49,7 @@ class Int8Rowwise(QuantFormat):
         return inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
 
     def linear(self, x, prepared, bias):
-        """``aten._weight_int8pack_mm`` (int8 weight, per-row scale): CPU, and CUDA where the build has it (untested here)."""
+        """``aten._weight_int8pack_mm`` (int8 weight, per-row scale, bf16 activations): CPU, and CUDA where the build has it (untested here)."""
         q, scale = prepared
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
         if x.dtype not in _KERNEL_DTYPES or 0 in q.shape or q.shape[1] % 8 or not _has_kernel(x.device.type):
