@@ -182,3 +182,14 @@ def compiled_tp(backend, sequence_parallel, dtype):
 def test_compiled_tp(ranks, backend, sequence_parallel, dtype):
     for same_as_eager, same_as_reference in ranks(2).run(compiled_tp, backend, sequence_parallel, dtype):
         assert same_as_eager and same_as_reference
+
+
+# -- the example, as a user runs it -------------------------------------------------
+
+
+def test_example_generates_the_reference_tokens(capsys):
+    argv = ["--world", "2", "--format", "int4:128", "--tokens", "4", "--layers", "1", "--sequence-parallel"]
+    assert tp_inference.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens equal to the one-process quantized model on every rank" in out
+    assert "(0.266x)" in out  # int4 with a bf16 scale and zero per 128 weights: 0.5 + 4/128 bytes vs 2
