@@ -73,9 +73,12 @@ def interleaved_ms(modules: dict[str, nn.Module], x: torch.Tensor, repeat: int) 
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def measure(layers, tokens, repeat) -> list[dict]:
+def measure(layers, tokens, repeat, threads) -> list[dict]:
     """On every rank of one TP degree; rank 0's rows are returned."""
     tp = dist.get_world_size()
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
     mesh = init_device_mesh("cpu", (tp,))
     rows = []
     for name, out_f, in_f, style in layers:
@@ -85,7 +88,7 @@ def measure(layers, tokens, repeat) -> list[dict]:
             x = torch.randn(n, in_local, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
             ms = interleaved_ms(modules, x, repeat if n in DECODE else max(3, repeat // 3))
             for fmt_name in FORMATS:
-                rows.append(dict(tp=tp, layer=name, shape=f"{out_f}x{in_f}", style=style, tokens=n,
+                rows.append(dict(tp=tp, threads_per_rank=threads, layer=name, shape=f"{out_f}x{in_f}", style=style, tokens=n,
                                  phase="decode" if n in DECODE else "prefill", format=fmt_name,
                                  ms=ms[fmt_name], ratio_vs_bf16=ms[fmt_name] / ms["bf16"]))
         del modules
@@ -130,6 +133,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--tokens", type=int, nargs="+", default=[*DECODE, *PREFILL])
     ap.add_argument("--shape", nargs="+", metavar="OUTxIN", help="square-ish layers to bench both ways instead of the MLP")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="threads per rank (default: the launcher's, CPU cores / TP degree); 1 is steadier on a busy machine")
     ap.add_argument("--out", type=Path, default=DOCS, help="where tp_linear.csv / .png go")
     return ap.parse_args(argv)
 
@@ -144,8 +149,9 @@ def main(argv=None) -> int:
     for tp in args.tp:
         print(f"TP={tp}: starting {tp} rank(s) ...", flush=True)
         with RankPool(tp, device="cpu", timeout=3600) as pool:
-            rows += pool.run(measure, layers, args.tokens, args.repeat)[0]
-    print(f"\nbf16 activations, {os.cpu_count()} CPU cores split between the ranks, median of {args.repeat}")
+            rows += pool.run(measure, layers, args.tokens, args.repeat, args.threads)[0]
+    threads = ", ".join(f"TP={tp}: {t}" for tp, t in dict.fromkeys((r["tp"], r["threads_per_rank"]) for r in rows))
+    print(f"\nbf16 activations, {os.cpu_count()} CPU cores, threads per rank {threads}, median of {args.repeat}")
     print(f"{'layer':<20}{'TP':>3}{'tokens':>8}  {'format':<20}{'ms':>10}{'x bf16':>8}")
     for r in rows:
         print(f"{r['layer'] + ' ' + r['shape']:<20}{r['tp']:>3}{r['tokens']:>8}  {r['format']:<20}"

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 from .format import QuantFormat
 
 _FORMATS: dict[int, QuantFormat] = {}
 
 
+@torch.compiler.assume_constant_result  # a format is a constant of the graph; its id is too
 def format_id(fmt: QuantFormat) -> int:
     """The id of ``fmt`` (registering it, so that :func:`format_from_id` can find it)."""
     key = f"{type(fmt).__module__}.{type(fmt).__qualname__}:{fmt!r}"

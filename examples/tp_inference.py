@@ -126,8 +126,8 @@ def run(args) -> dict:
                   sequence_parallel=args.sequence_parallel)
     model = build_tp(cfg, fmt, mesh, **kwargs)
     dense = build_tp(cfg, None, mesh, **kwargs)
-    if args.compile != "none":
-        model = torch.compile(model, backend=args.compile)
+    if args.compile != "none":  # both, so that tokens/s compare like with like
+        model, dense = (torch.compile(m, backend=args.compile) for m in (model, dense))
     tokens, tp_s = timed_generate(model, prompt, args.tokens, pad)
     _, dense_s = timed_generate(dense, prompt, args.tokens, pad)
     n = args.tokens * args.batch
