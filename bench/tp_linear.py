@@ -88,7 +88,8 @@ def measure(layers, tokens, repeat, threads) -> list[dict]:
             x = torch.randn(n, in_local, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
             ms = interleaved_ms(modules, x, repeat if n in DECODE else max(3, repeat // 3))
             for fmt_name in FORMATS:
-                rows.append(dict(tp=tp, threads_per_rank=threads, layer=name, shape=f"{out_f}x{in_f}", style=style, tokens=n,
+                rows.append(dict(tp=tp, threads_per_rank=threads, layer=name, shape=f"{out_f}x{in_f}",
+                                 style=style, tokens=n,
                                  phase="decode" if n in DECODE else "prefill", format=fmt_name,
                                  ms=ms[fmt_name], ratio_vs_bf16=ms[fmt_name] / ms["bf16"]))
         del modules
@@ -132,9 +133,9 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--tokens", type=int, nargs="+", default=[*DECODE, *PREFILL])
-    ap.add_argument("--shape", nargs="+", metavar="OUTxIN", help="square-ish layers to bench both ways instead of the MLP")
+    ap.add_argument("--shape", nargs="+", metavar="OUTxIN", help="layers to bench both ways instead of wq/wo")
     ap.add_argument("--threads", type=int, default=0,
-                    help="threads per rank (default: the launcher's, CPU cores / TP degree); 1 is steadier on a busy machine")
+                    help="threads per rank (default: CPU cores / TP degree); 1 is steadier on a busy machine")
     ap.add_argument("--out", type=Path, default=DOCS, help="where tp_linear.csv / .png go")
     return ap.parse_args(argv)
 

@@ -245,7 +245,8 @@ def render(p: Plan) -> str:
     for layer, cells in p.rows:
         row = [layer.name, f"{layer.shape[0]}x{layer.shape[1]}", layer.style]
         for c in cells:
-            row.append(_size(c.nbytes) if c.legal else f"NO ({notes[(layer.shape, layer.style, c.why, c.alternatives)][0]})")
+            note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives)][0]
+            row.append(_size(c.nbytes) if c.legal else f"NO ({note})")
         table.append(row)
     if len({layer.name for layer, _ in p.rows}) == len(p.rows):  # one style per layer: totals make sense
         totals = [p.total_bytes(d, t) for d, t in p.meshes]

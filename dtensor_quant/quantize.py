@@ -18,7 +18,7 @@ from . import wire
 from .format import QuantFormat, no_reduce
 from .layout import Constant
 from .ops import canonical_dims
-from .placements import _shard_like, check_placements
+from .placements import _shard_like
 from .tensor import QuantizedTensor
 
 

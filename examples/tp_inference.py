@@ -68,7 +68,9 @@ def tp_plan(model: llama.Transformer, sequence_parallel: bool = False) -> dict:
             plan[p + "attention"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
             )
-            plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[p + "feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[p + name] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(**row_out)
@@ -191,9 +193,10 @@ def report(args, results: list[dict]) -> bool:
               f"logits differ by {t['gap']:.4f}; the TP logits differ from it by up to {t['noise']:.4f} "
               f"(logits up to {t['scale']:.2f}): " + ("a near-tie flipped by rounding" if ok else "NOT rounding"))
     t = r["tok_s"]
+    speedup = t["tp_quantized"] / t["tp_dense"]
     print(f"tokens/s (no KV cache, {args.prompt_len + args.tokens}-token window): TP quantized "
-          f"{t['tp_quantized']:.1f}, TP {args.dtype} {t['tp_dense']:.1f} (quantized {t['tp_quantized'] / t['tp_dense']:.2f}x "
-          f"as fast), one-process quantized {t['one_process_quantized']:.1f}")
+          f"{t['tp_quantized']:.1f}, TP {args.dtype} {t['tp_dense']:.1f} (quantized {speedup:.2f}x as fast), "
+          f"one-process quantized {t['one_process_quantized']:.1f}")
     for rank, x in enumerate(results):
         b = x["bytes"]
         print(f"rank {rank}: Linear weights {b['quantized'] / 2**20:.2f} MiB quantized vs {b['bf16'] / 2**20:.2f} MiB "

@@ -98,7 +98,7 @@ class Int4Groupwise(QuantFormat):
         return "cuda", torch.ops.aten._convert_weight_to_int4pack(high_first.contiguous(), tiles), scale_zeros
 
     def linear(self, x, prepared, bias):
-        """torch's int4 weight-only mm for bf16 activations: ``_weight_int4pack_mm_for_cpu`` or, on CUDA, ``_weight_int4pack_mm``.
+        """torch's int4 weight-only mm, bf16 activations: ``_weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
 
         fp32/fp16 activations dequantize instead: torch 2.13's CPU kernel is vectorized for
         bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in bf16).

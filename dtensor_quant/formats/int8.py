@@ -49,7 +49,7 @@ class Int8Rowwise(QuantFormat):
         return inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
 
     def linear(self, x, prepared, bias):
-        """``aten._weight_int8pack_mm`` (int8 weight, per-row scale, bf16 activations): CPU, and CUDA where the build has it (untested here)."""
+        """``aten._weight_int8pack_mm`` (per-row scale, bf16 activations): CPU; CUDA if built in (untested here)."""
         q, scale = prepared
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
         if x.dtype not in _KERNEL_DTYPES or 0 in q.shape or q.shape[1] % 8 or not _has_kernel(x.device.type):

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant import matmul
 
 from helpers import weight
 
