@@ -6,7 +6,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
-from . import interop, wire
+from . import custom_ops, interop, wire
 from .format import QuantFormat
 from .formats import NF4, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
@@ -31,6 +31,7 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedOpError",
     "check_placements",
+    "custom_ops",
     "legal_mesh_sizes",
     "quantize",
     "quantize_",

@@ -62,7 +62,7 @@ def _from_int8(t) -> QuantizedTensor:
         raise ValueError("from_torchao: an asymmetric Int8Tensor (nonzero zero_point) has no Int8Rowwise equivalent")
     fmt = Int8Rowwise()
     return QuantizedTensor(
-        {"qdata": qdata, "scale": scale}, fmt, tuple(fmt.layout.values()), canonical_dims(2), tuple(t.shape), t.dtype
+        {"qdata": qdata, "scale": scale}, fmt, tuple(fmt.layout_for(t.shape).values()), canonical_dims(2), tuple(t.shape), t.dtype
     )
 
 

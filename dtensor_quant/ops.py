@@ -48,6 +48,13 @@ def implements(*names: str):
 
 def dispatch(func, args, kwargs):
     handler = HANDLERS.get(func._schema.name)
+    if handler is None and _composite(func):
+        # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
+        # under inference mode or from inside another subclass's dispatch (a redistribute
+        # DTensor runs while dispatching an op): decompose them into the ops defined here.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if handler is None:
         q = next(a for a in _flat(args, kwargs) if isinstance(a, QuantizedTensor))
         raise UnsupportedOpError(
@@ -55,6 +62,10 @@ def dispatch(func, args, kwargs):
             "need dense values. Call .dequantize() first to work on a dense copy."
         )
     return handler(func, *args, **kwargs)
+
+
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _flat(args, kwargs):
@@ -342,6 +353,12 @@ def _view(func, q, size):
         size[size.index(-1)] = q.numel() // max(known, 1)
     if tuple(size) == tuple(q.shape):
         return _alias(func, q)
+    if q.ndim > 2:  # a weight broadcast over a batch by torch.matmul (see matmul.py)
+        from .matmul import rebatch
+
+        out = rebatch(q, tuple(size))
+        if out is not None:
+            return out
     if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
         return _flatten(q)
     if q.ndim == 2 and tuple(size) == (1, q.shape[0] * q.shape[1]):
@@ -528,6 +545,9 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
         d.copy_(s, non_blocking=non_blocking)
+        # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
+        # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
+        torch.autograd.graph.increment_version(d)
     return dst
 
 
@@ -568,16 +588,28 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _broadcastable(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, torch.Tensor]:
+    """What a format's ``dequantize`` receives: see :func:`broadcastable`."""
+    return broadcastable(inner, block_sizes(rels), shape)
+
+
+def block_sizes(rels) -> list[int]:
+    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked."""
+    return [rel.b if isinstance(rel, Blocked) else 0 for row in rels for rel in row]
+
+
+def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) -> dict[str, torch.Tensor]:
     """Blocked inner tensors repeated to one value per logical element; constant ones stay size 1.
 
     This is what a format's ``dequantize`` receives, so its math is elementwise
     (broadcasting) whatever the shard, block size or partial last block.
+    ``blocks`` is :func:`block_sizes` of the tensor's relations.
     """
-    out = {}
-    for (name, t), row in zip(inner.items(), rels):
-        for dim, rel in enumerate(row):
-            if isinstance(rel, Blocked):
-                t = t.repeat_interleave(rel.b, dim).narrow(dim, 0, shape[dim])
+    out, ndim = {}, len(shape)
+    for i, (name, t) in enumerate(inner.items()):
+        for dim in range(ndim):
+            b = blocks[i * ndim + dim]
+            if b:
+                t = t.repeat_interleave(b, dim).narrow(dim, 0, shape[dim])
         out[name] = t
     return out
 

@@ -93,7 +93,7 @@ class NF4(QuantFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         dtype, n_in = weight.dtype, weight.shape[1]
         absmax = block_reduce(weight.abs(), 1, self.block_size, "max").to(dtype)
-        stats = torch.stack([absmax.double().sum(), torch.tensor(absmax.numel(), dtype=torch.float64)])
+        stats = torch.stack([absmax.double().sum(), absmax.new_tensor(absmax.numel(), dtype=torch.float64)])
         total, count = reduce(stats.reshape(1, 1, 2), "sum", "mean").reshape(2)
         mean = (total / count).to(dtype).reshape(1, 1)
         centred = absmax - mean
