@@ -16,9 +16,11 @@ _IDENTITY = {"max": float("-inf"), "min": float("inf"), "sum": 0.0}
 def block_reduce(x: torch.Tensor, dim: int, block: int | None, op: str) -> torch.Tensor:
     """Reduce ``x`` over blocks of ``block`` elements along ``dim`` (``None``: the whole dim).
 
-    Returns float32 with ``dim`` of size ``ceil(len / block)`` (1 for ``None``).
+    Returns float32 (float64 for ``"sum"``, so that a sum combined across shards
+    in another order still rounds to the same weight-dtype value) with ``dim``
+    of size ``ceil(len / block)`` (1 for ``None``).
     """
-    x = x.float()
+    x = x.double() if op == "sum" else x.float()
     length = x.shape[dim]
     n_blocks = 1 if block is None else -(-length // block)
     size = length if block is None else block

@@ -15,7 +15,7 @@ import torch
 
 from . import wire
 from .layout import Constant
-from .ops import _alias, _describe, cat_dim, check_cat_alignment, implements, rebuild, slice_dim
+from .ops import _alias, _describe, cat_dim, implements, rebuild, slice_dim
 from .tensor import QuantizedTensor
 
 _ALIGN = 8  # bytes; keeps every inner tensor's slice of the buffer viewable as its dtype
@@ -81,7 +81,6 @@ def all_gather_into_tensor(func, q, group_size, group_name):
     """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ."""
     if group_size == 1:
         return _alias(func, q)
-    check_cat_alignment(q, 0, group_size, "all-gather")
     names = [n for n in q.fmt.inner_names if _varies(q, n)]
     sent = [getattr(q, n) for n in names]
     buf = _pack(sent)
@@ -142,7 +141,6 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     # Split first: a misaligned target placement raises on every rank before any collective.
     pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
     pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
-    check_cat_alignment(pieces[me], gather_dim, n, "all-to-all")
     names = [name for name in q.fmt.inner_names if not isinstance(q.rel(name)[gather_dim], Constant)]
     send = [[getattr(p, name) for name in names] for p in pieces]
     bufs = [_pack(s) for s in send]

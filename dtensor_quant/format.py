@@ -5,7 +5,8 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
 
 * ``layout``: for each inner tensor, one :mod:`~dtensor_quant.layout`
   relation per logical dim. The library derives every DTensor, FSDP2 and DCP
-  op from it.
+  op from it. A format whose blocks depend on the weight's shape (NF4's
+  blocks of block-scales) overrides ``layout_for(shape)`` instead.
 * ``quantize``/``dequantize``: the math, on a (possibly sharded) local
   weight. Statistics that a scale needs from the whole weight go through
   ``reduce``, which is the identity on one process and an all-reduce over the
@@ -18,25 +19,24 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from .layout import Relation
 
 
-class Reducer(Protocol):
+class Reducer:
+    """Combines a statistic over the shards that share its blocks; here, one unsharded weight.
+
+    ``full_shape`` is the logical shape of the whole weight (a format whose
+    layout depends on it needs it while quantizing a shard).
+    """
+
+    def __init__(self, full_shape):
+        self.full_shape = tuple(full_shape)
+
     def __call__(self, stat: torch.Tensor, op: str, like: str) -> torch.Tensor:
-        """Combine ``stat`` (shaped like inner ``like``) over the shards sharing its blocks.
-
-        ``op`` is ``"max"``, ``"min"`` or ``"sum"``.
-        """
-        ...
-
-
-def no_reduce(stat: torch.Tensor, op: str, like: str) -> torch.Tensor:
-    """The reducer of an unsharded weight: every block is local."""
-    return stat
+        """Combine ``stat`` (laid out like inner ``like``) with the other shards' (``op``: max, min or sum)."""
+        return stat
 
 
 class QuantFormat:
@@ -45,6 +45,10 @@ class QuantFormat:
     @property
     def layout(self) -> dict[str, tuple[Relation, ...]]:
         raise NotImplementedError
+
+    def layout_for(self, shape) -> dict[str, tuple[Relation, ...]]:
+        """The relations for a weight of logical ``shape`` (default: ``layout``, shape-independent)."""
+        return self.layout
 
     def check_weight(self, shape: torch.Size, dtype: torch.dtype) -> None:
         """Raise ``ValueError`` for a weight this format cannot hold."""
@@ -57,6 +61,13 @@ class QuantFormat:
         raise NotImplementedError
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Dense values from the inner tensors of a canonical ``[out, in]`` weight or shard.
+
+        The library hands them over broadcastable to the logical shape: a
+        blocked inner tensor repeated once per element (partial last block
+        cut), a constant one of size 1; packed ones arrive as stored. So the
+        math is elementwise and never needs the full weight's shape.
+        """
         raise NotImplementedError
 
     def prepare(self, inner: dict[str, torch.Tensor]):
@@ -69,4 +80,5 @@ class QuantFormat:
 
     @property
     def inner_names(self) -> tuple[str, ...]:
+        """The inner tensors, in the order of every layout (override with ``layout_for``)."""
         return tuple(self.layout)

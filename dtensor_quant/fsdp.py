@@ -8,14 +8,12 @@ hook returns the stored inner tensors as ``uint8`` views (gloo has no float8,
 and bytes cannot have their NaN payloads rewritten on the wire); the post hook
 concatenates them with the layout's rule (:func:`dtensor_quant.ops.cat_dim`,
 the rule DTensor's all-gather uses) without copying, and gives the result the
-logical dtype ``mp_policy.param_dtype``. No format writes hook code.
-
-One difference from DTensor's gather: an inner tensor constant along dim 0 (a
-per-tensor or per-column scale) is sent too and taken from rank 0. DTensor's
-empty shards keep a copy of such constants, but FSDP2 gives a rank past the
-last row a zero-filled ``new_zeros`` shard and copies nothing into it, so that
-rank's copy is zeros, not data (a few bytes on the wire; rank 0 always holds
-rows because ``torch.chunk`` fills ranks in order).
+logical dtype ``mp_policy.param_dtype``. As in DTensor's gather, an inner
+tensor constant along every dim (a per-tensor scale) is the same on every rank
+and is not sent; one constant along dim 0 only (a per-column scale) is sent
+and kept once if all copies agree. (A rank past the last row gets FSDP2's
+``new_zeros`` shard, whose shared constants the factory copies from the full
+weight.) No format writes hook code.
 
 Uneven shards. FSDP2 keeps a short shard as a leading-rows narrow of a
 zero-padded buffer of ``ceil(rows / world)`` rows, and every rank must send
@@ -50,7 +48,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import _pack, _unpack
 from .layout import Constant, LayoutError, dim_factor, legal_chunk
-from .ops import _describe, _pad_end, canonical_dims, cat_dim, check_cat_alignment, slice_dim
+from .matmul import invalidate, never_cache
+from .ops import _describe, _pad_end, canonical_dims, cat_dim, slice_dim
 from .tensor import QuantizedTensor
 
 
@@ -67,8 +66,10 @@ class GatherMeta:
     rels: tuple  # of one rank's padded shard
     shape: torch.Size  # of one rank's padded shard
     world: int
-    dtypes: tuple[torch.dtype, ...]  # per inner tensor, in fmt.inner_names order
-    shapes: tuple[torch.Size, ...]  # per inner tensor, as each rank sends it
+    sent: tuple[str, ...]  # the inner tensors on the wire, in order
+    kept: dict[str, torch.Tensor]  # the others: constant along every dim, the same on every rank
+    dtypes: tuple[torch.dtype, ...]  # per sent inner tensor
+    shapes: tuple[torch.Size, ...]  # per sent inner tensor, as each rank sends it
 
 
 def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor]):
@@ -105,9 +106,16 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
     rows = -(-outer_size[0] // world) if outer_size is not None else padded_rows(q)
     assert q.shape[0] <= rows, (tuple(q.shape), rows)
     piece = q if q.shape[0] == rows else _pad_end(q, 0, rows - q.shape[0])
-    check_cat_alignment(piece, 0, world, "all-gather (FSDP2)")
-    inner = [getattr(piece, n).contiguous() for n in q.fmt.inner_names]
-    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, tuple(t.dtype for t in inner), tuple(t.shape for t in inner))
+    factor = dim_factor([rels[0] for rels in piece.rels])
+    if world > 1 and rows % factor:
+        raise LayoutError(
+            f"{_describe(q)}: FSDP2's padded shards of {rows} rows cut its layout, which needs multiples "
+            f"of {factor} along dim 0; dtensor_quant.fsdp.fully_shard lists the legal FSDP2 sizes."
+        )
+    sent = tuple(n for n in q.fmt.inner_names if not all(isinstance(r, Constant) for r in piece.rel(n)))
+    inner = [getattr(piece, n).contiguous() for n in sent]
+    kept = {n: t for n, t in piece.inner.items() if n not in sent}
+    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, tuple(t.dtype for t in inner), tuple(t.shape for t in inner))
     if world == 1:
         # torch 2.13's one-rank path copies only the first all-gather input
         return (_pack(inner),), meta
@@ -125,25 +133,22 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     Returns ``(weight, buffers)`` the first time, the weight's inner tensors
     being views of FSDP2's buffers so that FSDP2 can free and reuse them. With
     ``out`` (later gathers), ``out``'s inner tensors already view the refilled
-    buffers (FSDP2 re-allocates the same storages); anything that does not is
-    copied in, and a cached kernel weight is dropped.
+    buffers (FSDP2 re-allocates the same storages); anything that does not
+    (the unsent constants) is copied in.
     """
     world, names, buffers = meta.world, meta.fmt.inner_names, list(outputs)
     if world == 1:
         like = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(meta.shapes, meta.dtypes)]
-        outputs = _unpack(buffers[0].view(-1), like)
-    joined = {n: buf.view(dtype) for n, dtype, buf in zip(names, meta.dtypes, outputs)}  # [world * rows, cols]
-    rows = {n: shape[0] for n, shape in zip(names, meta.shapes)}
-    # An inner tensor constant along dim 0 (a per-tensor or per-column scale) is the
-    # same for every row; rank 0 always holds rows, while a rank past the last row
-    # holds FSDP2's zero-filled shard, whose copy is zeros, not data.
-    rank_of = {n: (lambda r: 0) if isinstance(rels[0], Constant) else (lambda r: r) for n, rels in zip(names, meta.rels)}
+        outputs = _unpack(buffers[0].view(-1), like) if meta.sent else []
+    for buf in buffers:
+        never_cache(buf)  # FSDP2 frees and refills it: no kernel may cache a copy
+    joined = {n: buf.view(dtype) for n, dtype, buf in zip(meta.sent, meta.dtypes, outputs)}  # [world * rows, cols]
+    rows = {n: shape[0] for n, shape in zip(meta.sent, meta.shapes)}
     pieces = []
     for r in range(world):
-        inner = {n: joined[n].narrow(0, rank_of[n](r) * rows[n], rows[n]) for n in names}
+        inner = {n: joined[n].narrow(0, r * rows[n], rows[n]) if n in joined else meta.kept[n] for n in names}
         pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(2), meta.shape, param_dtype))
-    full = cat_dim(pieces, 0, joined=joined)
-    full.__dict__["fsdp_gathered"] = True
+    full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
     if out is None:
         return full, buffers
     target = out._local_tensor if isinstance(out, DTensor) else out
@@ -154,8 +159,6 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
         if not _same_memory(dst, src):
             with torch.no_grad():
                 dst.copy_(src)
-    from .matmul import invalidate
-
     invalidate(target)
 
 

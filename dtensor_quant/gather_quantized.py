@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from .format import QuantFormat, no_reduce
+from .format import QuantFormat, Reducer
 from .ops import PADDED_ROWS
 from .quantize import MeshReducer, _wrap
 from .tensor import QuantizedTensor
@@ -65,12 +65,14 @@ class GatherQuantized(torch.Tensor):
     ``quant_dtype``: the dtype the master is cast to before quantizing (the
     dtype of the scales on the wire); default the master's own. Set it to the
     mixed-precision ``param_dtype`` to keep scales as small as the weight.
+    ``full_shape`` is the whole weight's (a shard's layout may depend on it,
+    and a short FSDP2 shard cannot infer it); default ``data``'s.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed: bool = False):
+    def __new__(cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed=False, full_shape=None):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -81,21 +83,23 @@ class GatherQuantized(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data, fmt, quant_dtype=None, transposed=False):
+    def __init__(self, data, fmt, quant_dtype=None, transposed=False, full_shape=None):
         self._data, self.fmt, self.quant_dtype, self.transposed = data, fmt, quant_dtype, transposed
+        self.full_shape = tuple(full_shape) if full_shape is not None else tuple(data.shape)
 
     def __repr__(self, *, tensor_contents=None):
         return f"GatherQuantized({self.fmt}, {self._data!r})"
 
     def __tensor_flatten__(self):
-        return ["_data"], (self.fmt, self.quant_dtype, self.transposed)
+        return ["_data"], (self.fmt, self.quant_dtype, self.transposed, self.full_shape)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         return GatherQuantized(inner["_data"], *ctx)
 
     def like(self, data: torch.Tensor, transposed: bool | None = None) -> GatherQuantized:
-        return GatherQuantized(data, self.fmt, self.quant_dtype, self.transposed if transposed is None else transposed)
+        transposed = self.transposed if transposed is None else transposed
+        return GatherQuantized(data, self.fmt, self.quant_dtype, transposed, self.full_shape)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -123,13 +127,14 @@ class GatherQuantized(torch.Tensor):
         return out
 
     # -- quantizing ----------------------------------------------------------
-    def quantized(self, reduce=no_reduce) -> QuantizedTensor:
+    def quantized(self, reduce: Reducer | None = None) -> QuantizedTensor:
         """The master (this shard of it, with ``reduce`` over the shards) quantized in ``fmt``."""
         w = self._data.t() if self.transposed else self._data
         w = w.detach().to(self.quant_dtype or w.dtype)
-        self.fmt.check_weight(w.shape, w.dtype)
+        self.fmt.check_weight(torch.Size(self.full_shape), w.dtype)
         with torch.no_grad():
-            q = _wrap(self.fmt, self.fmt.quantize(w, reduce), w.shape, w.dtype)
+            inner = self.fmt.quantize(w, reduce or Reducer(self.full_shape))
+            q = _wrap(self.fmt, inner, w.shape, w.dtype, self.full_shape)
         return q.t() if self.transposed else q
 
     # -- FSDP2 ----------------------------------------------------------------
@@ -140,7 +145,7 @@ class GatherQuantized(torch.Tensor):
         return hook_for(self, self._quantized_shard)
 
     def _quantized_shard(self, mesh) -> QuantizedTensor:
-        q = self.quantized(MeshReducer(self.fmt, mesh, [Shard(0)]))
+        q = self.quantized(MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)]))
         if PADDED_ROWS in self.__dict__:
             q.__dict__[PADDED_ROWS] = self.__dict__[PADDED_ROWS]
         return q

@@ -94,39 +94,60 @@ class Constant:
 
 @dataclass(frozen=True)
 class Stacked:
-    """A ``Constant`` inner gathered from pieces of ``n`` logical elements each."""
+    """Runs of ``n`` logical elements, each laid out by ``rel`` on its own grid.
+
+    What an all-gather along another dim makes of this one: the ranks' pieces
+    are stacked, and their blocks need not line up (a per-column scale stacked
+    along rows, a row-blocked factor whose pieces end in a partial block).
+    Splitting at run boundaries gives back ``rel``.
+    """
 
     n: int
+    rel: "Relation" = Constant()
 
     @property
     def factor(self) -> int:
         return self.n
 
-    def inner_len(self, n: int) -> int:
-        return -(-n // self.n)
+    def inner_len(self, length: int) -> int:
+        full, rem = divmod(length, self.n)
+        return full * self.rel.inner_len(self.n) + (self.rel.inner_len(rem) if rem else 0)
 
     def __str__(self) -> str:
-        return f"stacked every {self.n}"
+        return f"stacked in runs of {self.n} ({self.rel})"
 
 
 Relation = OneToOne | Packed | Blocked | Constant | Stacked
 
 
-def inner_range(rel: Relation, start: int, stop: int, length: int) -> tuple[int, int]:
-    """Inner ``[start, stop)`` holding logical ``[start, stop)`` of a dim of ``length``.
+def inner_slice(rel: Relation, start: int, stop: int, length: int) -> tuple[int, int, Relation]:
+    """Inner ``[i0, i1)`` holding logical ``[start, stop)`` of a dim of ``length``, and its relation.
 
     Raises LayoutError when a boundary cuts a packed element or a block. A
     blocked range may end inside a block (the block keeps its scale); only the
     very end of a packed dim may be partial.
     """
+    if start == stop:
+        i = min(rel.inner_len(start), rel.inner_len(length)) if not isinstance(rel, Constant) else 0
+        return i, i + isinstance(rel, Constant), rel
     if isinstance(rel, Constant):
-        return 0, 1
+        return 0, 1, rel
+    if isinstance(rel, Stacked):
+        run = start // rel.n
+        if stop <= (run + 1) * rel.n:  # inside one run: that run's own layout
+            base = run * rel.rel.inner_len(rel.n)
+            i0, i1, sub = inner_slice(rel.rel, start - run * rel.n, stop - run * rel.n, rel.n)
+            return base + i0, base + i1, sub
+        if start % rel.n:
+            raise LayoutError(f"start {start} is inside a run of {rel.n} and the range spans runs ({rel})")
+        i0 = rel.inner_len(start)
+        return i0, i0 + rel.inner_len(stop - start), rel
     f = rel.factor
     if start % f:
         raise LayoutError(f"start {start} is not a multiple of {f} ({rel})")
     if isinstance(rel, Packed) and stop % f:
         raise LayoutError(f"end {stop} is not a multiple of {f} ({rel})")
-    return start // f, -(-stop // f)
+    return start // f, -(-stop // f), rel
 
 
 def can_flatten(outer: Relation, inner: Relation, inner_dim_len: int) -> Relation | None:

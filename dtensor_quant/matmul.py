@@ -1,64 +1,152 @@
 """Matmuls with a quantized weight: the format's kernel when it has one, else dequantize + mm.
 
-``F.linear(x, w)`` reaches a QuantizedTensor as ``t`` then ``mm``/``addmm``
-(both on one process and under DTensor, which decomposes linear above the
-local tensor). ``mm(x, w.t())`` is ``x @ W.T`` on the canonical weight: the
-format's ``linear`` kernel. Any other orientation (the input gradient's
-``grad @ W``) dequantizes -- a matmul, not a silent format change: the result
-is dense by definition.
+``F.linear(x, w)`` and ``x @ w.t()`` reach a QuantizedTensor as ``t`` then
+``mm``/``addmm`` (on one process and under DTensor, which decomposes linear
+above the local tensor; ``linear`` and ``matmul`` themselves are composite
+ops that never reach a subclass). A 3-D activation that cannot be folded
+into a matrix without a copy (a transposed one, say) arrives instead as
+``expand`` of the weight to a batch of identical matrices, then ``bmm``: the
+expand is a broadcast view (``Constant`` along the batch dims) and ``bmm``
+runs the same kernel on the folded activation.
+
+``mm(x, w.t())`` is ``x @ W.T`` on the canonical weight: the format's
+``linear`` kernel. Any other orientation (the input gradient's ``grad @ W``)
+dequantizes -- a matmul, not a silent format change: the result is dense by
+definition.
 
 Kernels often want the weight in a layout of their own (torch's CPU int4 mm
 repacks it, 86 ms for 4096x4096). ``QuantFormat.prepare`` builds that once per
-weight; the result is cached on the persistent weight tensor (a module's
-parameter, a DTensor's local) and dropped when its bytes change.
+weight; the result is cached on the weight's first inner tensor (its base,
+for a view) keyed by every inner tensor's address, version, shape and
+strides, so an in-place update (``copy_``, a checkpoint load) rebuilds it.
+Under ``torch.compile`` the kernel call is one opaque custom op,
+``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
+the compiled graph then finds the same cache at run time instead of
+repacking the weight on every call, and inductor never lowers the kernel
+itself.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from .ops import _describe, canonical_inner, dequantize, implements, is_transposed
+from .format import QuantFormat
+from .format_ids import format_from_id, format_id
+from .layout import Constant
+from .ops import (
+    _describe,
+    block_sizes,
+    broadcastable,
+    canonical_dims,
+    canonical_inner,
+    dequantize,
+    implements,
+    is_transposed,
+    rebuild,
+)
 from .tensor import QuantizedTensor
 
-_CACHE_ATTR = "_prepared_kernel_weight"
+_CACHE_ATTR = "_dtensor_quant_prepared"
+_NO_CACHE_ATTR = "_dtensor_quant_never_cache"
+
+
+def _anchor(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
 
 
 def invalidate(q: QuantizedTensor) -> None:
-    """Forget the prepared kernel weight of ``q`` (its bytes were rewritten in place)."""
-    q.__dict__.pop(_CACHE_ATTR, None)
+    """Forget the prepared kernel weight of ``q`` (not needed after in-place ops: they bump versions)."""
+    for t in q.inner.values():
+        _anchor(t).__dict__.pop(_CACHE_ATTR, None)
 
 
-def _prepared(w: QuantizedTensor, inner: dict[str, torch.Tensor]):
-    """``w.fmt.prepare(inner)``, cached on the tensor ``w`` was transposed from."""
-    owner = w.__dict__.get("_transposed_from", w)
-    if any(_is_traced(t) for t in inner.values()) or "fsdp_gathered" in w.__dict__:
-        # An FSDP2-gathered weight lives in a buffer FSDP2 frees after use: a cached
-        # prepared copy would outlive it (one extra weight per layer) and go stale.
-        return w.fmt.prepare(inner)
-    key = (tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in inner.values()))
-    cached = owner.__dict__.get(_CACHE_ATTR)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    prepared = w.fmt.prepare(inner)
-    owner.__dict__[_CACHE_ATTR] = (key, prepared)
-    return prepared
+def never_cache(buffer: torch.Tensor) -> None:
+    """Prepare weights viewing ``buffer`` on every call: its owner frees and refills it in place.
+
+    FSDP2's all-gather buffers: a cached prepared copy would outlive each
+    gather (an extra weight per layer) and go stale when the buffer is
+    refilled without a version bump.
+    """
+    _anchor(buffer).__dict__[_NO_CACHE_ATTR] = True
 
 
 def _is_traced(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t) or t.device.type == "meta" or isinstance(t, torch.fx.Proxy)
 
-    return is_fake(t) or t.device.type == "meta"
+
+def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
+    """``fmt.prepare(inner)``, cached on the first inner tensor while no inner tensor changes."""
+    tensors = list(inner.values())
+    if any(_is_traced(t) for t in tensors):
+        return fmt.prepare(inner)
+    key = (fmt, tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors))
+    anchor = _anchor(tensors[0])
+    if anchor.__dict__.get(_NO_CACHE_ATTR):
+        return fmt.prepare(inner)
+    cached = anchor.__dict__.get(_CACHE_ATTR)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    result = fmt.prepare(inner)
+    anchor.__dict__[_CACHE_ATTR] = (key, result)
+    return result
+
+
+def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], bias, blocks):
+    """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
+
+    ``blocks`` is :func:`~dtensor_quant.ops.block_sizes` of the weight's relations.
+    """
+    out = fmt.linear(x, prepared(fmt, inner), bias)
+    if out is not None:
+        return out
+    n_out = next(iter(inner.values())).shape[0]
+    out = x @ fmt.dequantize(broadcastable(inner, blocks, (n_out, x.shape[-1])), x.dtype).t()
+    return out + bias if bias is not None else out
+
+
+@torch.library.custom_op("dtensor_quant::kernel_linear", mutates_args=())
+def kernel_linear(
+    x: torch.Tensor,
+    inner: list[torch.Tensor],
+    fmt_id: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+    blocks: list[int],
+) -> torch.Tensor:
+    """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order)."""
+    fmt = format_from_id(fmt_id)
+    return kernel_linear_impl(x, fmt, dict(zip(fmt.inner_names, inner)), bias, blocks)
+
+
+@kernel_linear.register_fake
+def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _kernel_inner(w_t: QuantizedTensor) -> dict[str, torch.Tensor] | None:
+    """Canonical inner tensors of a transposed weight: the persistent ones when ``w_t = w.t()``."""
+    if not is_transposed(w_t):
+        return None
+    owner = w_t.__dict__.get("_transposed_from")
+    if owner is not None and owner.dims == canonical_dims(2) and canonical_inner(owner) is not None:
+        return owner.inner
+    return canonical_inner(w_t)
 
 
 def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
-    inner = canonical_inner(w_t) if is_transposed(w_t) else None
-    if inner is not None:
-        out = w_t.fmt.linear(x, _prepared(w_t, inner), bias)
-        if out is not None:
-            return out
-    out = x @ dequantize(w_t, x.dtype)
-    return out + bias if bias is not None else out
+    inner = _kernel_inner(w_t)
+    if inner is None:
+        out = x @ dequantize(w_t, x.dtype)
+        return out + bias if bias is not None else out
+    lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    blocks = block_sizes(row[::-1] for row in w_t.rels)  # canonical [out, in] order
+    if _is_traced(x2) or any(_is_traced(t) for t in inner.values()):
+        out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
+    else:
+        out = kernel_linear_impl(x2, w_t.fmt, inner, bias, blocks)
+    return out.reshape(*lead, out.shape[-1])
 
 
 @implements("aten::mm")
@@ -80,7 +168,85 @@ def _addmm(func, bias, a, b, beta=1, alpha=1):
     return out + (bias if beta == 1 else beta * bias)
 
 
-@implements("aten::bmm", "aten::baddbmm")
-def _bmm(func, *args, **kwargs):
-    q = next(a for a in args if isinstance(a, QuantizedTensor))
-    raise NotImplementedError(f"{func} with a {_describe(q)}: quantized weights are 2-D; use F.linear or mm")
+# -- batched products: a 2-D weight broadcast over a batch ---------------------
+
+
+@implements("aten::expand")
+def _expand(func, q, size, implicit=False):
+    """A 2-D weight viewed as a batch of identical matrices (``Constant`` along the new leading dims)."""
+    size = tuple(size)
+    extra = len(size) - q.ndim
+    trailing = tuple(q.shape[i] if s == -1 else s for i, s in enumerate(size[extra:]))
+    if extra < 0 or trailing != tuple(q.shape) or any(s < 0 for s in size[:extra]):
+        raise NotImplementedError(
+            f"{_describe(q)}: expand to {size} would repeat quantized elements; only a broadcast "
+            "over new leading (batch) dims is supported"
+        )
+    if extra == 0:
+        return rebuild(q, q.inner, q.shape, stride=q.stride())
+    out = _broadcast(q, size[:extra])
+    if "_transposed_from" in q.__dict__:
+        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
+    return out
+
+
+def _broadcast(q: QuantizedTensor, batch: tuple[int, ...]) -> QuantizedTensor:
+    k = len(batch)
+    inner = {n: t.reshape((1,) * k + tuple(t.shape)) for n, t in q.inner.items()}
+    rels = tuple((Constant(),) * k + row for row in q.rels)
+    dims = ((),) * k + q.dims
+    return QuantizedTensor(inner, q.fmt, rels, dims, batch + tuple(q.shape), q.dtype, (0,) * k + q.stride())
+
+
+def is_broadcast_batch(q: QuantizedTensor) -> bool:
+    """Whether ``q`` is a 2-D weight broadcast over leading batch dims (what ``expand`` makes)."""
+    k = q.ndim - 2
+    return k > 0 and all(d == () for d in q.dims[:k])
+
+
+def unbroadcast(q: QuantizedTensor) -> QuantizedTensor:
+    """The single 2-D weight every batch entry of a broadcast ``q`` holds."""
+    k = q.ndim - 2
+    inner = {n: t.reshape(tuple(t.shape[k:])) for n, t in q.inner.items()}
+    rels = tuple(row[k:] for row in q.rels)
+    out = QuantizedTensor(inner, q.fmt, rels, q.dims[k:], tuple(q.shape[k:]), q.dtype, tuple(q.stride()[k:]))
+    if "_transposed_from" in q.__dict__:
+        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
+    return out
+
+
+def rebatch(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor | None:
+    """``view``/``reshape`` of a broadcast weight that only regroups its batch dims, else None."""
+    if not is_broadcast_batch(q) or len(size) < 3 or tuple(size[-2:]) != tuple(q.shape[-2:]):
+        return None
+    out = _broadcast(unbroadcast(q), tuple(size[:-2]))
+    if "_transposed_from" in q.__dict__:
+        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
+    return out
+
+
+def _batched(func, a, b):
+    if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and is_broadcast_batch(b):
+        return linear(a, unbroadcast(b))
+    if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and is_broadcast_batch(a):
+        return dequantize(unbroadcast(a), b.dtype) @ b
+    q = a if isinstance(a, QuantizedTensor) else b
+    raise NotImplementedError(
+        f"{func} with a {_describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
+        "batched activation and a weight) is supported; use F.linear"
+    )
+
+
+@implements("aten::bmm")
+def _bmm(func, a, b):
+    return _batched(func, a, b)
+
+
+@implements("aten::baddbmm")
+def _baddbmm(func, bias, a, b, beta=1, alpha=1):
+    if isinstance(bias, QuantizedTensor):
+        raise NotImplementedError(f"baddbmm with a quantized bias ({_describe(bias)})")
+    out = _batched(func, a, b)
+    if alpha != 1:
+        out = out * alpha
+    return out + (bias if beta == 1 else beta * bias)

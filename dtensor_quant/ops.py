@@ -24,7 +24,7 @@ from .layout import (
     Stacked,
     can_flatten,
     dim_factor,
-    inner_range,
+    inner_slice,
     legal_chunk,
 )
 from .tensor import QuantizedTensor, contiguous_strides
@@ -48,6 +48,13 @@ def implements(*names: str):
 
 def dispatch(func, args, kwargs):
     handler = HANDLERS.get(func._schema.name)
+    if handler is None and _composite(func):
+        # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
+        # under inference mode or from inside another subclass's dispatch (a redistribute
+        # DTensor runs while dispatching an op): decompose them into the ops defined here.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if handler is None:
         q = next(a for a in _flat(args, kwargs) if isinstance(a, QuantizedTensor))
         raise UnsupportedOpError(
@@ -55,6 +62,10 @@ def dispatch(func, args, kwargs):
             "need dense values. Call .dequantize() first to work on a dense copy."
         )
     return handler(func, *args, **kwargs)
+
+
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _flat(args, kwargs):
@@ -83,10 +94,6 @@ def _strides(q: QuantizedTensor, shape, dims) -> tuple[int, ...]:
     return tuple(reversed(contiguous_strides(tuple(reversed(shape)))))
 
 
-# "fsdp_gathered": the tensor (or what it was made from) views an FSDP2 all-gather
-# buffer, which FSDP2 frees after use, so kernels must not cache a prepared copy of
-# it. Every result made from such a tensor keeps the mark.
-STICKY = ("fsdp_gathered",)
 # "fsdp_padded_rows": the rows of the buffer this tensor is a leading-rows narrow of
 # (FSDP2 keeps an uneven shard as such a narrow of its zero-padded shard, and
 # dtensor_quant.fsdp pads to it). Only aliases and device copies of the narrow keep it:
@@ -102,7 +109,7 @@ def _keep_padded_rows(src: QuantizedTensor, out: QuantizedTensor) -> QuantizedTe
 
 def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None):
     dims = q.dims if dims is None else dims
-    out = QuantizedTensor(
+    return QuantizedTensor(
         inner,
         q.fmt,
         q.rels if rels is None else rels,
@@ -111,10 +118,6 @@ def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=Non
         q.dtype if dtype is None else dtype,
         stride if stride is not None else _strides(q, shape, dims),
     )
-    for key in STICKY:
-        if key in q.__dict__:
-            out.__dict__[key] = q.__dict__[key]
-    return out
 
 
 def _map_inner(q: QuantizedTensor, fn) -> dict[str, torch.Tensor]:
@@ -129,6 +132,18 @@ def _describe(q: QuantizedTensor) -> str:
     return f"{q.fmt} tensor of shape {tuple(q.shape)}"
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included; works for float8, which has no torch.equal on CPU)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        a, b = a.contiguous().view(_INT_OF_SIZE[a.element_size()]), b.contiguous().view(_INT_OF_SIZE[b.element_size()])
+    return torch.equal(a, b)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _tracing(t: torch.Tensor) -> bool:
     return is_fake(t) or t.device.type == "meta"
 
@@ -141,18 +156,15 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     length = q.shape[dim]
     inner, rels = {}, []
     for (name, t), rel_row in zip(q.inner.items(), q.rels):
-        rel = rel_row[dim]
         try:
-            i0, i1 = inner_range(rel, start, stop, length) if start < stop else _empty(rel, t, dim, start)
+            i0, i1, rel = inner_slice(rel_row[dim], start, stop, length)
         except LayoutError as e:
             raise LayoutError(
                 f"{_describe(q)}: cannot take [{start}:{stop}] of dim {dim}: inner '{name}' is "
-                f"{rel} along it ({e}). Shard boundaries must fall on multiples of {rel.factor}; "
-                "dtensor_quant.check_placements() lists the mesh sizes that do."
+                f"{rel_row[dim]} along it ({e}). dtensor_quant.check_placements() lists the mesh sizes "
+                "whose shard boundaries are legal."
             ) from None
         inner[name] = t.narrow(dim, i0, i1 - i0)
-        if isinstance(rel, Stacked) and stop - start <= rel.n:
-            rel = Constant()
         rels.append(_with_rel(rel_row, dim, rel))
     shape = list(q.shape)
     shape[dim] = stop - start
@@ -164,16 +176,9 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     return out
 
 
-def _empty(rel, t: torch.Tensor, dim: int, start: int) -> tuple[int, int]:
-    if isinstance(rel, Constant):
-        return 0, 1
-    i = min(-(-start // rel.factor), t.shape[dim])
-    return i, i
-
-
 def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
     """Raise, naming the legal shard counts, if a split would cut a packed element or a block."""
-    rels = {name: row[dim] for name, row in zip(q.fmt.inner_names, q.rels)}
+    rels = {name: row[dim] for name, row in zip(q.fmt.inner_names, q.rels) if not isinstance(row[dim], Stacked)}
     factor = dim_factor(list(rels.values()))
     cuts = [sum(sizes[:i]) for i in range(1, len(sizes))]
     bad = next((c for c in cuts if factor > 1 and c % factor and c < q.shape[dim]), None)
@@ -189,27 +194,15 @@ def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
     )
 
 
-def check_cat_alignment(q: QuantizedTensor, dim: int, pieces: int, what: str) -> None:
-    """Raise (before any collective) if ``pieces`` copies of ``q``'s shape cannot be concatenated on ``dim``."""
-    if pieces == 1:
-        return
-    length = q.shape[dim]
-    for name, rel_row in zip(q.fmt.inner_names, q.rels):
-        rel = rel_row[dim]
-        if isinstance(rel, (Packed, Blocked, Stacked)) and length % rel.factor:
-            raise LayoutError(
-                f"{_describe(q)}: cannot {what} {pieces} pieces along dim {dim}: each piece has "
-                f"{length} elements there, but inner '{name}' is {rel}, so every piece but the "
-                f"last must hold a multiple of {rel.factor}."
-            )
-
-
 def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = None) -> QuantizedTensor:
-    """Concatenate quantized pieces of one tensor along ``dim``.
+    """Concatenate quantized pieces along ``dim`` (what every gather does after the collective).
 
-    ``joined`` maps inner names to tensors that already hold ``torch.cat`` of
-    the pieces' inner tensors (an all-gather output the pieces are views of);
-    they are used as they are instead of being copied.
+    Any pieces of one format concatenate: where their blocks continue one grid
+    the relation stays; where they do not (a piece ending in a partial block,
+    constant inners that differ) the result is ``Stacked`` in runs of the
+    piece length, which splitting at piece boundaries undoes. ``joined`` maps
+    inner names to tensors that already hold the concatenation (an all-gather
+    output the pieces are views of), used as they are instead of copied.
     """
     first = pieces[0]
     for p in pieces[1:]:
@@ -217,43 +210,49 @@ def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = N
             raise LayoutError(
                 f"cannot concatenate {_describe(first)} with {p!r}: pieces must share format and orientation"
             )
-    for p in pieces[:-1]:
-        check_cat_alignment(p, dim, 2, "concatenate")
     inner, rels = {}, []
     for i, name in enumerate(first.fmt.inner_names):
         parts = [getattr(p, name) for p in pieces]
         rel_rows = [p.rels[i] for p in pieces]
-        rel = _cat_relation(name, [r[dim] for r in rel_rows], parts, pieces, dim)
-        if isinstance(rel, Constant):
-            inner[name] = parts[0]
-        elif joined is not None and name in joined:
-            inner[name] = joined[name]
+        if joined is not None and name in joined:
+            whole = joined[name]
         else:
-            inner[name] = torch.cat(parts, dim)
+            whole = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+        rel = _cat_relation(name, dim, pieces, [r[dim] for r in rel_rows], whole)
+        inner[name] = whole.narrow(dim, 0, 1) if isinstance(rel, Constant) else whole
         rels.append(_with_rel(rel_rows[0], dim, rel))
     shape = list(first.shape)
     shape[dim] = sum(p.shape[dim] for p in pieces)
     return rebuild(first, inner, shape, rels=tuple(rels))
 
 
-def _cat_relation(name, rels, parts, pieces, dim):
-    """The relation along ``dim`` of the concatenation (a Constant stays one if all copies agree)."""
-    if not any(isinstance(r, Constant) for r in rels):
-        return rels[0]
-    if all(isinstance(r, Constant) for r in rels):
-        if _tracing(parts[0]) or all(torch.equal(parts[0], p) for p in parts[1:]):
+def _cat_relation(name, dim, pieces, rels, joined):
+    """The relation along ``dim`` of the concatenation of ``pieces`` (inner ``name`` joined)."""
+    runs = []  # (logical length, relation) of every run of one grid, in order
+    for piece, rel in zip(pieces, rels):
+        length = piece.shape[dim]
+        if isinstance(rel, Stacked):
+            full, rem = divmod(length, rel.n)
+            runs += [(rel.n, rel.rel)] * full + ([(rem, rel.rel)] if rem else [])
+        else:
+            runs.append((length, rel))
+    kinds = {r for _, r in runs}
+    if len(kinds) != 1:
+        raise LayoutError(f"cannot concatenate along dim {dim}: inner '{name}' is laid out as {sorted(map(str, kinds))}")
+    (rel,) = kinds
+    lengths = [n for n, _ in runs]
+    if isinstance(rel, Constant):
+        if len(runs) == 1 or _tracing(joined) or same_bits(joined, joined.narrow(dim, 0, 1).expand_as(joined)):
             return Constant()
-    # Constant pieces that differ (a per-column scale gathered along rows):
-    # one inner row per piece, which needs pieces of equal length.
-    run = pieces[0].shape[dim]
-    if any(p.shape[dim] != run for p in pieces[:-1]) or any(
-        isinstance(r, Stacked) and r.n != run for r in rels
-    ):
+    elif all(n % rel.factor == 0 for n in lengths[:-1]):
+        return rel
+    run = lengths[0]
+    if any(n != run for n in lengths[:-1]) or lengths[-1] > run:
         raise LayoutError(
-            f"cannot concatenate pieces of {_describe(pieces[0])} along dim {dim}: inner '{name}' "
-            "is constant along it but differs between pieces of unequal lengths"
+            f"cannot concatenate pieces of {_describe(pieces[0])} along dim {dim}: inner '{name}' is {rel} "
+            f"and the pieces ({lengths[:8]}) neither continue its grid nor have equal lengths"
         )
-    return Stacked(run)
+    return Stacked(run, rel)
 
 
 def _resolve_slice(length: int, start, end) -> tuple[int, int]:
@@ -377,6 +376,12 @@ def _view(func, q, size):
         size[size.index(-1)] = q.numel() // max(known, 1)
     if tuple(size) == tuple(q.shape):
         return _alias(func, q)
+    if q.ndim > 2:  # a weight broadcast over a batch by torch.matmul (see matmul.py)
+        from .matmul import rebatch
+
+        out = rebatch(q, tuple(size))
+        if out is not None:
+            return out
     if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
         return _flatten(q)
     if q.ndim == 2 and tuple(size) == (1, q.shape[0] * q.shape[1]):
@@ -399,7 +404,7 @@ def _flatten(q: QuantizedTensor) -> QuantizedTensor:
 
 
 def _unflatten(q: QuantizedTensor, size: tuple[int, int]) -> QuantizedTensor:
-    rows = tuple(q.fmt.layout.values())
+    rows = tuple(q.fmt.layout_for(size).values())
     inner = {}
     for (name, t), rel_row in zip(q.inner.items(), rows):
         shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
@@ -497,7 +502,15 @@ def _to_copy(func, q, dtype=None, layout=None, device=None, pin_memory=None, non
 
 
 def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
-    """A quantized tensor of logical ``size`` laid out like ``q``, filled with zero bytes (or empty)."""
+    """A quantized tensor of logical ``size`` laid out like ``q``: zero (or empty) bytes.
+
+    Except for the inner tensors whose blocks are the same as ``q``'s -- constant
+    along every dim whose size changes (a per-tensor scale, a row scale of an
+    empty column shard): those describe blocks the new tensor shares with
+    ``q``, so they are copied. torch creates empty trailing shards with
+    ``new_zeros``; zeroing their shared scales would make a later gather
+    disagree with the other ranks.
+    """
     size = tuple(size)
     if size == (0,) and q.ndim == 2 and q.dims == canonical_dims(2):
         # FSDP2's placeholder for the ranks past torch.chunk's last piece.
@@ -510,7 +523,13 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
             shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
         except LayoutError as e:
             raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}': {e}") from None
-        inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
+        shared = any(isinstance(r, Constant) for r in rel_row) and all(
+            isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
+        )
+        if shared:
+            inner[name] = t.clone().to(device or t.device)
+        else:
+            inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
     return rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
 
 
@@ -552,6 +571,9 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
         d.copy_(s, non_blocking=non_blocking)
+        # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
+        # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
+        torch.autograd.graph.increment_version(d)
     return dst
 
 
@@ -578,15 +600,44 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """Dense values of ``q`` in ``dtype``, whatever its orientation or stacking."""
     for rel_row in q.rels:
         for dim, rel in enumerate(rel_row):
-            if isinstance(rel, Stacked):
+            if isinstance(rel, Stacked):  # each run has a grid of its own: one piece at a time
                 run = rel.n
                 pieces = [slice_dim(q, dim, s, min(s + run, q.shape[dim])) for s in range(0, q.shape[dim], run)]
                 return torch.cat([dequantize(p, dtype) for p in pieces], dim)
     if q.dims == canonical_dims(q.ndim):
-        return q.fmt.dequantize(q.inner, dtype)
+        return q.fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype)
     if is_transposed(q):
-        return q.fmt.dequantize(_map_inner(q, lambda t: t.t()), dtype).t()
+        rels = tuple(row[::-1] for row in q.rels)
+        inner = _broadcastable(_map_inner(q, lambda t: t.t()), rels, q.shape[::-1])
+        return q.fmt.dequantize(inner, dtype).t()
     raise UnsupportedOpError(f"{_describe(q)}: dequantize the tensor before view(-1), not after")
+
+
+def _broadcastable(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, torch.Tensor]:
+    """What a format's ``dequantize`` receives: see :func:`broadcastable`."""
+    return broadcastable(inner, block_sizes(rels), shape)
+
+
+def block_sizes(rels) -> list[int]:
+    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked."""
+    return [rel.b if isinstance(rel, Blocked) else 0 for row in rels for rel in row]
+
+
+def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) -> dict[str, torch.Tensor]:
+    """Blocked inner tensors repeated to one value per logical element; constant ones stay size 1.
+
+    This is what a format's ``dequantize`` receives, so its math is elementwise
+    (broadcasting) whatever the shard, block size or partial last block.
+    ``blocks`` is :func:`block_sizes` of the tensor's relations.
+    """
+    out, ndim = {}, len(shape)
+    for i, (name, t) in enumerate(inner.items()):
+        for dim in range(ndim):
+            b = blocks[i * ndim + dim]
+            if b:
+                t = t.repeat_interleave(b, dim).narrow(dim, 0, shape[dim])
+        out[name] = t
+    return out
 
 
 def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:

@@ -27,27 +27,29 @@ def _shard_like(p: Placement) -> bool:
     return isinstance(p, (Shard, _StridedShard))
 
 
-def dim_alignment(fmt: QuantFormat, dim: int) -> int:
-    """The multiple every shard boundary along logical ``dim`` must fall on."""
-    return dim_factor([rels[dim] for rels in fmt.layout.values()])
+def dim_alignment(fmt: QuantFormat, shape: Sequence[int], dim: int) -> int:
+    """The multiple every shard boundary along logical ``dim`` of a ``shape`` weight must fall on."""
+    return dim_factor([rels[dim] for rels in fmt.layout_for(shape).values()])
 
 
-def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[list[int]]:
+def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[torch.Tensor]:
     """Logical indices of ``[0, length)`` held by each shard after applying ``cuts`` in mesh order."""
     pieces = [torch.arange(length)]
     for placement, ways in cuts:
         splitter = _StridedShard(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard) else Shard(0)
         pieces = [c for p in pieces for c in splitter._split_tensor(p, ways, with_padding=False)[0]]
-    return [p.tolist() for p in pieces]
+    return pieces
 
 
 def _bad_cut(length: int, cuts, factor: int) -> int | None:
     """The first shard boundary not on a multiple of ``factor``, or None."""
     for idx in _pieces(length, cuts):
-        for i, pos in enumerate(idx):
-            starts_run = i == 0 or idx[i - 1] != pos - 1
-            if starts_run and pos % factor:
-                return pos
+        if idx.numel() == 0:
+            continue
+        starts_run = torch.cat([idx.new_ones(1, dtype=torch.bool), idx[1:] != idx[:-1] + 1])
+        bad = idx[starts_run & (idx % factor != 0)]
+        if bad.numel():
+            return int(bad[0])
     return None
 
 
@@ -85,7 +87,7 @@ def _first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] |
     """``(dim, index, alignment)`` of the first misaligned shard boundary, or None."""
     for dim, length in enumerate(shape):
         cuts = [(p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
-        factor = dim_alignment(fmt, dim)
+        factor = dim_alignment(fmt, shape, dim)
         if not cuts or factor == 1:
             continue
         bad = _bad_cut(length, cuts, factor)
@@ -113,7 +115,7 @@ def legal_mesh_sizes(
 
 
 def _explain(fmt, shape, mesh_shape, placements, dim, bad, factor) -> str:
-    why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in fmt.layout.items() if rels[dim].factor > 1)
+    why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in fmt.layout_for(shape).items() if rels[dim].factor > 1)
     mesh_dims = [m for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
     hints = []
     for m in mesh_dims:

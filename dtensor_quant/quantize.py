@@ -14,10 +14,11 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from .format import QuantFormat, no_reduce
-from .layout import Constant
+from . import wire
+from .format import QuantFormat, Reducer
+from .layout import Constant, LayoutError
 from .ops import canonical_dims
-from .placements import _shard_like, check_placements
+from .placements import _shard_like
 from .tensor import QuantizedTensor
 
 
@@ -37,38 +38,57 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         return _quantize_dtensor(weight, fmt)
     fmt.check_weight(weight.shape, weight.dtype)
     with torch.no_grad():
-        inner = fmt.quantize(weight.detach(), no_reduce)
-    return _wrap(fmt, inner, weight.shape, weight.dtype)
+        inner = fmt.quantize(weight.detach(), Reducer(weight.shape))
+    return _wrap(fmt, inner, weight.shape, weight.dtype, weight.shape)
 
 
-def _wrap(fmt: QuantFormat, inner: dict, shape, dtype) -> QuantizedTensor:
-    rels = tuple(fmt.layout.values())
-    for (name, t), rel_row in zip(inner.items(), rels):
+def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedTensor:
+    """Wrap a (local) shard of logical ``shape`` of a weight of ``full_shape``, checking the layout."""
+    layout = fmt.layout_for(full_shape)
+    if tuple(inner) != tuple(layout):
+        raise LayoutError(f"{fmt}.quantize returned inner tensors {tuple(inner)}, its layout declares {tuple(layout)}")
+    for (name, t), rel_row in zip(inner.items(), layout.values()):
         expected = tuple(r.inner_len(n) for r, n in zip(rel_row, shape))
-        assert tuple(t.shape) == expected, f"{fmt}.quantize made '{name}' {tuple(t.shape)}, layout says {expected}"
-    return QuantizedTensor(inner, fmt, rels, canonical_dims(len(shape)), tuple(shape), dtype)
+        if tuple(t.shape) != expected:
+            raise LayoutError(
+                f"{fmt}.quantize returned inner '{name}' of shape {tuple(t.shape)} for a {tuple(shape)} "
+                f"weight, but its layout says {expected}"
+            )
+    return QuantizedTensor(inner, fmt, tuple(layout.values()), canonical_dims(len(shape)), tuple(shape), dtype)
 
 
 def _quantize_dtensor(weight: DTensor, fmt: QuantFormat) -> DTensor:
-    mesh, placements = weight.device_mesh, weight.placements
-    check_placements(weight.shape, fmt, mesh.shape, placements)
-    local = weight.to_local().detach()
-    with torch.no_grad():
-        inner = fmt.quantize(local, MeshReducer(fmt, mesh, placements))
-    q = _wrap(fmt, inner, local.shape, weight.dtype)
-    return DTensor.from_local(q, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
+    # One implementation for both entry points: the custom op, whose sharding
+    # strategy keeps the placements and whose kernel reduces the statistics.
+    from .custom_ops import quantize as quantize_op
+
+    return quantize_op(weight, fmt)
 
 
-class MeshReducer:
-    """All-reduces a statistic over the mesh dims whose shards share its blocks."""
+class MeshReducer(Reducer):
+    """All-reduces a statistic over the mesh dims whose shards share its blocks.
 
-    def __init__(self, fmt: QuantFormat, mesh, placements):
-        self.fmt, self.mesh, self.placements = fmt, mesh, placements
+    ``axes`` holds one ``(logical dim, process group name)`` pair per sharded
+    mesh dim; a statistic laid out like inner ``like`` is all-reduced over the
+    groups of the dims along which ``like`` is ``Constant``.
+    """
+
+    def __init__(self, fmt: QuantFormat, full_shape, axes: list[tuple[int, str]]):
+        super().__init__(full_shape)
+        self.layout = fmt.layout_for(full_shape)
+        self.axes = list(axes)
+
+    @classmethod
+    def for_mesh(cls, fmt: QuantFormat, full_shape, mesh, placements) -> MeshReducer:
+        ndim = len(full_shape)
+        axes = [(p.dim % ndim, mesh.get_group(m).group_name) for m, p in enumerate(placements) if _shard_like(p)]
+        return cls(fmt, full_shape, axes)
 
     def __call__(self, stat: torch.Tensor, op: str, like: str) -> torch.Tensor:
-        rels = self.fmt.layout[like]
-        for mesh_dim, p in enumerate(self.placements):
-            if _shard_like(p) and isinstance(rels[p.dim % len(rels)], Constant):
-                stat = funcol.all_reduce(stat.contiguous(), op, (self.mesh, mesh_dim))
+        rels = self.layout[like]
+        for dim, group in self.axes:
+            if isinstance(rels[dim], Constant):
+                stat = funcol.all_reduce(stat.contiguous(), op, group)
+                wire.note_hidden("_c10d_functional::all_reduce", stat)
                 stat = funcol.wait_tensor(stat) if isinstance(stat, funcol.AsyncCollectiveTensor) else stat
         return stat

@@ -77,6 +77,19 @@ def note(op: str, tensors, quantized: bool = True) -> None:
             log.transfers.append(Transfer(op, t.dtype, t.numel() * t.element_size(), quantized))
 
 
+def note_hidden(op: str, tensors) -> None:
+    """Record a dense collective issued inside a custom op, where the recording mode cannot see it.
+
+    A dispatch mode sees a custom op (``dtensor_quant::quantize``) but not the
+    collectives its kernel runs, so those report themselves; outside a custom
+    op the mode records them and this does nothing.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if not any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack()):
+        note(op, tensors, quantized=False)
+
+
 @contextlib.contextmanager
 def record() -> Iterator[WireLog]:
     """Capture every collective issued in this process inside the block."""

@@ -134,11 +134,17 @@ def build(cfg: Config | None = None, seed: int = 0, dtype: torch.dtype = torch.b
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy decoding without a KV cache (the model is small; clarity over speed)."""
+def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, pad_to_multiple: int = 1) -> torch.Tensor:
+    """Greedy decoding without a KV cache (the model is small; clarity over speed).
+
+    ``pad_to_multiple`` pads every step's input at the end to a multiple of it:
+    sequence parallelism shards the sequence evenly, and a causal model's
+    logits at a position do not depend on the tokens after it.
+    """
     tokens = prompt
     for _ in range(new_tokens):
-        logits = model(tokens)
-        next_token = logits[:, -1].float().argmax(-1, keepdim=True)
+        n = tokens.shape[1]
+        logits = model(F.pad(tokens, (0, -n % pad_to_multiple)))
+        next_token = logits[:, n - 1].float().argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, next_token], dim=1)
     return tokens

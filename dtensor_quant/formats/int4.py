@@ -21,6 +21,10 @@ from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne, Packed
 
 
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
 @dataclass(frozen=True)
 class Int4Groupwise(QuantFormat):
     group_size: int = 128
@@ -57,32 +61,49 @@ class Int4Groupwise(QuantFormat):
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         packed = inner["qdata"]
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
-        n_in = q.shape[1]
-        g = self.group_size
-        scale = expand_blocks(inner["scale"].float(), 1, g, n_in)
-        zero = expand_blocks(inner["zero"].float(), 1, g, n_in)
-        return ((q - 8) * scale + zero).to(dtype)
+        return ((q - 8) * inner["scale"].float() + inner["zero"].float()).to(dtype)
 
     def prepare(self, inner):
-        """Repack for ``aten._weight_int4pack_mm_for_cpu`` where its shape rules allow it."""
+        """Repack for torch's int4 mm on this device where its shape rules allow it, else None.
+
+        CPU: ``aten._convert_weight_to_int4pack_for_cpu`` (int32 codes, out % 16 == 0).
+        CUDA (untested here: no GPU in CI): ``aten._convert_weight_to_int4pack``, which wants
+        the even code in the high nibble, out % 8 == 0 and in % (16 * inner_k_tiles) == 0.
+        Both take the same ``[groups, out, 2]`` scale/zero tensor: torch's convention is ours.
+        """
         qdata = inner["qdata"]
         n_out, n_in = qdata.shape[0], qdata.shape[1] * 2
-        if qdata.device.type != "cpu" or n_out % 16 or n_in % self.group_size or n_in % 32 or not n_out:
+        if not n_out or n_in % self.group_size:
             return None
-        codes = torch.stack([qdata & 0xF, qdata >> 4], dim=-1).flatten(-2).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
         scale_zeros = torch.stack([inner["scale"], inner["zero"]], dim=-1).transpose(0, 1).contiguous()
-        return packed, scale_zeros
+        if qdata.device.type == "cpu":
+            if n_out % 16 or n_in % 32:
+                return None
+            codes = torch.stack([qdata & 0xF, qdata >> 4], dim=-1).flatten(-2).to(torch.int32)
+            return "cpu", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2), scale_zeros
+        tiles = next((t for t in (8, 4, 2) if n_in % (16 * t) == 0), None)
+        if (
+            qdata.device.type != "cuda"
+            or not _has_kernel("aten::_weight_int4pack_mm", "CUDA")
+            or self.group_size not in (32, 64, 128, 256)
+            or n_out % 8
+            or tiles is None
+        ):
+            return None
+        high_first = ((qdata & 0xF) << 4) | (qdata >> 4)
+        return "cuda", torch.ops.aten._convert_weight_to_int4pack(high_first.contiguous(), tiles), scale_zeros
 
     def linear(self, x, prepared, bias):
-        """``aten._weight_int4pack_mm_for_cpu`` (torch's CPU int4 kernel, bf16 activations)."""
+        """torch's int4 weight-only mm, bf16 activations: ``_weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
+
+        fp32/fp16 activations dequantize instead: torch 2.13's CPU kernel is vectorized for
+        bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in bf16).
+        """
         if prepared is None or x.dtype != torch.bfloat16:
             return None
-        packed, scale_zeros = prepared
-        # Scales are stored in the weight's dtype; the kernel wants the activations' (bf16).
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), packed, self.group_size, scale_zeros.to(x.dtype)
-        )
+        device, packed, scale_zeros = prepared
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if device == "cpu" else torch.ops.aten._weight_int4pack_mm
+        out = mm(x.contiguous(), packed, self.group_size, scale_zeros.to(x.dtype))
         return out + bias if bias is not None else out
 
     def __str__(self) -> str:

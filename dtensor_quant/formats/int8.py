@@ -17,7 +17,16 @@ from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
 _QMAX = 127
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower
+# than dequantize + mm for a batch of 16 (AVX2), so those dtypes dequantize.
+_KERNEL_DTYPES = (torch.bfloat16,)
+
+
+def _has_kernel(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    key = {"cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
 
 
 @dataclass(frozen=True)
@@ -40,10 +49,10 @@ class Int8Rowwise(QuantFormat):
         return inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
 
     def linear(self, x, prepared, bias):
-        """``aten._weight_int8pack_mm`` (int8 weight, per-row scale) on CPU."""
+        """``aten._weight_int8pack_mm`` (per-row scale, bf16 activations): CPU; CUDA if built in (untested here)."""
         q, scale = prepared
-        # The kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
-        if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or 0 in q.shape or q.shape[1] % 8:
+        # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
+        if x.dtype not in _KERNEL_DTYPES or 0 in q.shape or q.shape[1] % 8 or not _has_kernel(x.device.type):
             return None
         out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
         return out + bias if bias is not None else out

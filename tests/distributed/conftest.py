@@ -4,9 +4,15 @@ Starting a gloo process group costs seconds; a pool per world size starts
 once per session and runs each test's function on all of its ranks.
 """
 
+import os
+import sys
+
 import pytest
 
 from dtensor_quant.launch import RankPool
+
+# examples/ holds the model and the custom format the tests exercise; spawned ranks inherit sys.path.
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "examples")))
 
 _pools: dict[int, RankPool] = {}
 

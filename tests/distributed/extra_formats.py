@@ -67,5 +67,5 @@ class RowBlockInt8(QuantFormat):
         return {"qdata": _codes(weight, expand_blocks(scale, 0, self.rows, weight.shape[0])), "scale": scale}
 
     def dequantize(self, inner, dtype):
-        q = inner["qdata"]
-        return (q.float() * expand_blocks(inner["scale"].float(), 0, self.rows, q.shape[0])).to(dtype)
+        # the library hands the scale over repeated per row (see QuantFormat.dequantize)
+        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.layout import Constant
 
 from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
 from helpers import assert_same_bits, mesh, rank, weight
@@ -29,6 +30,9 @@ FORMATS = {
     "pertensor": PerTensorInt8(),
     "column": ColumnInt8(),
     "rowblock4": RowBlockInt8(4),
+    "nf4": dq.NF4(),
+    "float8": dq.Float8Rowwise(),
+    "float8t": dq.Float8Tensorwise(),
 }
 
 
@@ -41,10 +45,12 @@ def quantized_model(fmt_name, shape, dtype=torch.float32):
 
 
 def expected_bytes(q: dq.QuantizedTensor, world: int) -> int:
-    """Bytes one rank sends: the inner tensors of its padded shard, nothing more."""
+    """Bytes one rank sends: the inner tensors of its padded shard that are not constant everywhere."""
     rows = -(-q.shape[0] // world)
     total = 0
     for name, rels in zip(q.fmt.inner_names, q.rels):
+        if all(isinstance(r, Constant) for r in rels):
+            continue
         shape = [r.inner_len(n) for r, n in zip(rels, (rows, q.shape[1]))]
         total += shape[0] * shape[1] * getattr(q, name).element_size()
     return total
@@ -80,8 +86,9 @@ def gather_exact(fmt_name, shape, mp):
     # zero copy: the sent inner tensors view FSDP2's all-gather buffers
     fsdp_param = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
     buffers = {t.untyped_storage().data_ptr() for t in fsdp_param.all_gather_outputs}
-    for name in q.fmt.inner_names:
-        assert getattr(full, name).untyped_storage().data_ptr() in buffers, f"{name} was copied"
+    for name, rels in zip(q.fmt.inner_names, q.rels):
+        if not all(isinstance(r, Constant) for r in rels):
+            assert getattr(full, name).untyped_storage().data_ptr() in buffers, f"{name} was copied"
 
     # later gathers refill the same parameter in place (out=)
     model.reshard()
@@ -103,9 +110,15 @@ GATHER_CASES = [
 
 
 @pytest.mark.parametrize("world,shape", GATHER_CASES)
-@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column", "float8", "float8t"])
 def test_unsharded_weight_is_bit_exact(ranks, fmt_name, world, shape):
     assert all(ranks(world).run(gather_exact, fmt_name, shape, None))
+
+
+@pytest.mark.parametrize("world,shape", [(2, (128, 256)), (3, (46, 1024)), (4, (126, 512))])
+def test_nf4(ranks, world, shape):
+    """NF4: packed codes, per-block scalers, double-quantized factors in row blocks, a global mean."""
+    assert all(ranks(world).run(gather_exact, "nf4", shape, None))
 
 
 @pytest.mark.parametrize("world,shape", [(2, (16, 256)), (3, (22, 256)), (4, (16, 256))])

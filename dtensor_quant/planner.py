@@ -1,0 +1,268 @@
+"""Which tensor-parallel and FSDP degrees a quantized model can take -- decided before any data exists.
+
+    python -m dtensor_quant plan --format int4:128 --shape 4096x4096:rowwise --shape 11008x4096:colwise --tp 1 2 3 4 8
+    python -m dtensor_quant plan --format int4:128 --model examples/llama.py:build \\
+        --tp-plan examples/tp_inference.py:tp_plan --tp 1 2 3 4 --dp 1 2
+
+    >>> print(plan([("wo", (4096, 4096), "rowwise")], Int4Groupwise(128), tp=[2, 3]))
+
+For every Linear weight ``[out, in]`` and every mesh ``(dp, tp)`` it checks the
+placements the weight would get, with the same rule DTensor, FSDP2 and DCP
+are held to (:func:`~dtensor_quant.check_placements`): tensor parallelism
+shards the weight's rows (column-parallel, ``Shard(0)``) or its columns
+(row-parallel, ``Shard(1)``) on the tp dim; FSDP2 shards dim 0 on the dp dim
+(a ``_StridedShard`` when tensor parallelism already shards dim 0). FSDP2
+pads uneven dim-0 shards; it cannot shard other dims unevenly, which is why
+it is only ever asked for dim 0 here.
+
+A refused degree is explained: where the cut falls, the alignment the
+layout needs and which inner tensor needs it, the nearest legal degrees, and,
+for a format with a block size, the largest block size that would be legal.
+Legal cells show the bytes the largest shard holds on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .format import QuantFormat, Reducer
+from .layout import LayoutError
+from .placements import _first_bad_cut, check_placements, legal_mesh_sizes
+
+STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    shape: tuple[int, int]
+    style: str  # "colwise" or "rowwise"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One layer on one mesh: legal with ``nbytes`` per rank, or refused ``why`` with ``alternatives``."""
+
+    dp: int
+    tp: int
+    placements: tuple[Placement, ...]
+    nbytes: int | None = None
+    why: str | None = None
+    alternatives: str | None = None
+
+    @property
+    def legal(self) -> bool:
+        return self.why is None
+
+
+@dataclass
+class Plan:
+    fmt: QuantFormat
+    meshes: list[tuple[int, int]]
+    rows: list[tuple[Layer, list[Cell]]]
+
+    @property
+    def refusals(self) -> list[tuple[Layer, Cell]]:
+        return [(layer, c) for layer, cells in self.rows for c in cells if not c.legal]
+
+    def total_bytes(self, dp: int, tp: int) -> int | None:
+        """Bytes of every planned weight on one rank (None if a layer is refused on this mesh)."""
+        cells = [c for _, cells in self.rows for c in cells if (c.dp, c.tp) == (dp, tp)]
+        return None if any(not c.legal for c in cells) else sum(c.nbytes for c in cells)
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def _placements(style: str, dp: int, tp: int) -> tuple[Placement, Placement]:
+    tp_p = STYLES[style] if tp > 1 else Replicate()
+    if dp == 1:
+        return Replicate(), tp_p
+    fsdp = _StridedShard(0, split_factor=tp) if tp > 1 and style == "colwise" else Shard(0)
+    return fsdp, tp_p
+
+
+def _local_shape(shape, mesh, placements) -> tuple[int, ...]:
+    """The largest local shard (rank 0's: torch.chunk puts the remainder last)."""
+    local = list(shape)
+    for n, p in zip(mesh, placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            local[p.dim] = -(-local[p.dim] // n)
+    return tuple(local)
+
+
+def stored_bytes(fmt: QuantFormat, shape: Sequence[int], dtype=torch.bfloat16, full_shape=None) -> int:
+    """Bytes ``fmt`` stores for a shard of ``shape`` of a ``full_shape`` weight: its quantize, on a meta tensor."""
+    if 0 in shape:
+        return 0
+    inner = fmt.quantize(torch.empty(tuple(shape), dtype=dtype, device="meta"), Reducer(full_shape or shape))
+    return sum(t.numel() * t.element_size() for t in inner.values())
+
+
+def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int) -> Cell:
+    mesh, placements = (dp, tp), _placements(layer.style, dp, tp)
+    try:
+        check_placements(layer.shape, fmt, mesh, placements)
+    except LayoutError:
+        return Cell(dp, tp, placements, why=_why(layer, fmt, mesh, placements),
+                    alternatives=_alternatives(layer, fmt, mesh, placements))
+    except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
+        return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
+    local = _local_shape(layer.shape, mesh, placements)
+    return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=layer.shape))
+
+
+def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
+    dim, bad, factor = _first_bad_cut(layer.shape, fmt, mesh, placements)
+    layout = fmt.layout_for(layer.shape)
+    needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in layout.items() if rels[dim].factor > 1)
+    what = "rows" if dim == 0 else "columns"
+    return (f"the {layer.shape[dim]} {what} are cut at {what[:-1]} {bad}, not a multiple of {factor} "
+            f"({needs}; dim {dim})")
+
+
+def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
+    dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    out = []
+    for mesh_dim, name in ((1, "tp"), (0, "dp")):
+        p = placements[mesh_dim]
+        if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
+            continue
+        legal = [n for n in legal_mesh_sizes(layer.shape, fmt, mesh, placements, mesh_dim) if n != mesh[mesh_dim]]
+        below = [n for n in legal if n < mesh[mesh_dim]]
+        above = [n for n in legal if n > mesh[mesh_dim]]
+        near = [str(x) for x in (below[-1:] + above[:1])]
+        out.append(f"nearest legal {name}: {' or '.join(near) if near else 'none up to 64'}")
+    smaller = _smaller_block(layer, fmt, mesh, placements)
+    if smaller:
+        out.append(f"{smaller} would be legal here")
+    return "; ".join(out)
+
+
+def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
+    """The same format with the largest smaller block size (a ``*size`` field) that this mesh allows.
+
+    Only down to a quarter of the current size: smaller blocks cost more in scales than they are worth.
+    """
+    if not dataclasses.is_dataclass(fmt):
+        return None
+    for field in dataclasses.fields(fmt):
+        value = getattr(fmt, field.name)
+        if not field.name.endswith("size") or not isinstance(value, int):
+            continue
+        size = value // 2
+        while size >= max(1, value // 4):
+            try:
+                candidate = dataclasses.replace(fmt, **{field.name: size})
+                check_placements(layer.shape, candidate, mesh, placements)
+                return candidate
+            except ValueError:
+                size //= 2
+    return None
+
+
+def layers_of(model: nn.Module, tp_plan: dict | None = None, styles: dict[str, str] | None = None) -> list[Layer]:
+    """The Linear layers of ``model`` with their TP style (from a torch TP plan or ``styles``; else both)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = dict(styles or {})
+    for fqn, style in (tp_plan or {}).items():
+        if isinstance(style, ColwiseParallel):
+            styles[fqn] = "colwise"
+        elif isinstance(style, RowwiseParallel):
+            styles[fqn] = "rowwise"
+    out = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            shape = (module.out_features, module.in_features)
+            out += [Layer(fqn, shape, s) for s in ([styles[fqn]] if fqn in styles else STYLES)]
+    return out
+
+
+def _as_layers(source) -> list[Layer]:
+    if isinstance(source, nn.Module):
+        return layers_of(source)
+    out = []
+    for i, item in enumerate(source):
+        if isinstance(item, Layer):
+            out.append(item)
+        elif len(item) == 2 and all(isinstance(v, int) for v in item):  # a bare (out, in)
+            out += [Layer(f"layer{i}", tuple(item), s) for s in STYLES]
+        else:
+            name, shape, *style = item
+            out += [Layer(name, tuple(shape), s) for s in (style or STYLES)]
+    return out
+
+
+def plan(
+    source: nn.Module | Iterable,
+    fmt: QuantFormat,
+    tp: Sequence[int] = (1, 2, 4, 8),
+    dp: Sequence[int] = (1,),
+    tp_plan: dict | None = None,
+) -> Plan:
+    """Check every layer of ``source`` on every mesh ``(dp, tp)``.
+
+    ``source``: a model (its ``nn.Linear`` layers; build it on the meta device
+    to avoid allocating), or a list of ``(out, in)``, ``(name, (out, in))`` or
+    ``(name, (out, in), "colwise"|"rowwise")``. Layers without a style are
+    planned both ways; ``tp_plan`` (torch ParallelStyles by module name)
+    gives a model's styles.
+    """
+    layers = layers_of(source, tp_plan) if isinstance(source, nn.Module) else _as_layers(source)
+    for layer in layers:
+        if layer.style not in STYLES:
+            raise ValueError(f"{layer.name}: style must be one of {list(STYLES)}, got {layer.style!r}")
+    meshes = [(d, t) for d in dp for t in tp]
+    return Plan(fmt, meshes, [(layer, [check(layer, fmt, d, t) for d, t in meshes]) for layer in layers])
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _label(dp: int, tp: int) -> str:
+    return f"dp={dp},tp={tp}" if dp > 1 and tp > 1 else (f"dp={dp}" if dp > 1 else f"tp={tp}")
+
+
+def render(p: Plan) -> str:
+    # One note per distinct refusal: layers of one shape and style refused for one reason share it.
+    notes: dict[tuple, list] = {}
+    for layer, c in p.refusals:
+        key = (layer.shape, layer.style, c.why, c.alternatives)
+        entry = notes.setdefault(key, [len(notes) + 1, [], []])
+        entry[1] += [layer.name] if layer.name not in entry[1] else []
+        entry[2] += [_label(c.dp, c.tp)] if _label(c.dp, c.tp) not in entry[2] else []
+    table = [["layer", "shape", "style", *(_label(d, t) for d, t in p.meshes)]]
+    for layer, cells in p.rows:
+        row = [layer.name, f"{layer.shape[0]}x{layer.shape[1]}", layer.style]
+        for c in cells:
+            note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives)][0]
+            row.append(_size(c.nbytes) if c.legal else f"NO ({note})")
+        table.append(row)
+    if len({layer.name for layer, _ in p.rows}) == len(p.rows):  # one style per layer: totals make sense
+        totals = [p.total_bytes(d, t) for d, t in p.meshes]
+        bf16 = [sum(2 * layer.shape[0] * layer.shape[1] for layer, _ in p.rows) // (d * t) for d, t in p.meshes]
+        table.append(["total per rank", "", "", *("--" if t is None else _size(t) for t in totals)])
+        table.append(["bf16 per rank", "", "", *(_size(b) for b in bf16)])
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = [f"{p.fmt}: bytes each rank stores per weight (largest shard); NO = refused, see notes"]
+    lines += ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+              for r in table]
+    lines += [""] if notes else []
+    for (shape, style, why, alternatives), (number, names, meshes) in notes.items():
+        who = names[0] + (f" (and {len(names) - 1} more like it)" if len(names) > 1 else "")
+        kind = "row-parallel" if style == "rowwise" else "column-parallel"
+        where = "every mesh" if len(meshes) == len(p.meshes) > 1 else "; ".join(meshes)
+        lines.append(f"({number}) {who} [{shape[0]}x{shape[1]}, {kind}] at {where}: {why}. {alternatives}.")
+    return "\n".join(lines)

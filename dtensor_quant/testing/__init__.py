@@ -1,0 +1,101 @@
+"""The conformance kit: run the whole battery on a format -- a built-in one or your own.
+
+    from dtensor_quant.testing import check_format
+    report = check_format(MyFormat(), world_size=2)
+    print(report)                 # one line per capability: ok / FAILED and why
+    report.raise_if_failed()
+
+Or, in pytest, one test per capability::
+
+    from dtensor_quant.testing import CHECKS, run_check
+
+    @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
+    def test_my_format(check):
+        run_check(check, MyFormat())
+
+The checks run on real local ranks (gloo on CPU) and compare against a
+single-process reference, bit-exactly where the math allows. The format must
+be importable by the spawned ranks (defined at module level).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..format import QuantFormat
+from ..launch import RankError, RankPool
+from .checks import CHECKS, Check, pick_shape
+
+
+@dataclass
+class Outcome:
+    check: Check
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Report:
+    fmt: QuantFormat
+    shape: tuple[int, int]
+    world_size: int
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outcomes)
+
+    def raise_if_failed(self) -> None:
+        failed = [o for o in self.outcomes if not o.ok]
+        if failed:
+            raise AssertionError(f"{self.fmt} fails: " + "; ".join(f"{o.check.name}: {o.detail}" for o in failed))
+
+    def __str__(self) -> str:
+        width = max(len(o.check.name) for o in self.outcomes) if self.outcomes else 10
+        lines = [f"{self.fmt} on a {self.shape[0]}x{self.shape[1]} weight, {self.world_size} ranks"]
+        for o in self.outcomes:
+            lines.append(f"  {o.check.name:<{width}}  {'ok    ' if o.ok else 'FAILED'}  {o.detail}")
+        return "\n".join(lines)
+
+
+def run_check(check: Check, fmt: QuantFormat, world_size: int = 2, shape=None, pool: RankPool | None = None) -> str:
+    """Run one check; raises AssertionError (with every rank's error) if it fails, else returns its detail."""
+    shape = tuple(shape) if shape else pick_shape(fmt, world_size)
+    own = pool is None
+    pool = pool or RankPool(world_size, device="cpu")
+    try:
+        details = pool.run(check.fn, fmt, shape) if check.distributed else [check.fn(fmt, shape)]
+    except RankError as e:
+        raise AssertionError(f"{check.name}: {e}") from None
+    finally:
+        if own:
+            pool.close()
+    return details[0]
+
+
+def check_format(
+    fmt: QuantFormat, world_size: int = 2, shape=None, checks=None, pool: RankPool | None = None
+) -> Report:
+    """Every check in ``checks`` (default: all) on ``fmt``; never raises, reports.
+
+    Starts ``world_size`` local ranks unless ``pool`` (a started RankPool) is given.
+    """
+    shape = tuple(shape) if shape else pick_shape(fmt, world_size)
+    report = Report(fmt, shape, world_size)
+    own = pool is None
+    pool = pool or RankPool(world_size, device="cpu")
+    try:
+        for check in checks or CHECKS:
+            try:
+                detail = run_check(check, fmt, world_size, shape, pool)
+                report.outcomes.append(Outcome(check, True, detail))
+            except Exception as e:  # the kit reports every failure, whatever raised it
+                lines = str(e).strip().splitlines() or [type(e).__name__]
+                report.outcomes.append(Outcome(check, False, lines[-1][:300]))
+    finally:
+        if own:
+            pool.close()
+    return report
+
+
+__all__ = ["CHECKS", "Check", "Report", "check_format", "pick_shape", "run_check"]

@@ -1,0 +1,220 @@
+"""The checks of the conformance kit. Each runs on every rank and returns a one-line detail.
+
+A check takes ``(fmt, shape)``, raises AssertionError (or any error) when the
+capability does not hold, and compares against a single-process reference
+computed on the same rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from .. import wire
+from ..format import QuantFormat
+from ..layout import LayoutError
+from ..ops import same_bits
+from ..placements import check_placements
+from ..quantize import quantize
+from ..tensor import QuantizedTensor
+
+CANDIDATE_SHAPES = [(64, 256), (64, 512), (32, 1024), (64, 2048), (16, 4096), (128, 4096), (64, 16384)]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    fn: Callable[[QuantFormat, tuple[int, int]], str]
+    distributed: bool = True
+
+
+def _accepts(fmt: QuantFormat, shape) -> bool:
+    try:
+        fmt.check_weight(torch.Size(shape), torch.bfloat16)
+    except ValueError:
+        return False
+    return True
+
+
+def legal(fmt: QuantFormat, shape, mesh_shape, placements) -> bool:
+    try:
+        check_placements(shape, fmt, mesh_shape, placements)
+    except LayoutError:
+        return False
+    return True
+
+
+def pick_shape(fmt: QuantFormat, world_size: int) -> tuple[int, int]:
+    """The first candidate weight shape the format holds and can shard both ways over ``world_size``."""
+    accepted = [s for s in CANDIDATE_SHAPES if _accepts(fmt, s)]
+    if not accepted:
+        raise ValueError(f"{fmt} accepts none of the kit's shapes {CANDIDATE_SHAPES}: pass shape=")
+    for s in accepted:
+        if all(legal(fmt, s, (world_size,), [Shard(d)]) for d in (0, 1)):
+            return s
+    return accepted[0]
+
+
+# -- helpers run on the ranks -----------------------------------------------------
+
+_meshes: dict = {}
+
+
+def mesh(*shape: int):
+    if shape not in _meshes:
+        _meshes[shape] = init_device_mesh("cpu", shape)
+    return _meshes[shape]
+
+
+def weight(shape, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_same_bits(actual, expected: QuantizedTensor, what: str) -> None:
+    assert isinstance(actual, QuantizedTensor), f"{what}: got a {type(actual).__name__}, not a QuantizedTensor"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    for name in expected.fmt.inner_names:
+        a, e = getattr(actual, name), getattr(expected, name)
+        assert same_bits(a, e), f"{what}: inner '{name}' differs from the single-process reference"
+
+
+def assert_local_matches(dt: DTensor, dense: torch.Tensor, what: str) -> None:
+    """The local shard dequantizes to exactly DTensor's shard of the dense reference."""
+    expected = distribute_tensor(dense, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
+    local = dt.to_local()
+    assert isinstance(local, QuantizedTensor), f"{what}: the local shard is a {type(local).__name__}"
+    assert torch.equal(local.dequantize(), expected), f"{what}: the local shard's values differ"
+
+
+def _placements(fmt, shape, world):
+    return [p for p in ([Replicate()], [Shard(0)], [Shard(1)]) if legal(fmt, shape, (world,), p)]
+
+
+# -- the checks ------------------------------------------------------------------
+
+
+def quantize_dequantize(fmt: QuantFormat, shape) -> str:
+    w = weight(shape)
+    q = quantize(w, fmt)
+    rels = fmt.layout_for(shape)
+    for name, t in q.inner.items():
+        expected = tuple(r.inner_len(n) for r, n in zip(rels[name], shape))
+        assert tuple(t.shape) == expected, f"inner '{name}' is {tuple(t.shape)}, the layout says {expected}"
+    dense = q.dequantize()
+    assert dense.shape == w.shape and dense.dtype == w.dtype, "dequantize() changed the shape or dtype"
+    err = ((dense.float() - w.float()).norm() / w.float().norm()).item()
+    assert err == err and err < 1.0, f"relative error {err:.3g} on Gaussian weights"
+    return f"relative error {err:.3g}, {q.nbytes_stored / (w.numel() * 2):.3f}x the bytes of bf16"
+
+
+def distribute_and_gather(fmt: QuantFormat, shape) -> str:
+    world = dist.get_world_size()
+    m, q = mesh(world), quantize(weight(shape), fmt)
+    dense = q.dequantize()
+    done = []
+    for placements in _placements(fmt, shape, world):
+        for src in (0, None):
+            dt = distribute_tensor(q, m, placements, src_data_rank=src)
+            assert_local_matches(dt, dense, f"distribute_tensor {placements}")
+            assert_same_bits(dt.full_tensor(), q, f"full_tensor from {placements}")
+        done.append(str(placements[0]))
+    return "distribute_tensor + full_tensor bit-exact for " + ", ".join(done)
+
+
+def redistribute(fmt: QuantFormat, shape) -> str:
+    world = dist.get_world_size()
+    m, q = mesh(world), quantize(weight(shape), fmt)
+    dense = q.dequantize()
+    options = _placements(fmt, shape, world)
+    with wire.record() as log:
+        for src in options:
+            dt = distribute_tensor(q, m, src)
+            for dst in options:
+                moved = dt.redistribute(m, dst)
+                assert_local_matches(moved, dense, f"{src[0]} -> {dst[0]}")
+                assert_same_bits(moved.full_tensor(), q, f"{src[0]} -> {dst[0]}")
+    high = {d for d in log.dtypes() if d.is_floating_point and d.itemsize >= 2}
+    assert not high, f"a collective sent {high}: the stored bytes should travel"
+    return f"{len(options) ** 2} placement pairs bit-exact, wire dtypes {sorted(str(d) for d in log.dtypes())}"
+
+
+def uneven_shards(fmt: QuantFormat, shape) -> str:
+    world = dist.get_world_size()
+    m = mesh(world)
+    rows = next(
+        (r for r in range(shape[0] + 1, shape[0] * 2) if r % world and legal(fmt, (r, shape[1]), (world,), [Shard(0)])),
+        None,
+    )
+    if rows is None:
+        return f"not applicable: no row count near {shape[0]} shards unevenly and legally over {world}"
+    q = quantize(weight((rows, shape[1])), fmt)
+    dt = distribute_tensor(q, m, [Shard(0)])
+    assert_local_matches(dt, q.dequantize(), "uneven Shard(0)")
+    assert_same_bits(dt.full_tensor(), q, "uneven full_tensor")
+    if legal(fmt, (rows, shape[1]), (world,), [Shard(1)]):
+        assert_same_bits(dt.redistribute(m, [Shard(1)]).full_tensor(), q, "uneven Shard(0) -> Shard(1)")
+    return f"{rows} rows over {world} ranks bit-exact"
+
+
+def quantize_sharded(fmt: QuantFormat, shape) -> str:
+    world = dist.get_world_size()
+    m, w = mesh(world), weight(shape, seed=1)
+    counts = []
+    for placements in _placements(fmt, shape, world):
+        reference = distribute_tensor(quantize(w, fmt), m, placements).to_local()
+        dense = distribute_tensor(w, m, placements)
+        with wire.record() as log:
+            got = quantize(dense, fmt)
+        assert_same_bits(got.to_local(), reference, f"quantize(DTensor {placements[0]})")
+        counts.append(f"{placements[0]}: {len(log)}")
+    return "bit-identical to quantize-then-distribute; collectives " + ", ".join(counts)
+
+
+def misaligned_errors(fmt: QuantFormat, shape) -> str:
+    world = dist.get_world_size()
+    m = mesh(world)
+    for dim in (0, 1):
+        for n in range(shape[dim] // 2, shape[dim] * 3):
+            trial = list(shape)
+            trial[dim] = n
+            if not _accepts(fmt, trial) or legal(fmt, trial, (world,), [Shard(dim)]):
+                continue
+            q = quantize(weight(trial), fmt)
+            with wire.record() as log:
+                try:
+                    distribute_tensor(q, m, [Shard(dim)])
+                except LayoutError as e:
+                    assert len(log) == 0, "a collective ran before the error"
+                    assert f"dim {dim}" in str(e), f"the error does not name the dim: {e}"
+                    return f"Shard({dim}) of {tuple(trial)} over {world}: LayoutError on every rank, no collective"
+            raise AssertionError(f"Shard({dim}) of {tuple(trial)} over {world} ranks is misaligned but did not raise")
+    return "not applicable: every shard boundary is legal for this layout"
+
+
+def transposed(fmt: QuantFormat, shape) -> str:
+    world = dist.get_world_size()
+    m, q = mesh(world), quantize(weight(shape), fmt).t()
+    done = []
+    for dim in (0, 1):
+        # Shard(dim) of w.t() cuts the weight's dim 1 - dim
+        if legal(fmt, shape, (world,), [Shard(1 - dim)]):
+            dt = distribute_tensor(q, m, [Shard(dim)])
+            assert_same_bits(dt.full_tensor(), q, f"w.t() Shard({dim})")
+            done.append(f"Shard({dim})")
+    return "w.t() shards and gathers bit-exactly: " + ", ".join(done)
+
+
+CHECKS = [
+    Check("quantize/dequantize", quantize_dequantize, distributed=False),
+    Check("distribute_tensor/full_tensor", distribute_and_gather),
+    Check("redistribute", redistribute),
+    Check("uneven shards", uneven_shards),
+    Check("quantize(DTensor)", quantize_sharded),
+    Check("misaligned placements", misaligned_errors),
+    Check("transposed weight", transposed),
+]

@@ -1,0 +1,195 @@
+"""Tensor-parallel inference with quantized weights, through torch's own ParallelStyles.
+
+The reference is the same model quantized on one process. In float32 the TP
+model must generate exactly the same tokens (a different reduction order moves
+logits by ~1e-6 of their size); in bf16 the logits must agree to within a few
+roundings, and any differing token must be a near-tie that this rounding
+explains. Quantized weights are compared byte for byte.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import dtensor_quant as dq
+from dtensor_quant import wire
+
+from helpers import assert_same_bits, mesh, weight
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import llama  # noqa: E402
+import tp_inference  # noqa: E402
+
+FORMATS = {"int8": dq.Int8Rowwise(), "int4g128": dq.Int4Groupwise(128)}
+PROMPT = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(3))
+
+
+def reference_model(fmt, dtype, seed=0):
+    model = llama.build(llama.Config(), seed, dtype)
+    return dq.quantize_(model, fmt)
+
+
+def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.float32, new_tokens=6):
+    fmt, m = FORMATS[fmt_name], mesh(world)
+    pad = world if sequence_parallel else 1
+    reference = reference_model(fmt, dtype)
+    model = tp_inference.build_tp(llama.Config(), fmt, m, dtype=dtype, quantize_first=quantize_first,
+                                  sequence_parallel=sequence_parallel)
+    # Every quantized weight is a DTensor whose local shard has exactly the bytes of the same shard
+    # of the one-process quantized weight.
+    ref_params = dict(reference.named_parameters())
+    for name in dq.nn.quantized_fqns(model):
+        p = model.get_parameter(name)
+        assert isinstance(p, DTensor), name
+        assert_same_bits(p.to_local(), distribute_tensor(ref_params[name], m, p.placements).to_local(), name)
+    assert len(dq.nn.quantized_fqns(model)) == 15
+    expected = llama.generate(reference, PROMPT, new_tokens, pad)
+    tokens = llama.generate(model, PROMPT, new_tokens, pad)
+    padded = F.pad(expected, (0, -expected.shape[1] % pad))
+    with torch.no_grad():
+        ref_logits, tp_logits = reference(padded).float(), model(padded).float()
+    noise = ((ref_logits - tp_logits).abs().max() / ref_logits.abs().max()).item()
+    tie = tp_inference.explain_difference(model, reference, tokens, expected, pad)
+    return torch.equal(tokens, expected), noise, tie
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("quantize_first", [True, False])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
+def test_tp_float32_tokens_equal(ranks, fmt_name, quantize_first, sequence_parallel):
+    for equal, noise, tie in ranks(2).run(tp_generate, fmt_name, 2, quantize_first, sequence_parallel):
+        assert equal, tie
+        assert noise < 1e-5, noise
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
+def test_tp_bf16_within_rounding(ranks, fmt_name):
+    for equal, noise, tie in ranks(2).run(tp_generate, fmt_name, 2, True, True, torch.bfloat16):
+        assert noise < tp_inference.ROUNDING_BOUND, noise
+        assert equal or tie["near_tie"], tie
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
+def test_tp_four_ranks(ranks, fmt_name):
+    """TP=4: w2 holds 384 = 3 groups of 128 columns per rank, wo 128 = 1 group."""
+    for equal, noise, tie in ranks(4).run(tp_generate, fmt_name, 4, False, True, new_tokens=4):
+        assert equal, tie
+
+
+# -- refused up front, on every rank ----------------------------------------------
+
+
+class RowParallelLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(384, 64, bias=False)  # 192 columns per rank: cuts a group of 128
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def misaligned_row_parallel(quantize_first):
+    m = mesh(2)
+    model = RowParallelLayer()
+    plan = {"proj": RowwiseParallel()}
+    with wire.record() as log:
+        try:
+            if quantize_first:
+                dq.quantize_(model, dq.Int4Groupwise(128))
+                parallelize_module(model, m, plan)
+            else:
+                parallelize_module(model, m, plan)
+                log.transfers.clear()  # the dense scatter; the refusal must come before any collective of ours
+                dq.quantize_(model, dq.Int4Groupwise(128))
+        except dq.LayoutError as e:
+            return str(e), len(log)
+    return "no error", len(log)
+
+
+@pytest.mark.parametrize("quantize_first", [True, False])
+def test_misaligned_row_parallel_refused_on_every_rank(ranks, quantize_first):
+    start = time.monotonic()
+    for message, collectives in ranks(2).run(misaligned_row_parallel, quantize_first, timeout=60):
+        assert "multiple of 128" in message, message
+        assert collectives == 0
+        if not quantize_first:
+            assert message.startswith("proj.weight:")  # quantize_ names the module
+    assert time.monotonic() - start < 30
+
+
+# -- what reaches the local quantized weight under TP ------------------------------
+
+
+def tp_linear_inputs(fmt_name):
+    """3-D inputs, contiguous or not, through column- and row-parallel quantized layers."""
+    m = mesh(2)
+    fmt = FORMATS[fmt_name]
+    w1, w2 = weight((256, 256), seed=1, dtype=torch.float32), weight((256, 256), seed=2, dtype=torch.float32)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(w1)
+        model[1].weight.copy_(w2)
+    dq.quantize_(model, fmt)
+    reference = [model[0].weight.detach(), model[1].weight.detach()]
+    parallelize_module(model, m, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    x = weight((5, 3, 256), seed=3, dtype=torch.float32)
+    for inp in (x, x.transpose(0, 1)):  # the transposed one reaches the weight as expand + bmm
+        expected = F.linear(F.linear(inp, reference[0]), reference[1])
+        with wire.record() as log, torch.no_grad():
+            out = model(inp)
+        # Row-parallel sums in a different order: equal up to float32 rounding of the output's scale.
+        assert ((out - expected).abs().max() / expected.abs().max()).item() < 1e-5
+        # Only activations travel: nothing quantized, and one all-reduce of the output.
+        assert not any(t.quantized for t in log.transfers)
+        assert log.nbytes == out.numel() * out.element_size()
+    return True
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
+def test_tp_layers_with_3d_inputs(ranks, fmt_name):
+    assert all(ranks(2).run(tp_linear_inputs, fmt_name))
+
+
+# -- torch.compile -------------------------------------------------------------------
+
+
+def compiled_tp(backend, sequence_parallel, dtype):
+    """Greedy tokens of the compiled TP model == eager TP model == one-process model (one layer: compile time)."""
+    torch._dynamo.reset()
+    m, fmt, cfg = mesh(2), FORMATS["int4g128"], llama.Config(n_layers=1)
+    pad = 2 if sequence_parallel else 1
+    reference = dq.quantize_(llama.build(cfg, 0, dtype), fmt)
+    model = tp_inference.build_tp(cfg, fmt, m, dtype=dtype, sequence_parallel=sequence_parallel)
+    expected = llama.generate(reference, PROMPT, 3, pad)
+    eager = llama.generate(model, PROMPT, 3, pad)
+    compiled = llama.generate(torch.compile(model, backend=backend), PROMPT, 3, pad)
+    return torch.equal(compiled, eager), torch.equal(eager, expected) or dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend,sequence_parallel,dtype", [
+    ("aot_eager", False, torch.float32),
+    pytest.param("aot_eager", True, torch.float32, marks=pytest.mark.slow),
+    pytest.param("inductor", False, torch.bfloat16, marks=pytest.mark.slow),  # the int4 kernel op inside
+])
+def test_compiled_tp(ranks, backend, sequence_parallel, dtype):
+    for same_as_eager, same_as_reference in ranks(2).run(compiled_tp, backend, sequence_parallel, dtype):
+        assert same_as_eager and same_as_reference
+
+
+# -- the example, as a user runs it -------------------------------------------------
+
+
+def test_example_generates_the_reference_tokens(capsys):
+    argv = ["--world", "2", "--format", "int4:128", "--tokens", "4", "--layers", "1", "--sequence-parallel"]
+    assert tp_inference.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens equal to the one-process quantized model on every rank" in out
+    assert "(0.266x)" in out  # int4 with a bf16 scale and zero per 128 weights: 0.5 + 4/128 bytes vs 2

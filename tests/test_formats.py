@@ -1,0 +1,107 @@
+"""Single-process checks of each format's math against independent references."""
+
+import pytest
+import torch
+
+import dtensor_quant as dq
+
+NF4_LEVELS_REFERENCE = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+]  # fmt: skip
+
+
+def nf4_reference(w: torch.Tensor, block: int, scaler_block: int):
+    """The QLoRA / torchao algorithm on the row-major flattened weight, in the weight's dtype."""
+    flat = w.flatten()
+    blocks = flat.view(-1, block)
+    absmax = blocks.abs().max(dim=1).values
+    mean = absmax.mean()
+    centred = absmax - mean
+    groups = centred.view(-1, scaler_block)
+    factor = 256 / (2 * groups.abs().max(dim=1).values)
+    qscaler = (groups * factor[:, None]).round().clamp(-128, 127).to(torch.int8).flatten()
+    levels = torch.tensor(NF4_LEVELS_REFERENCE, dtype=w.dtype)
+    normalized = (blocks / absmax[:, None]).flatten()
+    codes = (normalized[:, None] - levels).abs().min(dim=-1).indices.to(torch.uint8)
+    packed = codes[::2] << 4 | codes[1::2]
+    scales = (qscaler.view(-1, scaler_block) / factor[:, None]).flatten().to(w.dtype) + mean
+    dense = (levels[codes.long()].view(-1, block) * scales[:, None]).view(w.shape)
+    return packed, qscaler, factor, mean, dense
+
+
+@pytest.mark.parametrize("shape,block,scaler_block", [((64, 4096), 64, 256), ((32, 512), 64, 256), ((8, 8192), 32, 64)])
+def test_nf4_matches_reference_algorithm(shape, block, scaler_block):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed, qscaler, factor, mean, dense = nf4_reference(w, block, scaler_block)
+    q = dq.quantize(w, dq.NF4(block, scaler_block))
+    assert torch.equal(q.qdata.flatten(), packed)
+    assert torch.equal(q.scaler.flatten(), qscaler)
+    assert torch.equal(q.factor.flatten(), factor)
+    assert torch.allclose(q.mean.flatten().float(), mean.float().reshape(1), rtol=1e-2)
+    torch.testing.assert_close(q.dequantize(), dense, rtol=1e-2, atol=1e-2)
+    rel = ((q.dequantize().float() - w.float()).norm() / w.float().norm()).item()
+    assert rel < 0.12  # NF4's usual error on Gaussian weights
+
+
+def test_nf4_layout_follows_weight_width():
+    fmt = dq.NF4(64, 256)
+    assert fmt.layout_for((64, 4096))["factor"] == (dq.Blocked(4), dq.Constant())  # 64 blocks/row, 4 rows/block
+    assert fmt.layout_for((8, 32768))["factor"] == (dq.OneToOne(), dq.Blocked(64 * 256))  # 2 scaler blocks/row
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        fmt.layout_for((8, 100))
+    with pytest.raises(ValueError, match="divide"):
+        fmt.layout_for((8, 64 * 24))
+
+
+@pytest.mark.parametrize("fmt", [dq.Float8Rowwise(), dq.Float8Tensorwise()])
+def test_float8_matches_reference(fmt):
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q = dq.quantize(w, fmt)
+    amax = w.float().abs().amax(dim=1, keepdim=True) if isinstance(fmt, dq.Float8Rowwise) else w.float().abs().max()
+    scale = (amax / 448).to(torch.bfloat16).float()
+    expected = ((w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
+    assert q.qdata.dtype == torch.float8_e4m3fn and q.scale.numel() == (16 if isinstance(fmt, dq.Float8Rowwise) else 1)
+    assert torch.equal(q.dequantize(), expected)
+
+
+def test_int8_and_int4_match_reference():
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    q8 = dq.quantize(w, dq.Int8Rowwise())
+    scale = (w.float().abs().amax(1, keepdim=True) / 127).to(torch.bfloat16).float()
+    assert torch.equal(q8.dequantize(), ((w.float() / scale).round().clamp(-127, 127) * scale).to(torch.bfloat16))
+    q4 = dq.quantize(w, dq.Int4Groupwise(64))
+    g = w.float().view(8, 4, 64)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = ((hi - lo).clamp(min=1e-6) / 15).to(torch.bfloat16).float()
+    z = (lo + s * 8).to(torch.bfloat16).float()
+    codes = ((g - (z - 8 * s)) / s).round().clamp(0, 15)
+    assert torch.equal(q4.dequantize(), ((codes - 8) * s + z).view(8, 256).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [dq.Int8Rowwise(), dq.Int4Groupwise(32), dq.NF4(32, 4), dq.Float8Rowwise(), dq.Float8Tensorwise()],
+    ids=str,
+)
+def test_quantized_linear_matches_dequantized(fmt):
+    """F.linear on a quantized weight (kernel or fallback) agrees with the dequantized weight."""
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x = torch.randn(4, 7, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).requires_grad_()
+    q = dq.quantize(w, fmt)
+    out = torch.nn.functional.linear(x, q)
+    ref = torch.nn.functional.linear(x.float(), q.dequantize().float())
+    assert (out.float() - ref).norm() / ref.norm() < 1e-2  # bf16 kernels round differently, not worse
+    out.float().sum().backward()
+    grad_ref = q.dequantize().float().sum(0).expand(4, 7, 128)
+    assert (x.grad.float() - grad_ref).norm() / grad_ref.norm() < 1e-2
+
+
+def test_unsupported_op_names_op_and_format():
+    q = dq.quantize(torch.randn(16, 64), dq.NF4(32, 4))
+    with pytest.raises(dq.UnsupportedOpError, match=r"aten\.mul.*NF4\(block_size=32"):
+        q * 2
+    with pytest.raises(dq.LayoutError, match="requantize"):
+        q.copy_(torch.randn(16, 64))
