@@ -58,6 +58,7 @@ from .state_dict import (
     quantize_like,
     register,
 )
+from .tensor import contiguous_strides
 
 __all__ = ["CheckpointFormatError", "CheckpointSaveError", "async_save", "load", "save", "staging_path"]
 
@@ -248,7 +249,7 @@ def _dense_placeholder(group: dict, spec: dict, dtype: torch.dtype) -> torch.Ten
 
     local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
     local = torch.empty(local_shape, dtype=dtype, device=mesh_entries[0].device)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape))
 
 
 def _prepare(state_dict: dict, metadata: Metadata, path, strict: bool) -> list:
