@@ -167,15 +167,19 @@ def async_save(state, path, *, process_group=None) -> Future:
 
     The returned future completes (on every rank) after the checkpoint has
     been moved to ``path``; its ``result()`` raises :class:`CheckpointSaveError`
-    if the save failed. A CPU (gloo) process group is needed, as for
-    ``dcp.async_save``.
+    if the save failed. Wait for it before the next save.
+
+    The background save's own collectives run on a separate gloo group
+    (created once, by every rank, on the first call) unless
+    ``process_group`` is given: on the default group they would interleave
+    with the training loop's collectives and deadlock.
     """
     state_dict = _to_save(state)
     with _quiet_single_process():
         inner = dcp.async_save(
             state_dict,
             storage_writer=AtomicFileSystemWriter(path),
-            process_group=process_group,
+            process_group=process_group or _background_group(),
             no_dist=not dist.is_initialized(),
         )
     outer: Future = Future()
@@ -188,6 +192,19 @@ def async_save(state, path, *, process_group=None) -> Future:
 
     inner.add_done_callback(done)
     return outer
+
+
+_background_groups: dict = {}
+
+
+def _background_group():
+    """A gloo group over all ranks for background saves, one per default process group."""
+    if not dist.is_initialized():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if default not in _background_groups:
+        _background_groups[default] = dist.new_group(backend="gloo")
+    return _background_groups[default]
 
 
 def _save_error(path, e: BaseException) -> CheckpointSaveError:
@@ -255,8 +272,8 @@ def _dense_placeholder(group: dict, spec: dict, dtype: torch.dtype) -> torch.Ten
 def _prepare(state_dict: dict, metadata: Metadata, path, strict: bool) -> list:
     """Check the checkpoint against ``state_dict`` and swap in dense placeholders; no collective.
 
-    Returns ``(container, key, placeholder)`` for every quantized group the
-    checkpoint holds dense.
+    The format records, once checked, leave the state dict for the load
+    (nothing to read twice); returns ``(group, record)`` pairs to put back.
     """
     stored = metadata.state_dict_metadata
     quantized, dense = [], []
@@ -279,15 +296,14 @@ def _prepare(state_dict: dict, metadata: Metadata, path, strict: bool) -> list:
                 "dequantized."
             )
     found = _read_specs(path, [flat for flat, _ in quantized])
+    held = []
     for flat, group in quantized:
         check_spec(found[flat], parse_spec(group[SPEC_KEY], flat), flat)
-    swaps = []
+        held.append((group, group.pop(SPEC_KEY)))
     for container, key, flat, group in dense:
         dtype = stored[flat].properties.dtype
-        placeholder = _dense_placeholder(group, parse_spec(group[SPEC_KEY], flat), dtype)
-        container[key] = placeholder
-        swaps.append((container, key, placeholder))
-    return swaps
+        container[key] = _dense_placeholder(group, parse_spec(group[SPEC_KEY], flat), dtype)
+    return held
 
 
 def load(state, path, *, process_group=None, strict: bool = True):
@@ -312,15 +328,18 @@ def load(state, path, *, process_group=None, strict: bool = True):
         _prepare(state_dict, metadata, path, strict)
         _dcp_load(state_dict, path, process_group, strict)
         return model.load_state_dict(state_dict, strict=strict)
-    raw = _to_entry_form(state)
+    raw, held, loaded = _to_entry_form(state), [], False
     try:
-        _prepare(state, metadata, path, strict)
+        held = _prepare(state, metadata, path, strict)
         _dcp_load(state, path, process_group, strict)
+        loaded = True
     finally:
+        for group, record in held:
+            group[SPEC_KEY] = record
         for container, key, original in raw:
-            loaded, container[key] = container[key], original
-            if isinstance(loaded, torch.Tensor):  # read dense: quantize into the original
-                original.copy_(quantize_like(loaded, original, key))
+            value, container[key] = container[key], original
+            if loaded and isinstance(value, torch.Tensor):  # read dense: quantize into the original
+                original.copy_(quantize_like(value, original, key))
     return None
 
 

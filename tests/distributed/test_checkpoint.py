@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
@@ -84,6 +85,7 @@ RESHARDS = [
     ("s0_2", "s1_2"),  # Shard(0) <-> Shard(1)
     ("s1_2", "s0_2"),
     ("s0_2", "s0_3"),  # world size 2 -> 3, uneven shards
+    ("fsdp4", "s0_3"),  # saved with an empty shard (5 rows over 4 ranks)
     ("fsdp_tp", "tp2"),  # FSDP2 + TP (_StridedShard) -> TP
 ]
 
@@ -104,6 +106,22 @@ def test_uneven_column_shards_int8(ranks, tmp_path):
 def test_plain_dcp_and_distributed_state_dict_apis(ranks, tmp_path, api, src, dst):
     """``dcp.save(model.state_dict())`` and ``get/set_model_state_dict`` work unchanged."""
     roundtrip(ranks, "int4g32", src, dst, tmp_path / "ckpt", api)
+
+
+def full_state_dict_roundtrip(options: dict):
+    """get_model_state_dict(full_state_dict=True) gathers each entry; set_model_state_dict shards it again."""
+    src = cc.placed(SEED, "int4g32", "tp2")
+    full = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True))
+    entries = full["a.weight"]
+    assert not isinstance(entries["qdata"], DTensor) and entries["qdata"].dtype == torch.uint8
+    dst = cc.placed(OTHER, "int4g32", "s1_2")
+    set_model_state_dict(dst, full, options=StateDictOptions(**options))
+    return cc.check_against(dst, SEED, "int4g32", "s1_2")
+
+
+@pytest.mark.parametrize("options", [dict(full_state_dict=True), dict(full_state_dict=True, broadcast_from_rank0=True)])
+def test_full_state_dict(ranks, options):
+    assert all(ranks(2).run(full_state_dict_roundtrip, options))
 
 
 def test_mixed_apis(ranks, tmp_path):
@@ -175,3 +193,35 @@ def test_readable_without_the_library(tmp_path):
     assert spec["format"] == "Int8Rowwise" and spec["shape"] == list(ref.shape)
     assert spec["inner"]["scale"]["layout"] == ["one-to-one", "constant"]
     assert torch.equal(dense, ref.dequantize())
+
+
+# -- checkpoint.save/load of state dicts (not modules) ---------------------------------
+
+
+def save_state(fmt_name, layout, path):
+    net = cc.placed(SEED, fmt_name, layout)
+    ckpt.save({"model": net.state_dict(), "step": 5}, path)
+    return True
+
+
+def load_state(fmt_name, layout, path, form):
+    """Into a nested state dict: entry form (model.state_dict()) or raw quantized parameters."""
+    net = cc.placed(OTHER, fmt_name, layout)
+    if form == "entries":
+        state = {"model": net.state_dict(), "step": 0}
+        ckpt.load(state, path)
+        net.load_state_dict(state["model"])
+    else:
+        state = {"model": {k: p.detach() for k, p in net.named_parameters()}, "step": 0}
+        ckpt.load(state, path)
+        assert all(state["model"][k] is not None for k in ("a.weight", "b.weight"))
+    assert state["step"] == 5
+    return cc.check_against(net, SEED, fmt_name, layout)
+
+
+@pytest.mark.parametrize("form", ["entries", "raw"])
+@pytest.mark.parametrize("fmt_name", ["int4g32", None])  # None: a dense checkpoint, quantized on load
+def test_load_into_state_dict(ranks, tmp_path, form, fmt_name):
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(save_state, fmt_name, "tp2", path))
+    assert all(ranks(2).run(load_state, "int4g32", "s1_2", path, form))
