@@ -225,3 +225,35 @@ def test_load_into_state_dict(ranks, tmp_path, form, fmt_name):
     path = str(tmp_path / "ckpt")
     assert all(ranks(2).run(save_state, fmt_name, "tp2", path))
     assert all(ranks(2).run(load_state, "int4g32", "s1_2", path, form))
+
+
+# -- a transposed view of a weight ---------------------------------------------------
+
+
+def transposed_roundtrip(path, src_dim, dst_dim):
+    """A parameter holding ``q.t()`` is saved in the canonical orientation and comes back transposed."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from helpers import assert_same_bits, mesh, weight
+
+    fmt = cc.FORMATS["int4g32"]
+
+    def holder(seed, dim):
+        q = dq.quantize(weight((12, 128), seed), fmt).t()  # logical [128, 12]
+        module = nn.Module()
+        module.w = nn.Parameter(distribute_tensor(q, mesh(2), [Shard(dim)], src_data_rank=None), requires_grad=False)
+        return dq.state_dict.register(module), q
+
+    saved, expected = holder(SEED, src_dim)
+    ckpt.save(saved, path)
+    loaded, _ = holder(OTHER, dst_dim)
+    ckpt.load(loaded, path)
+    assert loaded.w.to_local().dims == ((1,), (0,))
+    assert_same_bits(loaded.w.full_tensor(), expected, "transposed")
+    return True
+
+
+@pytest.mark.parametrize("src_dim,dst_dim", [(0, 1), (1, 0)])
+def test_transposed_weight(ranks, tmp_path, src_dim, dst_dim):
+    assert all(ranks(2).run(transposed_roundtrip, str(tmp_path / "ckpt"), src_dim, dst_dim))
