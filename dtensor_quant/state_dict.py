@@ -181,7 +181,8 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
     ``shape`` and ``placements`` are canonical. Pure arithmetic on shapes, so
     every rank reaches the same verdict before any collective.
     """
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+    sharding = [n if isinstance(p, (Shard, _StridedShard)) else 1 for n, p in zip(mesh_shape, placements)]
+    for coord in itertools.product(*(range(n) for n in sharding)):  # replicated mesh dims change nothing
         l_shape, l_off = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
         for name, rels in fmt.layout.items():
             e_place = entry_placements(placements, rels, (0, 1))

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -257,3 +259,34 @@ def transposed_roundtrip(path, src_dim, dst_dim):
 @pytest.mark.parametrize("src_dim,dst_dim", [(0, 1), (1, 0)])
 def test_transposed_weight(ranks, tmp_path, src_dim, dst_dim):
     assert all(ranks(2).run(transposed_roundtrip, str(tmp_path / "ckpt"), src_dim, dst_dim))
+
+
+# -- every legal placement has a checkpoint form (shapes only, no process group) ------------
+
+_PLACEMENTS = ["R", "S0", "S1", "SS0:2", "SS1:2", "SS1:3"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fmt_name=st.sampled_from(["int8", "int4g2", "int4g8", "int4g16"]),
+    rows=st.integers(1, 12),
+    half_cols=st.integers(1, 40),
+    mesh_shape=st.sampled_from([(2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]),
+    specs=st.lists(st.sampled_from(_PLACEMENTS), min_size=2, max_size=2),
+)
+def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shape, specs):
+    """DTensor's chunk of each inner entry is the logical chunk's inner range, on every rank."""
+    from dtensor_quant.placements import _first_bad_cut
+    from dtensor_quant.state_dict import check_entry_chunks
+
+    fmt = cc.FORMATS.get(fmt_name) or dq.Int4Groupwise(int(fmt_name[5:]))
+    shape, placements = (rows, 2 * half_cols), tuple(cc.parse(",".join(specs[: len(mesh_shape)])))
+    if _first_bad_cut(shape, fmt, mesh_shape, list(placements)) is None:
+        check_entry_chunks(fmt, shape, mesh_shape, placements)
+
+
+def test_entry_chunk_check_rejects_a_cut_block():
+    from dtensor_quant.state_dict import check_entry_chunks
+
+    with pytest.raises(dq.LayoutError, match="cannot follow"):
+        check_entry_chunks(dq.Int4Groupwise(32), (4, 96), (2,), tuple(cc.parse("S1")))
