@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .state_dict import (
@@ -57,6 +58,7 @@ from .state_dict import (
     parse_spec,
     quantize_like,
     register,
+    to_entries,
 )
 from .tensor import contiguous_strides
 
@@ -230,6 +232,15 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def _read_metadata(path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        partial = staging_path(path)
+        hint = f"; {partial} holds the files of a save that did not complete" if partial.exists() else ""
+        raise FileNotFoundError(f"no complete checkpoint at {path} (its .metadata is missing){hint}") from None
+
+
 def _leaves(state: dict, prefix: str = ""):
     """``(container, key, flat_key, value)`` for every value, not descending into quantized groups."""
     for k, v in state.items():
@@ -260,10 +271,8 @@ def _dense_placeholder(group: dict, spec: dict, dtype: torch.dtype) -> torch.Ten
     mesh = mesh_entries[0].device_mesh
     placements = []
     for m in range(mesh.ndim):
-        shard = next((e.placements[m] for e in mesh_entries if isinstance(e.placements[m], (Shard, _StridedShard))), None)
-        placements.append(shard or Replicate())
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+        shards = [e.placements[m] for e in mesh_entries if isinstance(e.placements[m], (Shard, _StridedShard))]
+        placements.append(shards[0] if shards else Replicate())
     local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
     local = torch.empty(local_shape, dtype=dtype, device=mesh_entries[0].device)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_strides(shape))
@@ -321,7 +330,7 @@ def load(state, path, *, process_group=None, strict: bool = True):
     is replaced by the dense tensor, which the model's ``load_state_dict``
     quantizes.
     """
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _read_metadata(path)
     if isinstance(state, nn.Module):
         model = register(state)
         state_dict = model.state_dict()
@@ -345,8 +354,6 @@ def load(state, path, *, process_group=None, strict: bool = True):
 
 def _to_entry_form(state: dict) -> list:
     """Replace raw quantized values of ``state`` by their entries, in place; returns what to restore."""
-    from .state_dict import to_entries
-
     replaced = []
     for container, key, flat, value in list(_leaves(state)):
         if isinstance(value, torch.Tensor) and is_quantized(value):

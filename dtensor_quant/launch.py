@@ -98,7 +98,8 @@ class RankPool:
         port = _free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, self.device, self.pg_timeout, child), daemon=True)
+            args = (rank, self.world_size, port, self.device, self.pg_timeout, child)
+            p = ctx.Process(target=_worker, args=args, daemon=True)
             p.start()
             self._procs.append(p)
             self._conns.append(parent)

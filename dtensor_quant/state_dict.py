@@ -133,7 +133,7 @@ def _canonical(value, key: str) -> tuple[QuantizedTensor, dict[str, torch.Tensor
     if inner is None or any(rels != q.fmt.layout[n] for n, rels in zip(q.fmt.inner_names, _canonical_rels(q))):
         raise CheckpointFormatError(
             f"{key}: a {q!r} is not a plain quantized weight (it was flattened, or gathered from "
-            "shards with different scales), so it has no checkpoint form. Save the parameter itself."
+            "shards with different scales), so it has no checkpoint form. Checkpoint the parameter, not a view."
         )
     to_canonical = tuple(d[0] for d in q.dims)
     shape = [0, 0]
@@ -189,22 +189,20 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
             g_shape = entry_shape(rels, shape)
             e_shape, e_off = _compute_local_shape_and_global_offset(g_shape, mesh_shape, list(coord), e_place)
             for dim, rel in enumerate(rels):
+                got = (e_shape[dim], e_off[dim])
                 if isinstance(rel, Constant):
-                    want = (1, 0)
+                    ok = got == (1, 0)
                 elif l_shape[dim] == 0:
-                    want = (0, e_off[dim]) if e_shape[dim] == 0 else (0, None)
+                    ok = e_shape[dim] == 0
                 else:
-                    if l_off[dim] % rel.factor:
-                        want = (None, None)
-                    else:
-                        start, stop = l_off[dim] // rel.factor, -(-(l_off[dim] + l_shape[dim]) // rel.factor)
-                        want = (stop - start, start)
-                if (e_shape[dim], e_off[dim]) != want:
+                    f, lo, hi = rel.factor, l_off[dim], l_off[dim] + l_shape[dim]
+                    ok = lo % f == 0 and got == (-(-hi // f) - lo // f, lo // f)
+                if not ok:
                     raise LayoutError(
                         f"{fmt}: under placements {list(placements)} on mesh {mesh_shape}, the rank at {coord} "
-                        f"holds rows/cols [{l_off[dim]}, {l_off[dim] + l_shape[dim]}) of dim {dim} of a "
-                        f"{shape} weight, which inner '{name}' ({rel}) cannot follow as one DTensor chunk; "
-                        "this placement cannot be checkpointed. dtensor_quant.check_placements() lists legal ones."
+                        f"holds [{l_off[dim]}, {l_off[dim] + l_shape[dim]}) of dim {dim} of a {shape} weight, "
+                        f"which inner '{name}' ({rel}) cannot follow as one DTensor chunk, so this placement "
+                        "cannot be checkpointed. dtensor_quant.check_placements() lists legal ones."
                     )
 
 
@@ -231,11 +229,6 @@ def to_entries(value, key: str = "weight") -> dict:
         out.update(inner)
     out[SPEC_KEY] = json.dumps(spec, sort_keys=True)
     return out
-
-
-def model_spec(param, key: str) -> dict:
-    q, inner, _, shape = _canonical(param, key)
-    return format_spec(q.fmt, shape, param.dtype, {n: t.dtype for n, t in inner.items()})
 
 
 def entries_from_state(state_dict: dict) -> dict:
@@ -282,12 +275,14 @@ def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
                 f"of shape {tuple(shape)} needs {g_shape}:{inner[name].dtype}"
             )
         local[name] = _local_chunk(e, like, rels, to_canonical) if isinstance(like, DTensor) else _full(e)
-    rebuilt = QuantizedTensor(local, q.fmt, tuple(q.fmt.layout.values()), canonical_dims(2), _local_shape(like, to_canonical), like.dtype)
+    rels = tuple(q.fmt.layout.values())
+    rebuilt = QuantizedTensor(local, q.fmt, rels, canonical_dims(2), _local_shape(like, to_canonical), like.dtype)
     if to_canonical != (0, 1):
         rebuilt = rebuilt.t()
     if not isinstance(like, DTensor):
         return rebuilt
-    return DTensor.from_local(rebuilt, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    mesh, placements = like.device_mesh, like.placements
+    return DTensor.from_local(rebuilt, mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
 def _full(e: torch.Tensor) -> torch.Tensor:

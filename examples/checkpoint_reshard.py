@@ -76,8 +76,8 @@ def load_fsdp(fmt_name: str, path: str) -> list[str]:
     wrong = []
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        ok = same_bits(full, expected[name]) if isinstance(full, dq.QuantizedTensor) else torch.equal(full, expected[name])
-        if not ok:
+        want = expected[name]
+        if not (same_bits(full, want) if isinstance(full, dq.QuantizedTensor) else torch.equal(full, want)):
             wrong.append(name)
     return wrong
 
@@ -101,15 +101,16 @@ def main():
 
     print("2. FSDP=3: load into a model with other weights, sharded Shard(0) over 3 ranks ...", flush=True)
     wrong = run(load_fsdp, 3, args.format, path)[0]
-    print(f"   every weight bit-identical to the single-process quantization: {not wrong}" + (f" ({wrong})" if wrong else ""))
+    print(f"   every weight bit-identical to the single-process quantization: {not wrong} {wrong or ''}")
 
     print("3. One process: load and generate ...", flush=True)
     model = dq.quantize_(llama.build(seed=2), fmt)
     ckpt.load(model, path)
     prompt = torch.arange(8)[None]
     tokens, expected = llama.generate(model, prompt, 8), llama.generate(reference(fmt), prompt, 8)
-    print(f"   tokens {tokens[0, 8:].tolist()}, reference {expected[0, 8:].tolist()}: equal {torch.equal(tokens, expected)}")
-    if wrong or not torch.equal(tokens, expected):
+    same_tokens = torch.equal(tokens, expected)
+    print(f"   tokens {tokens[0, 8:].tolist()}, reference {expected[0, 8:].tolist()}: equal {same_tokens}")
+    if wrong or not same_tokens:
         raise SystemExit("checkpoint reshard FAILED")
 
 

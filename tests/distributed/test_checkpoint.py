@@ -189,7 +189,8 @@ def test_readable_without_the_library(tmp_path):
     path = tmp_path / "ckpt"
     save_model("int8", "single", str(path))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([sys.executable, "-c", READER, str(path), str(tmp_path / "out.pt")], check=True, env=env, timeout=300)
+    cmd = [sys.executable, "-c", READER, str(path), str(tmp_path / "out.pt")]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
     spec, dense = torch.load(tmp_path / "out.pt", weights_only=True)
     ref = cc.reference(SEED, "int8").a.weight
     assert spec["format"] == "Int8Rowwise" and spec["shape"] == list(ref.shape)

@@ -205,3 +205,11 @@ def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
     assert all(ranks(2).run(save_model, "int8", "s1_2", path, "dq", OTHER))
     assert not ckpt.staging_path(path).exists()
     assert all(ranks(2).run(load_model, "int8", "s0_2", path, "dq", OTHER))
+
+
+def test_missing_checkpoint_names_the_partial_save(tmp_path):
+    path = tmp_path / "ckpt"
+    ckpt.staging_path(path).mkdir()
+    (ckpt.staging_path(path) / "__0_0.distcp").write_bytes(b"half")
+    with pytest.raises(FileNotFoundError, match=r"ckpt.partial holds the files of a save that did not complete"):
+        ckpt.load(cc.reference(SEED, "int8"), str(path))
