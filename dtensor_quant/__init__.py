@@ -33,6 +33,7 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedOpError",
     "check_placements",
+    "checkpoint",
     "custom_ops",
     "fsdp",
     "gather_quantized_",
@@ -42,3 +43,12 @@ __all__ = [
     "quantize_",
     "wire",
 ]
+
+
+def __getattr__(name: str):
+    # dtensor_quant.checkpoint imports torch.distributed.checkpoint (about a second): only on first use.
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'dtensor_quant' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from datetime import timedelta
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -48,12 +49,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, device: str, conn: Connection) -> None:
+def _worker(rank: int, world_size: int, port: int, device: str, pg_timeout: float | None, conn: Connection) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if device == "cuda":
         torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    torch.distributed.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=None if pg_timeout is None else timedelta(seconds=pg_timeout),
+    )
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -74,8 +80,13 @@ def _worker(rank: int, world_size: int, port: int, device: str, conn: Connection
 class RankPool:
     """``world_size`` processes in one process group, kept alive across calls."""
 
-    def __init__(self, world_size: int, *, timeout: float = 300.0, device: str | None = None):
-        self.world_size, self.timeout = world_size, timeout
+    def __init__(
+        self, world_size: int, *, timeout: float = 300.0, device: str | None = None, pg_timeout: float | None = None
+    ):
+        """``timeout``: seconds to wait for every rank's answer; ``pg_timeout``: the process
+        group's collective timeout (torch's default when None) -- short ones let tests
+        that kill a rank see the others fail instead of hang."""
+        self.world_size, self.timeout, self.pg_timeout = world_size, timeout, pg_timeout
         self.device = device or device_type(world_size)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -87,7 +98,8 @@ class RankPool:
         port = _free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, self.device, child), daemon=True)
+            args = (rank, self.world_size, port, self.device, self.pg_timeout, child)
+            p = ctx.Process(target=_worker, args=args, daemon=True)
             p.start()
             self._procs.append(p)
             self._conns.append(parent)

@@ -8,6 +8,7 @@ from torch import nn
 
 from .format import QuantFormat
 from .quantize import quantize
+from .state_dict import register
 
 
 def quantize_(
@@ -21,7 +22,9 @@ def quantize_(
     shard by shard with the scale reductions its layout needs (bit-identical
     to quantizing the full weight), and a placement the layout cannot hold
     raises :class:`~dtensor_quant.LayoutError` naming the module. ``filter_fn(module,
-    fqn)`` picks which Linears to quantize (default: all).
+    fqn)`` picks which Linears to quantize (default: all). The model's state
+    dict then holds each quantized weight as its inner tensors
+    (:mod:`dtensor_quant.state_dict`), ready for ``torch.distributed.checkpoint``.
     """
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear) or (filter_fn is not None and not filter_fn(module, fqn)):
@@ -31,7 +34,7 @@ def quantize_(
         except ValueError as e:
             raise type(e)(f"{fqn}.weight: {e}") from None
         module.weight = nn.Parameter(weight, requires_grad=False)
-    return model
+    return register(model)
 
 
 def quantized_fqns(model: nn.Module) -> list[str]:

@@ -7,6 +7,8 @@ computed on the same rank.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -209,6 +211,81 @@ def transposed(fmt: QuantFormat, shape) -> str:
     return "w.t() shards and gathers bit-exactly: " + ", ".join(done)
 
 
+def _shared_tmpdir() -> str:
+    """A fresh directory every rank of the default group agrees on (made by rank 0)."""
+    path = [tempfile.mkdtemp(prefix="dtensor_quant_kit_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def _linear_with(weight: torch.Tensor) -> torch.nn.Module:
+    from ..state_dict import register
+
+    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return register(module)
+
+
+def checkpoint_reshard(fmt: QuantFormat, shape) -> str:
+    """Save under one placement with torch.distributed.checkpoint, load under every other, bit-exactly."""
+    from .. import checkpoint
+
+    world = dist.get_world_size()
+    m, q = mesh(world), quantize(weight(shape, seed=2), fmt)
+    options = _placements(fmt, shape, world)
+    src = next(p for p in options if p != [Replicate()]) if len(options) > 1 else options[0]
+    root = _shared_tmpdir()
+    path = f"{root}/ckpt"
+    with wire.record() as log:
+        checkpoint.save(_linear_with(distribute_tensor(q, m, src)), path)
+    done = []
+    for dst in options:
+        target = _linear_with(distribute_tensor(quantize(weight(shape, seed=9), fmt), m, dst))
+        checkpoint.load(target, path)
+        assert_same_bits(target.weight.full_tensor(), q, f"saved as {src[0]}, loaded as {dst[0]}")
+        done.append(str(dst[0]))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    high = {d for d in log.dtypes() if d.is_floating_point and d.itemsize >= 2}
+    assert not high, f"the save sent {high} between ranks"
+    return f"saved as {src[0]}, loaded bit-exactly as " + ", ".join(done)
+
+
+def tensor_parallel(fmt: QuantFormat, shape) -> str:
+    """ColwiseParallel and RowwiseParallel Linear layers agree with the one-process quantized layer."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    m, q = mesh(world), quantize(weight(shape, seed=3), fmt)
+    x = weight((4, shape[1]), seed=4)
+    reference = torch.nn.functional.linear(x, q)
+    done = []
+    for style, placement in ((ColwiseParallel(use_local_output=False), Shard(0)), (RowwiseParallel(), Shard(1))):
+        if not legal(fmt, shape, (world,), [placement]):
+            continue
+        module = parallelize_module(_linear_with(q), m, style)
+        assert isinstance(module.weight, DTensor) and module.weight.placements == (placement,)
+        inputs = x if placement == Shard(0) else DTensor.from_local(x.chunk(world, -1)[dist.get_rank()], m, [Shard(-1)])
+        out = module(inputs)
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        assert err < 2e-2, f"{type(style).__name__}: relative difference {err:.3g} from one process"
+        done.append(f"{type(style).__name__} ({err:.1e})")
+    return "matches one process up to reduction order: " + ", ".join(done) if done else "not applicable"
+
+
+def compile_linear(fmt: QuantFormat, shape) -> str:
+    """torch.compile(backend="aot_eager") of a quantized Linear gives the eager result."""
+    torch._dynamo.reset()
+    q = quantize(weight(shape, seed=5), fmt)
+    x = weight((3, shape[1]), seed=6)
+    eager = torch.nn.functional.linear(x, q)
+    compiled = torch.compile(lambda x, w: torch.nn.functional.linear(x, w), backend="aot_eager", fullgraph=True)(x, q)
+    assert torch.equal(compiled, eager), "the compiled quantized Linear differs from eager"
+    return "aot_eager, fullgraph: identical to eager"
+
+
 CHECKS = [
     Check("quantize/dequantize", quantize_dequantize, distributed=False),
     Check("distribute_tensor/full_tensor", distribute_and_gather),
@@ -217,4 +294,7 @@ CHECKS = [
     Check("quantize(DTensor)", quantize_sharded),
     Check("misaligned placements", misaligned_errors),
     Check("transposed weight", transposed),
+    Check("tensor parallel", tensor_parallel),
+    Check("DCP reshard", checkpoint_reshard),
+    Check("torch.compile", compile_linear, distributed=False),
 ]

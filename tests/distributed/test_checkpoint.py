@@ -1,0 +1,293 @@
+"""DCP checkpoints of quantized models: save in one layout, load in another, bit-exactly, on gloo ranks.
+
+Every load is checked against the single-process quantization of the same
+seed (``ckpt_cases.check_against``): each rank's local inner tensors must be
+byte-identical to DTensor's own shard of the reference, and so must the
+gathered weight. The loading model starts from different random weights, so
+a load that silently skipped a tensor fails.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import dtensor_quant as dq
+from dtensor_quant import checkpoint as ckpt
+
+import ckpt_cases as cc
+
+SEED, OTHER = 7, 1234
+# Plain dcp calls in this process (no process group) say they assume a single process: that is the intent.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def world(layout: str) -> int | None:
+    mesh_shape = cc.LAYOUTS[layout][0]
+    return None if mesh_shape is None else int(torch.tensor(mesh_shape).prod())
+
+
+def on(ranks, layout, fn, *args):
+    """``fn(*args)`` on the ranks a layout needs (here, in this process, for a single process)."""
+    n = world(layout)
+    return [fn(*args)] if n is None else ranks(n).run(fn, *args)
+
+
+# -- code that runs on the ranks ----------------------------------------------------
+
+
+def save_model(fmt_name, layout, path, api="dq", seed=SEED):
+    net = cc.placed(seed, fmt_name, layout)
+    if api == "dq":
+        ckpt.save(net, path)
+    elif api == "dcp":
+        dcp.save(net.state_dict(), checkpoint_id=path, no_dist=not dist.is_initialized())
+    elif api == "dsd":
+        dcp.save(get_model_state_dict(net), checkpoint_id=path, no_dist=not dist.is_initialized())
+    return True
+
+
+def load_model(fmt_name, layout, path, api="dq", seed=SEED):
+    net = cc.placed(OTHER, fmt_name, layout)
+    if api == "dq":
+        ckpt.load(net, path)
+    elif api == "dcp":
+        sd = net.state_dict()
+        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+        net.load_state_dict(sd)
+    elif api == "dsd":
+        sd = get_model_state_dict(net)
+        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_model_state_dict(net, sd)
+    return cc.check_against(net, seed, fmt_name, layout)
+
+
+def roundtrip(ranks, fmt_name, src, dst, path, api="dq"):
+    assert all(on(ranks, src, save_model, fmt_name, src, str(path), api))
+    assert all(on(ranks, dst, load_model, fmt_name, dst, str(path), api))
+
+
+# -- save under one layout, load under another ----------------------------------------
+
+RESHARDS = [
+    ("tp2", "fsdp4"),  # TP=2 -> FSDP=4 (uneven rows, an empty shard)
+    ("2x2", "single"),  # 2x2 mesh -> one process without a process group
+    ("single", "2x2"),
+    ("s0_2", "s1_2"),  # Shard(0) <-> Shard(1)
+    ("s1_2", "s0_2"),
+    ("s0_2", "s0_3"),  # world size 2 -> 3, uneven shards
+    ("fsdp4", "s0_3"),  # saved with an empty shard (5 rows over 4 ranks)
+    ("fsdp_tp", "tp2"),  # FSDP2 + TP (_StridedShard) -> TP
+]
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
+@pytest.mark.parametrize("src,dst", RESHARDS, ids=[f"{a}->{b}" for a, b in RESHARDS])
+def test_reshard_bit_exact(ranks, tmp_path, fmt_name, src, dst):
+    roundtrip(ranks, fmt_name, src, dst, tmp_path / "ckpt")
+
+
+def test_uneven_column_shards_int8(ranks, tmp_path):
+    """Per-row scales are replicated along columns: Shard(1) on 2 -> 3 ranks (86/85/85 columns)."""
+    roundtrip(ranks, "int8", "s1_2", "s1_3", tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("api", ["dcp", "dsd"])
+@pytest.mark.parametrize("src,dst", [("tp2", "fsdp4"), ("2x2", "single"), ("s0_2", "s0_3")])
+def test_plain_dcp_and_distributed_state_dict_apis(ranks, tmp_path, api, src, dst):
+    """``dcp.save(model.state_dict())`` and ``get/set_model_state_dict`` work unchanged."""
+    roundtrip(ranks, "int4g32", src, dst, tmp_path / "ckpt", api)
+
+
+def full_state_dict_roundtrip(options: dict):
+    """get_model_state_dict(full_state_dict=True) gathers each entry; set_model_state_dict shards it again."""
+    src = cc.placed(SEED, "int4g32", "tp2")
+    full = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True))
+    entries = full["a.weight"]
+    assert not isinstance(entries["qdata"], DTensor) and entries["qdata"].dtype == torch.uint8
+    dst = cc.placed(OTHER, "int4g32", "s1_2")
+    set_model_state_dict(dst, full, options=StateDictOptions(**options))
+    return cc.check_against(dst, SEED, "int4g32", "s1_2")
+
+
+@pytest.mark.parametrize("options", [dict(full_state_dict=True), dict(full_state_dict=True, broadcast_from_rank0=True)])
+def test_full_state_dict(ranks, options):
+    assert all(ranks(2).run(full_state_dict_roundtrip, options))
+
+
+def test_mixed_apis(ranks, tmp_path):
+    """A checkpoint written by plain dcp.save loads with checkpoint.load, and the other way round."""
+    assert all(ranks(2).run(save_model, "int8", "tp2", str(tmp_path / "a"), "dcp"))
+    assert all(ranks(4).run(load_model, "int8", "fsdp4", str(tmp_path / "a"), "dq"))
+    assert all(ranks(2).run(save_model, "int8", "tp2", str(tmp_path / "b"), "dq"))
+    assert all(ranks(3).run(load_model, "int8", "s0_3", str(tmp_path / "b"), "dsd"))
+
+
+# -- what is on disk ------------------------------------------------------------------
+
+
+def stored_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.name.endswith(".distcp"))
+
+
+def payload_bytes(fmt_name) -> int:
+    net = cc.reference(SEED, fmt_name)
+    return sum(p.nbytes_stored if isinstance(p, dq.QuantizedTensor) else p.nbytes for p in net.parameters())
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
+def test_checkpoint_holds_the_quantized_bytes(ranks, tmp_path, fmt_name):
+    """The files hold each stored byte once: about the quantized payload, never a dense copy."""
+    path = tmp_path / "ckpt"
+    ranks(2).run(save_model, fmt_name, "s1_2", str(path))
+    dense = sum(p.nbytes for p in cc.dense_net(SEED).parameters())
+    payload = payload_bytes(fmt_name)
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    entries = {k: v for k, v in md.state_dict_metadata.items() if k.startswith("a.weight")}
+    assert set(entries) == {f"a.weight.{n}" for n in cc.FORMATS[fmt_name].inner_names} | {"a.weight.__quant__"}
+    # torch.save framing costs about a kilobyte per stored chunk
+    n_chunks = len(md.storage_data)
+    assert payload <= stored_bytes(path) <= payload + 1600 * n_chunks, (stored_bytes(path), payload, n_chunks)
+    if fmt_name == "int4g32":
+        assert stored_bytes(path) - 1600 * n_chunks < 0.4 * dense
+
+
+# Runs in a fresh interpreter where importing dtensor_quant fails.
+READER = """
+import json, sys
+sys.modules["dtensor_quant"] = None
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+path, out = sys.argv[1], sys.argv[2]
+dcp_to_torch_save(path, out + ".tmp")
+sd = torch.load(out + ".tmp", weights_only=True)
+w = sd["a.weight"]  # nested as saved: {"qdata": ..., "scale": ..., "__quant__": ...}
+spec = json.loads(w["__quant__"])
+# Int8Rowwise as docs/checkpoint.md describes it: w = qdata * scale
+dense = (w["qdata"].float() * w["scale"].float()).to(getattr(torch, spec["dtype"]))
+torch.save((spec, dense), out)
+"""
+
+
+def test_readable_without_the_library(tmp_path):
+    """The entries and the format record suffice to rebuild a weight; nothing needs an unsafe unpickle."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt"
+    save_model("int8", "single", str(path))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [sys.executable, "-c", READER, str(path), str(tmp_path / "out.pt")]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
+    spec, dense = torch.load(tmp_path / "out.pt", weights_only=True)
+    ref = cc.reference(SEED, "int8").a.weight
+    assert spec["format"] == "Int8Rowwise" and spec["shape"] == list(ref.shape)
+    assert spec["inner"]["scale"]["layout"] == ["one-to-one", "constant"]
+    assert torch.equal(dense, ref.dequantize())
+
+
+# -- checkpoint.save/load of state dicts (not modules) ---------------------------------
+
+
+def save_state(fmt_name, layout, path):
+    net = cc.placed(SEED, fmt_name, layout)
+    ckpt.save({"model": net.state_dict(), "step": 5}, path)
+    return True
+
+
+def load_state(fmt_name, layout, path, form):
+    """Into a nested state dict: entry form (model.state_dict()) or raw quantized parameters."""
+    net = cc.placed(OTHER, fmt_name, layout)
+    if form == "entries":
+        state = {"model": net.state_dict(), "step": 0}
+        ckpt.load(state, path)
+        net.load_state_dict(state["model"])
+    else:
+        state = {"model": {k: p.detach() for k, p in net.named_parameters()}, "step": 0}
+        ckpt.load(state, path)
+        assert all(state["model"][k] is not None for k in ("a.weight", "b.weight"))
+    assert state["step"] == 5
+    return cc.check_against(net, SEED, fmt_name, layout)
+
+
+@pytest.mark.parametrize("form", ["entries", "raw"])
+@pytest.mark.parametrize("fmt_name", ["int4g32", None])  # None: a dense checkpoint, quantized on load
+def test_load_into_state_dict(ranks, tmp_path, form, fmt_name):
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(save_state, fmt_name, "tp2", path))
+    assert all(ranks(2).run(load_state, "int4g32", "s1_2", path, form))
+
+
+# -- a transposed view of a weight ---------------------------------------------------
+
+
+def transposed_roundtrip(path, src_dim, dst_dim):
+    """A parameter holding ``q.t()`` is saved in the canonical orientation and comes back transposed."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from helpers import assert_same_bits, mesh, weight
+
+    fmt = cc.FORMATS["int4g32"]
+
+    def holder(seed, dim):
+        q = dq.quantize(weight((12, 128), seed), fmt).t()  # logical [128, 12]
+        module = nn.Module()
+        module.w = nn.Parameter(distribute_tensor(q, mesh(2), [Shard(dim)], src_data_rank=None), requires_grad=False)
+        return dq.state_dict.register(module), q
+
+    saved, expected = holder(SEED, src_dim)
+    ckpt.save(saved, path)
+    loaded, _ = holder(OTHER, dst_dim)
+    ckpt.load(loaded, path)
+    assert loaded.w.to_local().dims == ((1,), (0,))
+    assert_same_bits(loaded.w.full_tensor(), expected, "transposed")
+    return True
+
+
+@pytest.mark.parametrize("src_dim,dst_dim", [(0, 1), (1, 0)])
+def test_transposed_weight(ranks, tmp_path, src_dim, dst_dim):
+    assert all(ranks(2).run(transposed_roundtrip, str(tmp_path / "ckpt"), src_dim, dst_dim))
+
+
+# -- every legal placement has a checkpoint form (shapes only, no process group) ------------
+
+_PLACEMENTS = ["R", "S0", "S1", "SS0:2", "SS1:2", "SS1:3"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fmt_name=st.sampled_from(["int8", "int4g2", "int4g8", "int4g16"]),
+    rows=st.integers(1, 12),
+    half_cols=st.integers(1, 40),
+    mesh_shape=st.sampled_from([(2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]),
+    specs=st.lists(st.sampled_from(_PLACEMENTS), min_size=2, max_size=2),
+)
+def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shape, specs):
+    """DTensor's chunk of each inner entry is the logical chunk's inner range, on every rank."""
+    from dtensor_quant.placements import _first_bad_cut
+    from dtensor_quant.state_dict import check_entry_chunks
+
+    fmt = cc.FORMATS.get(fmt_name) or dq.Int4Groupwise(int(fmt_name[5:]))
+    shape, placements = (rows, 2 * half_cols), tuple(cc.parse(",".join(specs[: len(mesh_shape)])))
+    if _first_bad_cut(shape, fmt, mesh_shape, list(placements)) is None:
+        check_entry_chunks(fmt, shape, mesh_shape, placements)
+
+
+def test_entry_chunk_check_rejects_a_cut_block():
+    from dtensor_quant.state_dict import check_entry_chunks
+
+    with pytest.raises(dq.LayoutError, match="cannot follow"):
+        check_entry_chunks(dq.Int4Groupwise(32), (4, 96), (2,), tuple(cc.parse("S1")))

@@ -1,0 +1,215 @@
+"""Checkpoint loads that must quantize, refuse or survive: dense checkpoints, wrong formats, async and killed saves."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import dtensor_quant as dq
+from dtensor_quant import checkpoint as ckpt
+from dtensor_quant.launch import RankError, RankPool
+
+import ckpt_cases as cc
+from helpers import rank
+from test_checkpoint import OTHER, SEED, on, save_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+# -- a dense checkpoint quantizes on load, with the full tensor's scales ------------------
+
+
+def load_dense(fmt_name, layout, path):
+    net = cc.placed(OTHER, fmt_name, layout)
+    ckpt.load(net, path)
+    return cc.check_against(net, SEED, fmt_name, layout)
+
+
+DENSE_LOADS = [
+    ("s0_2", "int8", "s1_3"),  # per-row scales under column shards: the row maxima are all-reduced
+    ("single", "int4g32", "fsdp4"),
+    ("tp2", "int8", "2x2"),
+    ("2x2", "int4g32", "single"),
+]
+
+
+@pytest.mark.parametrize("src,fmt_name,dst", DENSE_LOADS)
+def test_dense_checkpoint_quantizes_on_load(ranks, tmp_path, src, fmt_name, dst):
+    """A plain model's DCP save loads into a quantized sharded model exactly as quantize(full) would."""
+    path = str(tmp_path / "dense")
+    assert all(on(ranks, src, save_model, None, src, path, "dcp"))
+    assert all(on(ranks, dst, load_dense, fmt_name, dst, path))
+
+
+def per_chunk_scales_differ():
+    """Guard for the test above: quantizing each column shard alone gives other bytes."""
+    full = cc.dense_net(SEED).a.weight.detach()
+    m = cc.mesh(2)
+    local = distribute_tensor(full, m, cc.parse("S1"), src_data_rank=None).to_local()
+    wrong = dq.quantize(local, dq.Int8Rowwise())
+    right = distribute_tensor(dq.quantize(full, dq.Int8Rowwise()), m, cc.parse("S1"), src_data_rank=None).to_local()
+    return not torch.equal(wrong.scale, right.scale)
+
+
+def test_per_chunk_scales_would_be_caught(ranks):
+    assert all(ranks(2).run(per_chunk_scales_differ))
+
+
+def load_dense_state_dict(fmt_name, layout, source):
+    """``load_state_dict`` of dense weights: full plain tensors, or DTensors in another layout."""
+    net = cc.placed(OTHER, fmt_name, layout)
+    dense = cc.placed(SEED, None, "s0_2" if source == "dtensor" else "single").state_dict()
+    net.load_state_dict({k: v for k, v in dense.items() if k.endswith("weight")}, strict=False)
+    net.b.bias = cc.placed(SEED, fmt_name, layout).b.bias  # dense, not what this test is about
+    return cc.check_against(net, SEED, fmt_name, layout)
+
+
+@pytest.mark.parametrize("fmt_name,layout,source", [("int8", "s1_2", "plain"), ("int4g32", "tp2", "dtensor")])
+def test_dense_state_dict_quantizes_on_load(ranks, fmt_name, layout, source):
+    assert all(ranks(2).run(load_dense_state_dict, fmt_name, layout, source))
+
+
+# -- a different format is refused, naming both, on every rank, before any collective ---------
+
+
+def load_expecting_error(fmt_name, layout, path):
+    net = cc.placed(OTHER, fmt_name, layout)
+    before = [p.to_local().qdata.clone() if isinstance(p, DTensor) else None for p in net.parameters() if p.ndim == 2]
+    try:
+        ckpt.load(net, path)
+    except ValueError as e:
+        after = [p.to_local().qdata for p in net.parameters() if p.ndim == 2]
+        untouched = all(torch.equal(a, b) for a, b in zip(after, before))
+        return type(e).__name__, str(e), untouched
+    return "no error", "", True
+
+
+@pytest.mark.parametrize(
+    "saved,loaded,names",
+    [
+        ("int4g32", "int4g64", ["Int4Groupwise(group_size=32)", "Int4Groupwise(group_size=64)"]),
+        ("int8", "int4g32", ["Int8Rowwise()", "Int4Groupwise(group_size=32)"]),
+    ],
+)
+def test_format_mismatch_names_both(ranks, tmp_path, saved, loaded, names):
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(save_model, saved, "s0_2", path))
+    start = time.monotonic()
+    results = ranks(2).run(load_expecting_error, loaded, "s0_2", path, timeout=60)
+    assert time.monotonic() - start < 30  # no rank waited in a collective for the other
+    for kind, msg, untouched in results:
+        assert kind == "CheckpointFormatError", (kind, msg)
+        assert all(n in msg for n in names) and "a.weight" in msg, msg
+        assert untouched
+
+
+def load_into_dense(path):
+    net = cc.placed(OTHER, None, "s0_2")
+    try:
+        ckpt.load(net, path)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_quantized_checkpoint_into_dense_model_is_refused(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(save_model, "int8", "s0_2", path))
+    for msg in ranks(2).run(load_into_dense, path, timeout=60):
+        assert "quantized" in msg and "dense" in msg and "a.weight" in msg, msg
+
+
+def test_load_state_dict_of_another_format_is_refused():
+    """The module hook checks the format record too (plain dcp.load + load_state_dict)."""
+    sd = cc.reference(SEED, "int4g32").state_dict()
+    net = cc.reference(OTHER, "int4g64")
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"group_size=32.*group_size=64"):
+        net.load_state_dict(sd)
+
+
+# -- async_save ----------------------------------------------------------------------------
+
+
+def async_save_then_overwrite(fmt_name, layout, path, api):
+    net = cc.placed(SEED, fmt_name, layout)
+    if api == "dq":
+        future = ckpt.async_save(net, path)
+    else:
+        future = dcp.async_save(net.state_dict(), checkpoint_id=path)
+    if api == "dq":
+        # Training goes on: collectives on the default group while the save runs in the background.
+        for _ in range(5):
+            net.a.weight.full_tensor()
+            dist.barrier()
+    # The state was staged before async_save returned: changing the weights now must not reach the file.
+    for p in net.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        for t in local.inner.values() if isinstance(local, dq.QuantizedTensor) else [local]:
+            t.detach().zero_()
+    future.result()
+    return True
+
+
+@pytest.mark.parametrize("api", ["dq", "dcp"])
+def test_async_save_is_bit_exact(ranks, tmp_path, api):
+    from test_checkpoint import load_model
+
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(async_save_then_overwrite, "int4g32", "tp2", path, api))
+    assert all(ranks(4).run(load_model, "int4g32", "fsdp4", path))
+
+
+# -- a rank killed mid-save ------------------------------------------------------------------
+
+
+def save_and_die(fmt_name, layout, path, dying_rank):
+    """Save other weights; ``dying_rank`` is killed right after writing its own files."""
+    writer = ckpt.AtomicFileSystemWriter
+    write_data = writer.write_data
+
+    def write_then_die(self, plan, planner):
+        result = write_data(self, plan, planner)
+        result.wait()
+        os._exit(17)
+
+    if rank() == dying_rank:
+        writer.write_data = write_then_die
+    ckpt.save(cc.placed(OTHER, fmt_name, layout), path)
+    return "completed"
+
+
+@pytest.mark.parametrize("dying_rank", [0, pytest.param(1, marks=pytest.mark.slow)])  # 0: the coordinator
+def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
+    """The survivor reports the failure; the previous checkpoint still loads bit-exactly."""
+    from test_checkpoint import load_model
+
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(save_model, "int8", "s0_2", path))  # the previous checkpoint (SEED)
+    pool = RankPool(2, timeout=120, device="cpu", pg_timeout=30)
+    try:
+        with pytest.raises(RankError) as info:
+            pool.run(save_and_die, "int8", "s0_2", path, dying_rank)
+    finally:
+        pool.close(force=True)
+    survivor = 1 - dying_rank
+    error, trace = info.value.errors[survivor]
+    assert isinstance(error, ckpt.CheckpointSaveError), trace
+    assert "still holds the previous checkpoint" in str(error)
+    assert "died" in str(info.value.errors[dying_rank][0]) or "exited" in info.value.errors[dying_rank][1]
+    assert all(ranks(3).run(load_model, "int8", "s0_3", path))  # SEED's weights, not OTHER's
+    # the next save cleans the partial files up and commits
+    assert all(ranks(2).run(save_model, "int8", "s1_2", path, "dq", OTHER))
+    assert not ckpt.staging_path(path).exists()
+    assert all(ranks(2).run(load_model, "int8", "s0_2", path, "dq", OTHER))
+
+
+def test_missing_checkpoint_names_the_partial_save(tmp_path):
+    path = tmp_path / "ckpt"
+    ckpt.staging_path(path).mkdir()
+    (ckpt.staging_path(path) / "__0_0.distcp").write_bytes(b"half")
+    with pytest.raises(FileNotFoundError, match=r"ckpt.partial holds the files of a save that did not complete"):
+        ckpt.load(cc.reference(SEED, "int8"), str(path))
