@@ -249,7 +249,7 @@ def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, 
 def _row_factor(local) -> int:
     if isinstance(local, QuantizedTensor):
         return dim_factor([rels[0] for rels in local.rels])
-    return dim_factor([rels[0] for rels in local.fmt.layout.values()])
+    return dim_factor([rels[0] for rels in local.fmt.layout_for(local.full_shape).values()])
 
 
 def _shard_size(mesh, kwargs) -> int | None:

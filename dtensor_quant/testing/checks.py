@@ -286,6 +286,78 @@ def compile_linear(fmt: QuantFormat, shape) -> str:
     return "aot_eager, fullgraph: identical to eager"
 
 
+def _lora_model(fmt: QuantFormat, shape) -> torch.nn.Module:
+    from ..lora import add_lora_
+
+    base = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0], bias=False))
+    base[0].weight = torch.nn.Parameter(quantize(weight(shape, seed=7), fmt), requires_grad=False)
+    return add_lora_(base, rank=4, seed=0)
+
+
+def _train(model, steps: int = 3) -> list[float]:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for step in range(steps):
+        x = weight((8, model[0].base.in_features), seed=100 + step, dtype=torch.float32)
+        loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def fsdp2_qlora(fmt: QuantFormat, shape) -> str:
+    """QLoRA under FSDP2: same losses as one process; the base weight's all-gather moves its stored bytes."""
+    from ..fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if not legal(fmt, shape, (world,), [Shard(0)]):
+        return f"not applicable: the layout cannot shard {shape[0]} rows over {world} ranks"
+    reference = _train(_lora_model(fmt, shape))
+    model = _lora_model(fmt, shape)
+    stored = model[0].base.weight.nbytes_stored
+    fully_shard(model[0].base, mesh=mesh(world))  # the quantized weight alone in one all-gather
+    fully_shard(model, mesh=mesh(world))
+    with wire.record() as log:
+        losses = _train(model)
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert abs(a - b) <= 1e-3 * abs(b) + 1e-6, f"step {step}: loss {a} under FSDP2, {b} on one process"
+    base = [t for t in log.all_gathers().transfers if t.dtype == torch.uint8]
+    assert base, "no uint8 all-gather: the quantized weight was not gathered as stored bytes"
+    per_gather = max(t.nbytes for t in base)
+    limit = stored / world * 1.05 + 64 * len(fmt.inner_names)
+    assert per_gather <= limit, f"each rank sent {per_gather} bytes per all-gather; its share of the payload is {stored / world:.0f}"
+    dense = shape[0] * shape[1] * 2 / world
+    return f"{len(losses)} steps match one process; base all-gather {per_gather / dense:.3f}x its bf16 bytes"
+
+
+def fsdp2_quantized_allgather(fmt: QuantFormat, shape) -> str:
+    """A trainable weight FSDP2 all-gathers quantized: the gathered bytes are those of quantize(master)."""
+    from ..fsdp import fully_shard
+    from ..gather_quantized import gather_quantized_
+
+    world = dist.get_world_size()
+    if not legal(fmt, shape, (world,), [Shard(0)]):
+        return f"not applicable: the layout cannot shard {shape[0]} rows over {world} ranks"
+    master = weight(shape, seed=8)
+    model = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0], bias=False))
+    model[0].weight = torch.nn.Parameter(master.clone())
+    gather_quantized_(model, fmt)
+    fully_shard(model, mesh=mesh(world))
+    x = weight((4, shape[1]), seed=9)
+    with wire.record() as log:
+        out = model(x)
+    expected = torch.nn.functional.linear(x, quantize(master, fmt))
+    assert torch.equal(out, expected), "the forward with the gathered weight differs from quantize(master)"
+    out.float().sum().backward()
+    grad = model[0].weight.grad
+    assert grad is not None and grad.dtype == master.dtype, "no high-precision gradient reached the master weight"
+    floats = {d for d in log.all_gathers().dtypes() if d.is_floating_point}
+    assert not floats, f"FSDP2 all-gathered {floats}"
+    return "forward bit-identical to quantize(master); gradient reaches the master; uint8 on the wire"
+
+
 CHECKS = [
     Check("quantize/dequantize", quantize_dequantize, distributed=False),
     Check("distribute_tensor/full_tensor", distribute_and_gather),
@@ -295,6 +367,8 @@ CHECKS = [
     Check("misaligned placements", misaligned_errors),
     Check("transposed weight", transposed),
     Check("tensor parallel", tensor_parallel),
+    Check("FSDP2 QLoRA", fsdp2_qlora),
+    Check("FSDP2 quantized all-gather", fsdp2_quantized_allgather),
     Check("DCP reshard", checkpoint_reshard),
     Check("torch.compile", compile_linear, distributed=False),
 ]
