@@ -12,8 +12,11 @@ quantized bytes of the base weights (see docs/fsdp.md).
 It fine-tunes on synthetic data (sequences that follow a fixed random
 successor table, so the loss has something to learn) with a progress bar,
 writes the loss of every step to ``OUT/loss.csv``, and at the end saves the
-trained LoRA adapters as a sharded torch.distributed.checkpoint (DCP) in
-``OUT/adapters``, then loads them back into a fresh model to check.
+whole fine-tuned model -- the quantized base as its stored bytes, the trained
+adapters -- as a sharded torch.distributed.checkpoint in ``OUT/checkpoint``
+(dtensor_quant.checkpoint: atomic, reshardable, see docs/checkpoint.md),
+then loads it into a fresh model whose every weight differs and checks that
+every byte came back.
 """
 
 from __future__ import annotations
@@ -26,9 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -47,11 +48,19 @@ def in_blocks(module, fqn: str) -> bool:
     return fqn.startswith("layers.")
 
 
-def build(fmt: dq.QuantFormat, device: torch.device) -> torch.nn.Module:
-    """The pretrained-stand-in base (seed 0), quantized and frozen, with fresh adapters (seed 1)."""
-    model = llama.build(CFG, seed=0, dtype=torch.bfloat16).to(device)
+def build(fmt: dq.QuantFormat, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The pretrained-stand-in base (``seed``), quantized and frozen, with fresh adapters (``seed + 1``)."""
+    model = llama.build(CFG, seed=seed, dtype=torch.bfloat16).to(device)
     dq.quantize_(model, fmt, filter_fn=in_blocks)
-    return add_lora_(model, rank=16, alpha=32, filter_fn=in_blocks, seed=1)
+    return add_lora_(model, rank=16, alpha=32, filter_fn=in_blocks, seed=seed + 1)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (possibly sharded, possibly quantized) parameters hold the same bytes."""
+    a, b = a.full_tensor(), b.full_tensor()
+    if isinstance(a, dq.QuantizedTensor):
+        return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values()))
+    return torch.equal(a, b)
 
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -109,23 +118,20 @@ def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: st
     if rank == 0:
         log.close()
 
-    # Save the trained adapters (sharded DTensors) with DCP, then load them into a fresh model.
-    options = StateDictOptions(ignore_frozen_params=True)
-    adapters = get_model_state_dict(model, options=options)
-    path = os.path.join(out, "adapters")
-    dcp.save({"model": adapters}, checkpoint_id=path)
-    fresh = shard(build(FORMATS[fmt_name], device), mesh)
-    loaded = {"model": get_model_state_dict(fresh, options=options)}
-    dcp.load(loaded, checkpoint_id=path)
-    # strict=False: the frozen base comes from build(), only the adapters from the checkpoint
-    result = set_model_state_dict(fresh, loaded["model"], options=StateDictOptions(strict=False))
-    assert not result.unexpected_keys, result.unexpected_keys
-    fresh_adapters = get_model_state_dict(fresh, options=options)
-    same = all(torch.equal(a.full_tensor(), fresh_adapters[k].full_tensor()) for k, a in adapters.items())
+    # Save the whole model -- quantized base as stored bytes, trained adapters -- then load it
+    # into a fresh model built from another seed (every weight differs) and compare every byte.
+    path = os.path.join(out, "checkpoint")
+    dq.checkpoint.save(model, path)
+    fresh = shard(build(FORMATS[fmt_name], device, seed=1000), mesh)
+    dq.checkpoint.load(fresh, path)
+    trained, reloaded = dict(model.named_parameters()), dict(fresh.named_parameters())
+    same = all(same_bytes(p, reloaded[k]) for k, p in trained.items())
     if rank == 0:
-        print(f"saved {len(adapters)} adapter tensors to {path} (DCP); reloaded into a fresh model: {'identical' if same else 'DIFFERENT'}")
+        size = sum(f.stat().st_size for f in pathlib.Path(path).glob("*.distcp"))
+        print(f"saved the model to {path} ({size / 2**20:.1f} MiB, DCP); reloaded into a fresh model: "
+              f"{'every byte identical' if same else 'DIFFERENT'}")
         print(f"loss log: {os.path.join(out, 'loss.csv')}")
-    assert same, "the reloaded adapters differ from the saved ones"
+    assert same, "the reloaded model differs from the saved one"
     return losses
 
 
