@@ -39,18 +39,6 @@ FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(32)": d
 BATCH, SEQ, LR = 16, 64, 3e-3
 
 
-def synthetic_batches(steps: int, vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randint(vocab, (vocab,), generator=g)
-    for _ in range(steps):
-        tokens = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(vocab, (BATCH,), generator=g)
-        for i in range(SEQ):
-            noise = torch.rand(BATCH, generator=g) < 0.2
-            tokens[:, i + 1] = torch.where(noise, torch.randint(vocab, (BATCH,), generator=g), table[tokens[:, i]])
-        yield tokens
-
-
 def train(fmt_name: str, steps: int):
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     mesh = init_device_mesh("cpu", (world,))
@@ -63,7 +51,7 @@ def train(fmt_name: str, steps: int):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, layer_bytes, t0 = [], [], time.perf_counter()
-    for tokens in synthetic_batches(steps, CFG.vocab_size):
+    for tokens in llama.synthetic_batches(steps, BATCH, SEQ, CFG.vocab_size, noise=0.2):
         tokens = tokens.chunk(world)[rank]
         with wire.record() as log:
             logits = model(tokens[:, :-1])

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from .format import QuantFormat, Reducer
-from .ops import PADDED_ROWS
+from .ops import PADDED_ROWS, _flat
 from .quantize import MeshReducer, _wrap
 from .tensor import QuantizedTensor
 
@@ -154,14 +154,6 @@ class GatherQuantized(torch.Tensor):
         from .fsdp import post_all_gather
 
         return post_all_gather(outputs, metadata, param_dtype, out=out)
-
-
-def _flat(args, kwargs):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 def _unwrap(obj):

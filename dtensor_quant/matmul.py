@@ -29,13 +29,13 @@ itself.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .format import QuantFormat
 from .format_ids import format_from_id, format_id
 from .layout import Constant
 from .ops import (
     _describe,
+    _tracing,
     block_sizes,
     broadcastable,
     canonical_dims,
@@ -72,7 +72,7 @@ def never_cache(buffer: torch.Tensor) -> None:
 
 
 def _is_traced(t: torch.Tensor) -> bool:
-    return is_fake(t) or t.device.type == "meta" or isinstance(t, torch.fx.Proxy)
+    return _tracing(t)
 
 
 def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):

@@ -41,13 +41,19 @@ def implements(*names: str):
     def register(fn):
         for name in names:
             HANDLERS[name] = fn
+        _BY_OP.clear()
         return fn
 
     return register
 
 
+_BY_OP: dict = {}  # OpOverload -> handler, filled on first use (schema names cost a lookup)
+
+
 def dispatch(func, args, kwargs):
-    handler = HANDLERS.get(func._schema.name)
+    handler = _BY_OP.get(func)
+    if handler is None:
+        handler = _BY_OP[func] = HANDLERS.get(func._schema.name)
     if handler is None and _composite(func):
         # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
         # under inference mode or from inside another subclass's dispatch (a redistribute
@@ -145,7 +151,10 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _tracing(t: torch.Tensor) -> bool:
-    return is_fake(t) or t.device.type == "meta"
+    """Whether ``t`` is a fake, meta or functional tensor of a trace (no data to look at)."""
+    if type(t) is torch.Tensor:  # the common eager case, without is_fake's cost
+        return t.is_meta
+    return is_fake(t) or t.device.type == "meta" or isinstance(t, torch.fx.Proxy)
 
 
 # -- slicing, splitting, concatenation, padding -----------------------------

@@ -133,6 +133,23 @@ def build(cfg: Config | None = None, seed: int = 0, dtype: torch.dtype = torch.b
     return model.to(dtype)
 
 
+def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, noise: float = 0.1, seed: int = 0):
+    """``steps`` batches of ``[batch, seq + 1]`` tokens that follow a fixed random successor table.
+
+    Each token is the table's successor of the previous one, or (with
+    probability ``noise``) a random token: learnable, so a fine-tuning loss falls.
+    """
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(vocab, (vocab,), generator=g)
+    for _ in range(steps):
+        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(vocab, (batch,), generator=g)
+        for i in range(seq):
+            random = torch.rand(batch, generator=g) < noise
+            tokens[:, i + 1] = torch.where(random, torch.randint(vocab, (batch,), generator=g), table[tokens[:, i]])
+        yield tokens
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, pad_to_multiple: int = 1) -> torch.Tensor:
     """Greedy decoding without a KV cache (the model is small; clarity over speed).

@@ -71,15 +71,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 def synthetic_batches(steps: int, batch: int, seq: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randint(CFG.vocab_size, (CFG.vocab_size,), generator=g)
-    for _ in range(steps):
-        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(CFG.vocab_size, (batch,), generator=g)
-        for i in range(seq):
-            noise = torch.rand(batch, generator=g) < 0.1
-            tokens[:, i + 1] = torch.where(noise, torch.randint(CFG.vocab_size, (batch,), generator=g), table[tokens[:, i]])
-        yield tokens
+    return llama.synthetic_batches(steps, batch, seq, CFG.vocab_size, noise=0.1, seed=seed)
 
 
 def progress(step: int, steps: int, loss: float, seconds: float) -> None:

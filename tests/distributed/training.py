@@ -51,18 +51,7 @@ def qlora_model(fmt_name: str, cfg_name: str = "even", dtype=torch.float32):
 
 def batches(steps: int, cfg_name: str = "even", seed: int = 0) -> list[torch.Tensor]:
     """Token sequences from a fixed random successor table (learnable, so the loss falls)."""
-    vocab = CONFIGS[cfg_name].vocab_size
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randint(vocab, (vocab,), generator=g)
-    out = []
-    for _ in range(steps):
-        tokens = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(vocab, (BATCH,), generator=g)
-        for i in range(SEQ):
-            noise = torch.rand(BATCH, generator=g) < 0.2
-            tokens[:, i + 1] = torch.where(noise, torch.randint(vocab, (BATCH,), generator=g), table[tokens[:, i]])
-        out.append(tokens)
-    return out
+    return list(llama.synthetic_batches(steps, BATCH, SEQ, CONFIGS[cfg_name].vocab_size, noise=0.2, seed=seed))
 
 
 def train(model, data, *, lr=1e-2, mp_dtype=None, dp_group=None) -> list[float]:
