@@ -162,7 +162,11 @@ def _mm(func, a, b):
 def _addmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
         raise NotImplementedError(f"addmm with a quantized bias ({_describe(bias)})")
-    out = _mm(func, a, b)
+    return _plus_bias(_mm(func, a, b), bias, beta, alpha)
+
+
+def _plus_bias(out, bias, beta, alpha):
+    """``beta * bias + alpha * out``, skipping the multiplies addmm/baddbmm almost always have as 1."""
     if alpha != 1:
         out = out * alpha
     return out + (bias if beta == 1 else beta * bias)
@@ -246,7 +250,4 @@ def _bmm(func, a, b):
 def _baddbmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
         raise NotImplementedError(f"baddbmm with a quantized bias ({_describe(bias)})")
-    out = _batched(func, a, b)
-    if alpha != 1:
-        out = out * alpha
-    return out + (bias if beta == 1 else beta * bias)
+    return _plus_bias(_batched(func, a, b), bias, beta, alpha)
