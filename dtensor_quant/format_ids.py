@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
-
 from .format import QuantFormat
 
 _FORMATS: dict[int, QuantFormat] = {}
 
 
-@torch.compiler.assume_constant_result  # a format is a constant of the graph; its id is too
 def format_id(fmt: QuantFormat) -> int:
     """The id of ``fmt`` (registering it, so that :func:`format_from_id` can find it)."""
     key = f"{type(fmt).__module__}.{type(fmt).__qualname__}:{fmt!r}"
@@ -29,6 +26,12 @@ def format_id(fmt: QuantFormat) -> int:
     if known != fmt:
         raise RuntimeError(f"format id collision between {known!r} and {fmt!r}; rename one of the formats")
     return fid
+
+
+# A format is a constant of a compiled graph, so its id is too. This is what
+# torch.compiler.assume_constant_result does; calling it would import all of
+# torch._dynamo (2 s) with the library. tests/test_formats.py checks the two agree.
+format_id._dynamo_marked_constant = True
 
 
 def format_from_id(fid: int) -> QuantFormat:

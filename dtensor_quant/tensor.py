@@ -11,6 +11,8 @@ dequantizing.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .format import QuantFormat
@@ -76,6 +78,16 @@ class QuantizedTensor(torch.Tensor):
     def __tensor_flatten__(self):
         ctx = (self.fmt, self.rels, self.dims, self.dtype, tuple(self.stride()))
         return list(self.fmt.inner_names), ctx
+
+    def _stable_hash_for_caching(self) -> str:
+        """A process-independent key for torch.compile's AOT autograd cache.
+
+        Dataclass reprs of the format and relations are deterministic, unlike
+        ``hash()``; inner tensors contribute their metadata, not their values.
+        """
+        inner = [(n, t.dtype, tuple(t.shape), t.stride(), t.device.type) for n, t in self.inner.items()]
+        key = (type(self.fmt).__module__, repr(self.fmt), self.rels, self.dims, self.dtype, tuple(self.shape), self.stride(), self.requires_grad, inner)
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):

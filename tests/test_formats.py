@@ -105,3 +105,33 @@ def test_unsupported_op_names_op_and_format():
         q * 2
     with pytest.raises(dq.LayoutError, match="requantize"):
         q.copy_(torch.randn(16, 64))
+
+
+def test_compile_cache_key_is_stable_and_discriminating():
+    """torch.compile's AOT cache keys a QuantizedTensor by metadata: equal across processes, never across formats."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dtensor_quant as dq;"
+        "print(dq.quantize(torch.randn(64, 256), dq.Int4Groupwise(32))._stable_hash_for_caching())"
+    )
+    seeds = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": s}, capture_output=True,
+                            text=True, check=True).stdout.strip() for s in ("1", "2")]
+    w = torch.randn(64, 256)
+    assert seeds[0] == seeds[1] == dq.quantize(w, dq.Int4Groupwise(32))._stable_hash_for_caching()
+    others = {dq.quantize(w, f)._stable_hash_for_caching() for f in (dq.Int4Groupwise(64), dq.Int8Rowwise())}
+    others.add(dq.quantize(w, dq.Int4Groupwise(32)).t()._stable_hash_for_caching())
+    assert seeds[0] not in others and len(others) == 3
+
+
+def test_format_id_is_marked_constant_the_way_torch_compiler_marks_it():
+    from dtensor_quant.format_ids import format_id
+
+    def probe():
+        pass
+
+    marked = torch.compiler.assume_constant_result(probe)
+    added = {k: v for k, v in vars(marked).items()}
+    assert added and all(getattr(format_id, k, None) == v for k, v in added.items()), added
