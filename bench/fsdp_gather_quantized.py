@@ -21,7 +21,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -52,16 +51,8 @@ def train(fmt_name: str, steps: int):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, layer_bytes, t0 = [], [], time.perf_counter()
     for tokens in llama.synthetic_batches(steps, BATCH, SEQ, CFG.vocab_size, noise=0.2):
-        tokens = tokens.chunk(world)[rank]
         with wire.record() as log:
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+            losses.append(llama.train_step(model, opt, tokens.chunk(world)[rank]))
         # the blocks' all-gathers (the root unit holds embeddings, norm and output, never wrapped)
         layer_bytes.append(sum(t.nbytes for t in log.all_gathers().transfers[1:]))
     return losses, layer_bytes[-1], sorted({str(t.dtype) for t in log.all_gathers().transfers[1:]}), time.perf_counter() - t0

@@ -30,7 +30,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -86,14 +85,7 @@ def train(model, steps: int) -> tuple[list[float], wire.WireLog]:
     world, rank, losses = dist.get_world_size(), dist.get_rank(), []
     with wire.record() as log:
         for step, batch in enumerate(qlora_fsdp2.synthetic_batches(steps, 8, 64), start=1):
-            batch = batch.chunk(world)[rank]
-            loss = F.cross_entropy(model(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+            losses.append(llama.train_step(model, opt, batch.chunk(world)[rank]))
             if rank == 0:
                 print(f"\r    step {step}/{steps}  loss {losses[-1]:.3f}", end="\n" if step == steps else "", flush=True)
     return losses, log

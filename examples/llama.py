@@ -150,6 +150,17 @@ def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, noise: float
         yield tokens
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    """One optimizer step on this rank's ``tokens``; returns the next-token loss averaged over ranks."""
+    loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    return total.item() / torch.distributed.get_world_size()
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, pad_to_multiple: int = 1) -> torch.Tensor:
     """Greedy decoding without a KV cache (the model is small; clarity over speed).

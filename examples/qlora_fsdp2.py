@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -95,15 +94,7 @@ def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: st
         log.write("step,loss\n")
     losses, start = [], time.perf_counter()
     for step, tokens in enumerate(synthetic_batches(steps, batch, seq), start=1):
-        tokens = tokens.chunk(world)[rank].to(device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(llama.train_step(model, opt, tokens.chunk(world)[rank].to(device)))
         if rank == 0:
             log.write(f"{step},{losses[-1]:.6f}\n")
             progress(step, steps, losses[-1], time.perf_counter() - start)
