@@ -71,14 +71,10 @@ def never_cache(buffer: torch.Tensor) -> None:
     _anchor(buffer).__dict__[_NO_CACHE_ATTR] = True
 
 
-def _is_traced(t: torch.Tensor) -> bool:
-    return _tracing(t)
-
-
 def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
     """``fmt.prepare(inner)``, cached on the first inner tensor while no inner tensor changes."""
     tensors = list(inner.values())
-    if any(_is_traced(t) for t in tensors):
+    if any(_tracing(t) for t in tensors):
         return fmt.prepare(inner)
     key = (fmt, tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors))
     anchor = _anchor(tensors[0])
@@ -92,7 +88,7 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
     return result
 
 
-def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], bias, blocks):
+def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
     ``blocks`` is :func:`~dtensor_quant.ops.block_sizes` of the weight's relations.
@@ -100,8 +96,7 @@ def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch
     out = fmt.linear(x, prepared(fmt, inner), bias)
     if out is not None:
         return out
-    n_out = next(iter(inner.values())).shape[0]
-    out = x @ fmt.dequantize(broadcastable(inner, blocks, (n_out, x.shape[-1])), x.dtype).t()
+    out = x @ fmt.dequantize(broadcastable(inner, blocks, (out_features, x.shape[-1])), x.dtype).t()
     return out + bias if bias is not None else out
 
 
@@ -116,7 +111,7 @@ def kernel_linear(
 ) -> torch.Tensor:
     """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order)."""
     fmt = format_from_id(fmt_id)
-    return kernel_linear_impl(x, fmt, dict(zip(fmt.inner_names, inner)), bias, blocks)
+    return kernel_linear_impl(x, fmt, dict(zip(fmt.inner_names, inner)), out_features, bias, blocks)
 
 
 @kernel_linear.register_fake
@@ -142,10 +137,10 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
         return out + bias if bias is not None else out
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
     blocks = block_sizes(row[::-1] for row in w_t.rels)  # canonical [out, in] order
-    if _is_traced(x2) or any(_is_traced(t) for t in inner.values()):
+    if _tracing(x2) or any(_tracing(t) for t in inner.values()):
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
     else:
-        out = kernel_linear_impl(x2, w_t.fmt, inner, bias, blocks)
+        out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks)
     return out.reshape(*lead, out.shape[-1])
 
 

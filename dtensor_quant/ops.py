@@ -188,7 +188,10 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
 def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
     """Raise, naming the legal shard counts, if a split would cut a packed element or a block."""
     rels = {name: row[dim] for name, row in zip(q.fmt.inner_names, q.rels) if not isinstance(row[dim], Stacked)}
-    factor = dim_factor(list(rels.values()))
+    try:
+        factor = dim_factor(list(rels.values()))
+    except LayoutError as e:
+        raise LayoutError(f"{_describe(q)}: cannot split dim {dim} into pieces of {list(sizes)[:8]}: {e}") from None
     cuts = [sum(sizes[:i]) for i in range(1, len(sizes))]
     bad = next((c for c in cuts if factor > 1 and c % factor and c < q.shape[dim]), None)
     if bad is None:
@@ -426,10 +429,12 @@ def _unflatten(q: QuantizedTensor, size: tuple[int, int]) -> QuantizedTensor:
 class _Opaque:
     """The relation of an inner tensor after a flatten that does not follow the flat index."""
 
-    factor = 0
+    @property
+    def factor(self):
+        raise LayoutError("this flattened quantized view cannot be sliced or resized")
 
     def inner_len(self, n):
-        raise LayoutError("this flattened quantized view cannot be sliced or resized")
+        return self.factor
 
     def __str__(self):
         return "not sliceable after view(-1)"

@@ -1,9 +1,12 @@
 """Single-process checks of each format's math against independent references."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 import dtensor_quant as dq
+from dtensor_quant.blocks import block_reduce, expand_blocks
 
 NF4_LEVELS_REFERENCE = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -135,3 +138,51 @@ def test_format_id_is_marked_constant_the_way_torch_compiler_marks_it():
     marked = torch.compiler.assume_constant_result(probe)
     added = {k: v for k, v in vars(marked).items()}
     assert added and all(getattr(format_id, k, None) == v for k, v in added.items()), added
+
+
+def _int8_codes(weight, scale):
+    return (weight.float() / scale.float()).round().clamp(-127, 127).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class _ScaleFirstRowBlockInt8(dq.QuantFormat):
+    """One int8 scale per 4 rows, listed first: the first inner tensor has 1/4 of the weight's rows."""
+
+    layout = {"scale": (dq.Blocked(4), dq.Constant()), "qdata": (dq.OneToOne(), dq.OneToOne())}
+
+    def quantize(self, weight, reduce):
+        amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, 4, "max")
+        scale = (reduce(amax, "max", "scale") / 127).clamp(min=1e-12).to(weight.dtype)
+        return {"scale": scale, "qdata": _int8_codes(weight, expand_blocks(scale, 0, 4, weight.shape[0]))}
+
+    def dequantize(self, inner, dtype):
+        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+
+
+@dataclass(frozen=True)
+class _ColumnInt8(dq.QuantFormat):
+    """One int8 scale per input column: a flat view of it does not follow the flat index."""
+
+    layout = {"qdata": (dq.OneToOne(), dq.OneToOne()), "scale": (dq.Constant(), dq.OneToOne())}
+
+    def quantize(self, weight, reduce):
+        scale = (reduce(weight.abs().amax(dim=0, keepdim=True), "max", "scale") / 127).clamp(min=1e-12)
+        return {"qdata": _int8_codes(weight, scale), "scale": scale.to(weight.dtype)}
+
+    def dequantize(self, inner, dtype):
+        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+
+
+def test_linear_fallback_takes_its_width_from_the_weight_not_the_first_inner_tensor():
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(6))
+    q = dq.quantize(w, _ScaleFirstRowBlockInt8())
+    torch.testing.assert_close(torch.nn.functional.linear(x, q), x @ q.dequantize().t())
+
+
+def test_slicing_a_flattened_view_that_does_not_follow_the_flat_index_is_a_layout_error():
+    flat = dq.quantize(torch.randn(8, 16), _ColumnInt8()).view(-1)  # a per-column scale cannot flatten
+    with pytest.raises(dq.LayoutError, match=r"cannot take \[0:16\] of dim 0.*not sliceable after view\(-1\)"):
+        flat[0:16]
+    with pytest.raises(dq.LayoutError, match=r"cannot split dim 0 into pieces of \[64, 64\]"):
+        torch.split(flat, 64)
