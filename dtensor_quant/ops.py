@@ -226,6 +226,12 @@ def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = N
     for i, name in enumerate(first.fmt.inner_names):
         parts = [getattr(p, name) for p in pieces]
         rel_rows = [p.rels[i] for p in pieces]
+        if len(parts) > 1 and all(t is parts[0] for t in parts) and all(isinstance(r[dim], Constant) for r in rel_rows):
+            # One tensor shared by every piece (a scale no collective sent): equal without
+            # concatenating and comparing copies (a host sync on CUDA); cloned, as a cat would be.
+            inner[name] = parts[0].clone()
+            rels.append(rel_rows[0])
+            continue
         if joined is not None and name in joined:
             whole = joined[name]
         else:
