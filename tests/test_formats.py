@@ -110,6 +110,7 @@ def test_unsupported_op_names_op_and_format():
         q.copy_(torch.randn(16, 64))
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_compile_cache_key_is_stable_and_discriminating():
     """torch.compile's AOT cache keys a QuantizedTensor by metadata: equal across processes, never across formats."""
     import os

@@ -353,6 +353,7 @@ def fsdp2_quantized_allgather(fmt: QuantFormat, shape) -> str:
     out.float().sum().backward()
     grad = model[0].weight.grad
     assert grad is not None and grad.dtype == master.dtype, "no high-precision gradient reached the master weight"
+    assert log.all_gathers().transfers, "FSDP2 all-gathered nothing: the weight was not sharded"
     floats = {d for d in log.all_gathers().dtypes() if d.is_floating_point}
     assert not floats, f"FSDP2 all-gathered {floats}"
     return "forward bit-identical to quantize(master); gradient reaches the master; uint8 on the wire"

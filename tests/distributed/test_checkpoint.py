@@ -7,6 +7,7 @@ gathered weight. The loading model starts from different random weights, so
 a load that silently skipped a tensor fails.
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -156,7 +158,15 @@ def test_checkpoint_holds_the_quantized_bytes(ranks, tmp_path, fmt_name):
     md = dcp.FileSystemReader(str(path)).read_metadata()
     entries = {k: v for k, v in md.state_dict_metadata.items() if k.startswith("a.weight")}
     assert set(entries) == {f"a.weight.{n}" for n in cc.FORMATS[fmt_name].inner_names} | {"a.weight.__quant__"}
-    # torch.save framing costs about a kilobyte per stored chunk
+    # Exactly: the chunks the metadata declares (one per rank's piece; replicas saved once) are the payload.
+    declared = sum(
+        math.prod(chunk.sizes) * m.properties.dtype.itemsize
+        for m in md.state_dict_metadata.values()
+        if isinstance(m, TensorStorageMetadata)
+        for chunk in m.chunks
+    )
+    assert declared == payload, (declared, payload)
+    # On disk: torch.save framing costs about a kilobyte per stored chunk
     n_chunks = len(md.storage_data)
     assert payload <= stored_bytes(path) <= payload + 1600 * n_chunks, (stored_bytes(path), payload, n_chunks)
     if fmt_name == "int4g32":

@@ -146,6 +146,9 @@ def test_weight_grad_input_path_dequantizes():
     F.linear(x, qf).sum().backward()
     assert torch.allclose(x.grad, qf.dequantize().sum(0).expand(4, -1))
     assert q.dtype == torch.bfloat16
+    xb = x.detach().bfloat16().requires_grad_()  # the bf16 path: the kernel forward, grad @ W backward
+    F.linear(xb, q).sum().backward()
+    assert_close(xb.grad, q.dequantize().float().sum(0).expand(4, -1), torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

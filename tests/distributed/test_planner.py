@@ -5,6 +5,7 @@ The planner works from shapes alone; these tests check its verdicts against
 really quantized shards, and its command line on the example model.
 """
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 import dtensor_quant as dq
 from dtensor_quant.format_spec import parse_format
@@ -34,6 +36,17 @@ def test_verdicts_match_check_placements():
                 legal = False
             assert c.legal == legal, (layer, c)
             assert c.legal or (c.why and c.alternatives), c
+            # Independently of the library: the style's placements, and torch's own shard offsets
+            # (int4 rows are free; every column shard must start on a group of 128).
+            assert c.placements[1] == (Replicate() if c.tp == 1 else Shard(1 if layer.style == "rowwise" else 0)), c
+            assert c.placements[0] == Replicate() if c.dp == 1 else c.placements[0].dim == 0, c  # FSDP: rows
+            starts = {
+                offset[1]
+                for coord in itertools.product(range(c.dp), range(c.tp))
+                for size, offset in [_compute_local_shape_and_global_offset(layer.shape, (c.dp, c.tp), list(coord), c.placements)]
+                if size[1] > 0
+            }
+            assert c.legal == all(start % 128 == 0 for start in starts), (layer, c, sorted(starts))
 
 
 def test_refusal_explains_and_suggests():

@@ -171,7 +171,10 @@ def compiled_tp(backend, sequence_parallel, dtype):
     expected = llama.generate(reference, PROMPT, 3, pad)
     eager = llama.generate(model, PROMPT, 3, pad)
     compiled = llama.generate(torch.compile(model, backend=backend), PROMPT, 3, pad)
-    return torch.equal(compiled, eager), torch.equal(eager, expected) or dtype == torch.bfloat16
+    # bf16 TP may flip a token only where the one-process logits nearly tie (test_tp_bf16_within_rounding)
+    same = torch.equal(eager, expected)
+    near_tie = not same and dtype == torch.bfloat16 and tp_inference.explain_difference(model, reference, eager, expected, pad)["near_tie"]
+    return torch.equal(compiled, eager), same or near_tie
 
 
 @pytest.mark.parametrize("backend,sequence_parallel,dtype", [
