@@ -46,7 +46,7 @@ from .layout import LayoutError
 from .ops import _describe, implements
 from .ops import dequantize as dequantize_local
 from .placements import _shard_like, check_placements
-from .quantize import MeshReducer, _wrap
+from .quantize import MeshReducer, quantize_local
 from .tensor import QuantizedTensor
 
 # -- quantize -------------------------------------------------------------------
@@ -67,11 +67,8 @@ def _quantize(
     whole weight's shape (a layout may depend on it).
     """
     fmt = format_from_id(fmt_id)
-    fmt.check_weight(torch.Size(full_shape), weight.dtype)
     reduce = MeshReducer(fmt, full_shape, [(d, g) for d, g in zip(shard_dims, groups) if d >= 0])
-    with torch.no_grad():
-        inner = fmt.quantize(weight.detach(), reduce)
-    return _wrap(fmt, inner, weight.shape, weight.dtype, full_shape)
+    return quantize_local(fmt, weight, reduce, full_shape)
 
 
 @_quantize.register_fake

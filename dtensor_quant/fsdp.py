@@ -46,16 +46,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .collectives import _pack, _unpack
-from .layout import Constant, LayoutError, dim_factor, legal_chunk
+from .collectives import _pack, _unpack, _varies
+from .layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .matmul import invalidate, never_cache
-from .ops import _describe, _pad_end, canonical_dims, cat_dim, slice_dim
+from .ops import PADDED_ROWS, _describe, _pad_end, canonical_dims, cat_dim, slice_dim
 from .tensor import QuantizedTensor
 
 
 def padded_rows(t: torch.Tensor) -> int:
     """Rows of FSDP2's padded shard that ``t`` (this rank's shard) is a leading narrow of."""
-    return max(t.__dict__.get("fsdp_padded_rows", 0), t.shape[0])
+    return max(t.__dict__.get(PADDED_ROWS, 0), t.shape[0])
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
             f"{_describe(q)}: FSDP2's padded shards of {rows} rows cut its layout, which needs multiples "
             f"of {factor} along dim 0; dtensor_quant.fsdp.fully_shard lists the legal FSDP2 sizes."
         )
-    sent = tuple(n for n in q.fmt.inner_names if not all(isinstance(r, Constant) for r in piece.rel(n)))
+    sent = tuple(n for n in q.fmt.inner_names if _varies(piece, n))
     inner = [getattr(piece, n).contiguous() for n in sent]
     kept = {n: t for n, t in piece.inner.items() if n not in sent}
     meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, tuple(t.dtype for t in inner), tuple(t.shape for t in inner))
@@ -213,7 +213,7 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
         if world is not None and world > 1:
             factor = _row_factor(local)
             if not legal_chunk(local.shape[0], world, factor):
-                legal = [n for n in range(1, 65) if legal_chunk(local.shape[0], n, factor)]
+                legal = legal_chunk_counts(local.shape[0], factor)
                 raise LayoutError(
                     f"{where}: FSDP2 over {world} ranks cuts its {local.shape[0]} rows into chunks of "
                     f"{-(-local.shape[0] // world)}, but its layout needs multiples of {factor} along dim 0. "

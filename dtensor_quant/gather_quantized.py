@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard
 
 from .format import QuantFormat, Reducer
 from .ops import PADDED_ROWS, _flat
-from .quantize import MeshReducer, _wrap
+from .quantize import MeshReducer, quantize_local
 from .tensor import QuantizedTensor
 
 aten = torch.ops.aten
@@ -131,10 +131,7 @@ class GatherQuantized(torch.Tensor):
         """The master (this shard of it, with ``reduce`` over the shards) quantized in ``fmt``."""
         w = self._data.t() if self.transposed else self._data
         w = w.detach().to(self.quant_dtype or w.dtype)
-        self.fmt.check_weight(torch.Size(self.full_shape), w.dtype)
-        with torch.no_grad():
-            inner = self.fmt.quantize(w, reduce or Reducer(self.full_shape))
-            q = _wrap(self.fmt, inner, w.shape, w.dtype, self.full_shape)
+        q = quantize_local(self.fmt, w, reduce or Reducer(self.full_shape), self.full_shape)
         return q.t() if self.transposed else q
 
     # -- FSDP2 ----------------------------------------------------------------

@@ -188,6 +188,15 @@ def legal_chunk(length: int, pieces: int, factor: int) -> bool:
     return all(s % factor == 0 for s, e in chunk_boundaries(length, pieces) if s < e)
 
 
+# How many mesh sizes an error message lists as legal alternatives.
+MAX_LISTED_MESH_SIZE = 64
+
+
+def legal_chunk_counts(length: int, factor: int) -> list[int]:
+    """The shard counts (up to MAX_LISTED_MESH_SIZE) whose ``torch.chunk`` of ``length`` cuts on multiples of ``factor``."""
+    return [n for n in range(1, MAX_LISTED_MESH_SIZE + 1) if legal_chunk(length, n, factor)]
+
+
 def dim_factor(rels: list[Relation]) -> int:
     """The alignment a shard boundary needs so that every inner tensor can follow it."""
     return math.lcm(*(r.factor for r in rels)) if rels else 1

@@ -25,7 +25,7 @@ from .layout import (
     can_flatten,
     dim_factor,
     inner_slice,
-    legal_chunk,
+    legal_chunk_counts,
 )
 from .tensor import QuantizedTensor, contiguous_strides
 
@@ -198,7 +198,7 @@ def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
         return
     why = ", ".join(f"'{n}' is {r}" for n, r in rels.items() if r.factor > 1)
     length = q.shape[dim]
-    legal = [n for n in range(1, 65) if legal_chunk(length, n, factor)]
+    legal = legal_chunk_counts(length, factor)
     raise LayoutError(
         f"{_describe(q)}: cannot split dim {dim} (size {length}) into pieces of {list(sizes)[:8]}: the cut "
         f"at {bad} is not a multiple of {factor} ({why}). Sharding this dim over n ranks cuts only on "

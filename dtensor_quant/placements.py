@@ -18,9 +18,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat
-from .layout import LayoutError, dim_factor
-
-MAX_LISTED_MESH_SIZE = 64
+from .layout import MAX_LISTED_MESH_SIZE, LayoutError, dim_factor
 
 
 def _shard_like(p: Placement) -> bool:

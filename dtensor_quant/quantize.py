@@ -36,10 +36,19 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         raise ValueError(f"the tensor is already quantized; dequantize() it before quantizing into {fmt}")
     if isinstance(weight, DTensor):
         return _quantize_dtensor(weight, fmt)
-    fmt.check_weight(weight.shape, weight.dtype)
+    return quantize_local(fmt, weight, Reducer(weight.shape), weight.shape)
+
+
+def quantize_local(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer, full_shape) -> QuantizedTensor:
+    """``fmt.quantize`` of a dense (local) weight, checked and wrapped.
+
+    ``reduce`` combines the statistics that shards share (the identity on one
+    process); ``full_shape`` is the whole weight's, which a layout may depend on.
+    """
+    fmt.check_weight(torch.Size(full_shape), weight.dtype)
     with torch.no_grad():
-        inner = fmt.quantize(weight.detach(), Reducer(weight.shape))
-    return _wrap(fmt, inner, weight.shape, weight.dtype, weight.shape)
+        inner = fmt.quantize(weight.detach(), reduce)
+    return _wrap(fmt, inner, weight.shape, weight.dtype, full_shape)
 
 
 def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedTensor:
