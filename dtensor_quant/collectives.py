@@ -143,12 +143,12 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
     names = [name for name in q.fmt.inner_names if not isinstance(q.rel(name)[gather_dim], Constant)]
     send = [[getattr(p, name) for name in names] for p in pieces]
-    bufs = [_pack(s) for s in send]
-    if len({b.numel() for b in bufs}) != 1:
+    sizes = {_packed_size(s) for s in send}
+    if len(sizes) != 1:
         raise ValueError(f"{_describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
-    buf = torch.cat(bufs)
+    buf = _pack([t for s in send for t in s])  # each tensor is padded on its own: rank k's bytes are piece k's
     wire.note(func._schema.name, buf)
-    split = [bufs[0].numel()] * n
+    split = [sizes.pop()] * n
     out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
     mine = pieces[me]
     received = []

@@ -16,7 +16,7 @@ import hashlib
 import torch
 
 from .format import QuantFormat
-from .layout import Relation
+from .layout import LayoutError, Relation
 
 # Per logical dim, the canonical dims of the format's weight it holds:
 # ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
@@ -59,8 +59,12 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def __init__(self, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
-        assert tuple(inner) == fmt.inner_names, (tuple(inner), fmt.inner_names)
-        assert len(rels) == len(inner) and all(len(r) == len(shape) for r in rels)
+        if tuple(inner) != fmt.inner_names or len(rels) != len(inner) or any(len(r) != len(shape) for r in rels):
+            raise LayoutError(
+                f"QuantizedTensor of {fmt}: inner tensors {tuple(inner)} with {len(rels)} relation rows for a "
+                f"{len(shape)}-D shape; the format declares {fmt.inner_names}, one row of {len(shape)} per inner "
+                "tensor. Build quantized tensors with dtensor_quant.quantize()."
+            )
         self.fmt = fmt
         self.rels = tuple(tuple(r) for r in rels)
         self.dims = tuple(tuple(d) for d in dims)

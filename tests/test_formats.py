@@ -187,3 +187,9 @@ def test_slicing_a_flattened_view_that_does_not_follow_the_flat_index_is_a_layou
         flat[0:16]
     with pytest.raises(dq.LayoutError, match=r"cannot split dim 0 into pieces of \[64, 64\]"):
         torch.split(flat, 64)
+
+
+def test_constructor_refuses_inner_tensors_the_format_does_not_declare():
+    q = dq.quantize(torch.randn(8, 16), dq.Int8Rowwise())
+    with pytest.raises(dq.LayoutError, match=r"inner tensors \('scale',\).*declares \('qdata', 'scale'\)"):
+        dq.QuantizedTensor({"scale": q.scale}, q.fmt, q.rels, q.dims, q.shape, q.dtype)
