@@ -183,10 +183,7 @@ def _expand(func, q, size, implicit=False):
         )
     if extra == 0:
         return rebuild(q, q.inner, q.shape, stride=q.stride())
-    out = _broadcast(q, size[:extra])
-    if "_transposed_from" in q.__dict__:
-        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
-    return out
+    return _same_owner(q, _broadcast(q, size[:extra]))
 
 
 def _broadcast(q: QuantizedTensor, batch: tuple[int, ...]) -> QuantizedTensor:
@@ -208,17 +205,18 @@ def unbroadcast(q: QuantizedTensor) -> QuantizedTensor:
     k = q.ndim - 2
     inner = {n: t.reshape(tuple(t.shape[k:])) for n, t in q.inner.items()}
     rels = tuple(row[k:] for row in q.rels)
-    out = QuantizedTensor(inner, q.fmt, rels, q.dims[k:], tuple(q.shape[k:]), q.dtype, tuple(q.stride()[k:]))
-    if "_transposed_from" in q.__dict__:
-        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
-    return out
+    return _same_owner(q, QuantizedTensor(inner, q.fmt, rels, q.dims[k:], tuple(q.shape[k:]), q.dtype, tuple(q.stride()[k:])))
 
 
 def rebatch(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor | None:
     """``view``/``reshape`` of a broadcast weight that only regroups its batch dims, else None."""
     if not is_broadcast_batch(q) or len(size) < 3 or tuple(size[-2:]) != tuple(q.shape[-2:]):
         return None
-    out = _broadcast(unbroadcast(q), tuple(size[:-2]))
+    return _same_owner(q, _broadcast(unbroadcast(q), tuple(size[:-2])))
+
+
+def _same_owner(q: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
+    """``out`` remembers the weight ``q.t()`` came from, so the kernel still finds its prepared copy."""
     if "_transposed_from" in q.__dict__:
         out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
     return out
