@@ -10,7 +10,7 @@ from . import custom_ops, fsdp, interop, lora, wire
 from .format import QuantFormat
 from .formats import NF4, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .gather_quantized import GatherQuantized, gather_quantized_
-from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
+from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .nn import quantize_
 from .ops import UnsupportedOpError
 from .placements import check_placements, legal_mesh_sizes
@@ -20,9 +20,11 @@ from .tensor import QuantizedTensor
 __all__ = [
     "Blocked",
     "Constant",
+    "FlatBlocked",
     "Float8Rowwise",
     "Float8Tensorwise",
     "GatherQuantized",
+    "InFlat",
     "Int4Groupwise",
     "Int8Rowwise",
     "LayoutError",
@@ -35,6 +37,7 @@ __all__ = [
     "check_placements",
     "checkpoint",
     "custom_ops",
+    "flat_blocked",
     "fsdp",
     "gather_quantized_",
     "legal_mesh_sizes",

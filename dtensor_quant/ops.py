@@ -11,6 +11,7 @@ arrive, not at import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +20,8 @@ from torch._subclasses.fake_tensor import is_fake
 from .layout import (
     Blocked,
     Constant,
+    FlatBlocked,
+    InFlat,
     LayoutError,
     Packed,
     Stacked,
@@ -343,6 +346,8 @@ def _pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
     inner = {}
     for (name, t), rel_row in zip(q.inner.items(), q.rels):
         rel = rel_row[dim]
+        if isinstance(rel, InFlat):
+            raise LayoutError(f"{_describe(q)}: padding dim {dim} would move inner '{name}''s blocks ({rel})")
         if isinstance(rel, Packed) and amount % rel.p:
             raise LayoutError(f"{_describe(q)}: padding dim {dim} by {amount} splits a packed element ({rel})")
         extra = rel.inner_len(length + amount) - t.shape[dim] if not isinstance(rel, Constant) else 0
@@ -543,6 +548,8 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
             shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
         except LayoutError as e:
             raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}': {e}") from None
+        if any(isinstance(r, InFlat) and n != n0 for r, n, n0 in zip(rel_row, size, q.shape)):
+            raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}' has flat blocks across rows")
         shared = any(isinstance(r, Constant) for r in rel_row) and all(
             isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
         )
@@ -639,8 +646,18 @@ def _broadcastable(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, tor
 
 
 def block_sizes(rels) -> list[int]:
-    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked."""
-    return [rel.b if isinstance(rel, Blocked) else 0 for row in rels for rel in row]
+    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked.
+
+    A block over the flat index of this and the later dims (``FlatBlocked``, not packed) is
+    given as ``-b``: a list of ints is what the compiled kernel op can take.
+    """
+    return [_block_size(rel) for row in rels for rel in row]
+
+
+def _block_size(rel) -> int:
+    if isinstance(rel, Blocked):
+        return rel.b
+    return -rel.b if isinstance(rel, FlatBlocked) and not rel.packed else 0
 
 
 def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) -> dict[str, torch.Tensor]:
@@ -654,8 +671,13 @@ def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) 
     for i, (name, t) in enumerate(inner.items()):
         for dim in range(ndim):
             b = blocks[i * ndim + dim]
-            if b:
+            if b > 0:
                 t = t.repeat_interleave(b, dim).narrow(dim, 0, shape[dim])
+            elif b < 0:  # blocks over the flat index of dims dim.. (their inner dims are 1 after dim)
+                span = tuple(shape[dim:])
+                flat = t.flatten(dim).repeat_interleave(-b, dim).narrow(dim, 0, math.prod(span))
+                t = flat.unflatten(dim, span)
+                break
         out[name] = t
     return out
 
