@@ -174,7 +174,7 @@ class InFlat:
         return 1
 
     def __str__(self) -> str:
-        return f"inside flat blocks that run across its {self.n} elements"
+        return f"blocked over the flattened weight, its blocks running across this dim's {self.n} elements"
 
 
 Relation = OneToOne | Packed | Blocked | Constant | Stacked | FlatBlocked | InFlat

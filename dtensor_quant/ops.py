@@ -202,10 +202,14 @@ def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
     why = ", ".join(f"'{n}' is {r}" for n, r in rels.items() if r.factor > 1)
     length = q.shape[dim]
     legal = legal_chunk_counts(length, factor)
+    hint = (
+        f"Sharding this dim over n ranks cuts only on multiples of {factor} for n = {', '.join(map(str, legal))}."
+        if legal != [1]
+        else "This dim cannot be sharded at all; shard another dim (check_placements lists the legal sizes)."
+    )
     raise LayoutError(
         f"{_describe(q)}: cannot split dim {dim} (size {length}) into pieces of {list(sizes)[:8]}: the cut "
-        f"at {bad} is not a multiple of {factor} ({why}). Sharding this dim over n ranks cuts only on "
-        f"multiples of {factor} for n = {', '.join(map(str, legal))}."
+        f"at {bad} is not a multiple of {factor} ({why}). {hint}"
     )
 
 
@@ -344,10 +348,14 @@ def _pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
     """Append ``amount`` zero elements to ``dim`` (what uneven shards are padded with)."""
     length = q.shape[dim]
     inner = {}
+    flat = [f"'{n}' is {r[dim]}" for n, r in zip(q.fmt.inner_names, q.rels) if isinstance(r[dim], InFlat)]
+    if flat:
+        raise LayoutError(
+            f"{_describe(q)}: padding dim {dim} would move blocks that run across it ({', '.join(flat)}); "
+            "this dim cannot be sharded, shard another dim"
+        )
     for (name, t), rel_row in zip(q.inner.items(), q.rels):
         rel = rel_row[dim]
-        if isinstance(rel, InFlat):
-            raise LayoutError(f"{_describe(q)}: padding dim {dim} would move inner '{name}''s blocks ({rel})")
         if isinstance(rel, Packed) and amount % rel.p:
             raise LayoutError(f"{_describe(q)}: padding dim {dim} by {amount} splits a packed element ({rel})")
         extra = rel.inner_len(length + amount) - t.shape[dim] if not isinstance(rel, Constant) else 0
