@@ -13,6 +13,7 @@ from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .nn import quantize_
 from .ops import UnsupportedOpError
+from .padding import pad_for_tp
 from .placements import check_placements, legal_mesh_sizes
 from .quantize import quantize
 from .tensor import QuantizedTensor
@@ -42,6 +43,7 @@ __all__ = [
     "gather_quantized_",
     "legal_mesh_sizes",
     "lora",
+    "pad_for_tp",
     "quantize",
     "quantize_",
     "wire",
