@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from .format import QuantFormat
 from .layout import LayoutError
 from .ops import cat_dim
-from .placements import _first_bad_cut
+from .placements import _first_bad_cut, dim_alignment
 from .tensor import QuantizedTensor
 
 # (gate, up, down) child names of the SwiGLU MLPs of HF transformers and of gpt-fast/torchtitan.
@@ -66,7 +66,14 @@ def legal_length(
         return shape[dim]
     start = -(-shape[dim] // ways) * ways
     for n in range(start, start + SEARCH_STEPS * ways + 1, ways):
-        if _fits(shape[:dim] + (n,) + shape[dim + 1 :], fmt, mesh_shape, placements):
+        # Equal shards: every boundary is a multiple of n / ways, so that must be a multiple of the
+        # alignment the padded weight's layout needs (arithmetic; the full check confirms it).
+        trial = shape[:dim] + (n,) + shape[dim + 1 :]
+        try:
+            fmt.check_weight(torch.Size(trial), torch.bfloat16)
+        except ValueError:
+            continue
+        if (n // ways) % dim_alignment(fmt, trial, dim) == 0 and _fits(trial, fmt, mesh_shape, placements):
             return n
     return None
 

@@ -11,6 +11,7 @@ others in their next collective.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat
-from .layout import MAX_LISTED_MESH_SIZE, LayoutError, dim_factor
+from .layout import MAX_LISTED_MESH_SIZE, LayoutError, chunk_boundaries, dim_factor
 
 
 def _shard_like(p: Placement) -> bool:
@@ -30,24 +31,78 @@ def dim_alignment(fmt: QuantFormat, shape: Sequence[int], dim: int) -> int:
     return dim_factor([rels[dim] for rels in fmt.layout_for(shape).values()])
 
 
-def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[torch.Tensor]:
-    """Logical indices of ``[0, length)`` held by each shard after applying ``cuts`` in mesh order."""
-    pieces = [torch.arange(length)]
+def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[list[tuple[int, int]]]:
+    """The logical ranges ``[(start, stop), ...]`` each shard holds after applying ``cuts`` in mesh order.
+
+    Pure arithmetic with DTensor's semantics: ``Shard`` is ``torch.chunk`` of
+    the index sequence a shard already holds; ``_StridedShard(split_factor=s)``
+    chunks it into ``s`` pieces, chunks each of those again, and gives shard
+    ``i`` the ``i``-th sub-piece of every piece (see torch's
+    ``_StridedShard._split_tensor``).
+    """
+    pieces = [[(0, length)]]
     for placement, ways in cuts:
-        splitter = _StridedShard(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard) else Shard(0)
-        pieces = [c for p in pieces for c in splitter._split_tensor(p, ways, with_padding=False)[0]]
+        out = []
+        for piece in pieces:
+            total = sum(e - s for s, e in piece)
+            if isinstance(placement, _StridedShard):
+                seconds = [(fa, chunk_boundaries(fb - fa, ways)) for fa, fb in chunk_boundaries(total, placement.split_factor)]
+                for i in range(ways):
+                    out.append([r for fa, cuts in seconds for r in _sub(piece, fa + cuts[i][0], fa + cuts[i][1])])
+            else:
+                out += [_sub(piece, a, b) for a, b in chunk_boundaries(total, ways)]
+        pieces = out
     return pieces
 
 
-def _bad_cut(length: int, cuts, factor: int) -> int | None:
-    """The first shard boundary not on a multiple of ``factor``, or None."""
-    for idx in _pieces(length, cuts):
-        if idx.numel() == 0:
-            continue
-        starts_run = torch.cat([idx.new_ones(1, dtype=torch.bool), idx[1:] != idx[:-1] + 1])
-        bad = idx[starts_run & (idx % factor != 0)]
-        if bad.numel():
-            return int(bad[0])
+def _sub(piece: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """Positions ``[a, b)`` of the index sequence ``piece`` (a list of ranges), as ranges."""
+    out, pos = [], 0
+    for s, e in piece:
+        lo, hi = max(a, pos), min(b, pos + e - s)
+        if lo < hi:
+            out.append((s + lo - pos, s + hi - pos))
+        pos += e - s
+    return out
+
+
+def _contiguous(length: int, cuts) -> list[tuple[int, int]] | None:
+    """Every shard's range when each shard is one contiguous range (the common cases), else None.
+
+    Nested ``Shard``s are chunks of chunks; FSDP2's ``_StridedShard(split_factor=tp)``
+    on the dp dim followed by ``Shard`` on a tp dim of size tp is, by design, the
+    dp chunk of each tp chunk. Anything else goes through :func:`_pieces`.
+    """
+    if all(type(p) is Shard for p, _ in cuts):
+        ranges = [(0, length)]
+        for _, ways in cuts:
+            ranges = [(s + a, s + b) for s, e in ranges for a, b in chunk_boundaries(e - s, ways)]
+        return ranges
+    if len(cuts) == 2 and isinstance(cuts[0][0], _StridedShard) and type(cuts[1][0]) is Shard:
+        (strided, dp), (_, tp) = cuts
+        if strided.split_factor == tp and length % tp == 0:  # equal tp chunks: torch splits each the same way
+            return [(s + a, s + b) for s, e in chunk_boundaries(length, tp) for a, b in chunk_boundaries(e - s, dp)]
+    return None
+
+
+@functools.lru_cache(maxsize=65536)
+def _bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
+    """The first shard boundary (the start of a run of consecutive indices) not on a multiple of ``factor``."""
+    ranges = _contiguous(length, cuts)
+    if ranges is not None:
+        return next((s for s, e in ranges if s < e and s % factor), None)
+    if isinstance(cuts[0][0], _StridedShard) and cuts[0][1] > 1:
+        # The second dp shard starts at the end of the first's piece of the first split-factor chunk.
+        first = -(-length // cuts[0][0].split_factor)
+        end = -(-first // cuts[0][1])
+        if end < first and end % factor:
+            return end
+    for piece in _pieces(length, cuts):
+        prev = None
+        for s, e in piece:
+            if s != prev and s % factor:
+                return s
+            prev = e
     return None
 
 
@@ -83,8 +138,13 @@ def check_placements(
 
 def _first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] | None:
     """``(dim, index, alignment)`` of the first misaligned shard boundary, or None."""
+    return _first_bad_cut_cached(tuple(shape), fmt, tuple(mesh_shape), tuple(placements))
+
+
+@functools.lru_cache(maxsize=65536)
+def _first_bad_cut_cached(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] | None:
     for dim, length in enumerate(shape):
-        cuts = [(p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
+        cuts = tuple((p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim)
         factor = dim_alignment(fmt, shape, dim)
         if not cuts or factor == 1:
             continue

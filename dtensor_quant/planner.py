@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, Reducer
 from .layout import MAX_LISTED_MESH_SIZE, LayoutError
-from .placements import _first_bad_cut, check_placements
+from .placements import _first_bad_cut
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 
@@ -118,13 +118,13 @@ def _check(shape: tuple[int, int], style: str, fmt: QuantFormat, dp: int, tp: in
     layer = Layer("", shape, style)
     mesh, placements = (dp, tp), _placements(style, dp, tp)
     try:
-        check_placements(shape, fmt, mesh, placements)
-    except LayoutError:
+        fmt.check_weight(torch.Size(shape), torch.bfloat16)
+    except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
+        return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
+    if _first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
         return Cell(dp, tp, placements, why=_why(layer, fmt, mesh, placements),
                     alternatives=_alternatives(layer, fmt, mesh, placements),
                     padding=_padding(layer, fmt, mesh, placements))
-    except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
-        return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
     local = _local_shape(shape, mesh, placements)
     return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
@@ -138,19 +138,32 @@ def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
             f"({needs}; dim {dim})")
 
 
-def legal_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int) -> list[int]:
-    """The sizes (up to ``limit``) of the ``which`` ("tp" or "dp") mesh dim at which ``layer`` is legal.
+def _legal_at(layer: Layer, fmt: QuantFormat, dp: int, tp: int) -> bool:
+    """Whether ``layer`` is legal on mesh (dp, tp) with the placements the planner gives that mesh.
 
-    Each size is checked with the placements the planner would give that mesh
-    (FSDP's ``_StridedShard`` takes the tp size as its split factor, and tp 1
-    is no tensor parallelism at all), not with this mesh's placements resized.
+    FSDP's ``_StridedShard`` takes the tp size as its split factor and tp 1 is
+    no tensor parallelism at all, so a resized mesh gets its own placements.
     """
-    out = []
-    for n in range(1, limit + 1):
-        d, t = (dp, n) if which == "tp" else (n, tp)
-        if _first_bad_cut(layer.shape, fmt, (d, t), _placements(layer.style, d, t)) is None:
-            out.append(n)
-    return out
+    return _first_bad_cut(layer.shape, fmt, (dp, tp), _placements(layer.style, dp, tp)) is None
+
+
+def nearest_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int) -> tuple[int | None, int | None]:
+    """The nearest legal sizes below and above the current one of mesh dim ``which`` ("tp" or "dp").
+
+    Searched outward from the current size, so a large mesh costs only the
+    sizes between it and its nearest legal neighbours; above stops at ``limit``.
+    """
+    now = tp if which == "tp" else dp
+    below = above = None
+    for step in range(1, max(now, limit - now) + 1):
+        for n in (now - step, now + step):
+            if not 1 <= n <= limit or (n < now and below is not None) or (n > now and above is not None):
+                continue
+            if _legal_at(layer, fmt, *((dp, n) if which == "tp" else (n, tp))):
+                below, above = (n, above) if n < now else (below, n)
+        if below is not None and above is not None:
+            break
+    return below, above
 
 
 def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
@@ -163,12 +176,10 @@ def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
             continue
         now = mesh[mesh_dim]
         limit = max(MAX_LISTED_MESH_SIZE, 2 * now)
-        legal = [n for n in legal_degrees(layer, fmt, dp, tp, name, limit) if n != now]
-        below = [n for n in legal if n < now]
-        above = [n for n in legal if n > now]
-        near = [str(x) for x in (below[-1:] + above[:1])]
+        below, above = nearest_degrees(layer, fmt, dp, tp, name, limit)
+        near = [str(x) for x in (below, above) if x is not None]
         text = f"nearest legal {name}: {' or '.join(near) if near else 'none'}"
-        if not above:
+        if above is None:
             text += f" (none above {now} up to {limit}, where the search stops)"
         out.append(text)
     smaller = _smaller_block(layer, fmt, mesh, placements)
@@ -203,8 +214,10 @@ def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFor
         while size >= max(1, value // 4):
             try:
                 candidate = dataclasses.replace(fmt, **{field.name: size})
-                check_placements(layer.shape, candidate, mesh, placements)
-                return candidate
+                candidate.check_weight(torch.Size(layer.shape), torch.bfloat16)
+                if _first_bad_cut(layer.shape, candidate, mesh, placements) is None:
+                    return candidate
+                size //= 2
             except ValueError:
                 size //= 2
     return None

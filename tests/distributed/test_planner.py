@@ -137,3 +137,32 @@ def test_command_line_errors(capsys):
         main(["plan", "--format", "int3", "--shape", "8x8"])
     assert main(["plan", "--format", "int8", "--shape", "wo=64x96:rowwise", "--tp", "2", "3"]) == 0
     assert "wo" in capsys.readouterr().out
+
+
+def test_hints_on_a_2d_mesh_use_each_sizes_own_placements():
+    """dp x tp with FSDP's _StridedShard: each suggested tp is legal with the placements it would get."""
+    from dtensor_quant.planner import _placements
+
+    fmt = dq.NF4()  # on 4096 columns a factor covers 4 whole rows: rows must be cut on multiples of 4
+    (layer, cells), = plan([("w1", (64, 4096), "colwise")], fmt, tp=[3], dp=[2]).rows
+    (cell,) = cells
+    assert not cell.legal and cell.alternatives.startswith("nearest legal tp: 2 or 4"), cell.alternatives
+    for tp in (1, 2, 4):
+        dq.check_placements((64, 4096), fmt, (2, tp), _placements("colwise", 2, tp))
+
+
+def test_search_cap_is_said():
+    (_, cells), = plan([("wo", (4096, 4096), "rowwise")], dq.Int4Groupwise(128), tp=[100]).rows
+    assert "nearest legal tp: 32 (none above 100 up to 200, where the search stops)" in cells[0].alternatives
+
+
+def test_padding_proposed_for_qwen2_72b_down_projection():
+    fmt = dq.Int4Groupwise(128)
+    result = plan([("mlp.down_proj", (8192, 29568), "rowwise")], fmt, tp=[1, 2, 4, 8])
+    cells = {c.tp: c for c in result.rows[0][1]}
+    assert cells[1].legal and not any(cells[t].legal for t in (2, 4, 8))
+    extra = stored_bytes(fmt, (8192, 29696)) - stored_bytes(fmt, (8192, 29568))
+    for t in (2, 4, 8):
+        assert cells[t].padding == (1, 29696, extra)
+        dq.check_placements((8192, 29696), fmt, (t,), [Shard(1)])  # the proposal is legal
+    assert "zero-pad its columns from 29568 to 29696" in str(result) and "pad_for_tp" in str(result)
