@@ -28,6 +28,11 @@ def _shard_like(p: Placement) -> bool:
 
 def dim_alignment(fmt: QuantFormat, shape: Sequence[int], dim: int) -> int:
     """The multiple every shard boundary along logical ``dim`` of a ``shape`` weight must fall on."""
+    return _dim_alignment(fmt, tuple(shape), dim)
+
+
+@functools.lru_cache(maxsize=65536)
+def _dim_alignment(fmt: QuantFormat, shape: tuple, dim: int) -> int:
     return dim_factor([rels[dim] for rels in fmt.layout_for(shape).values()])
 
 
