@@ -81,5 +81,5 @@ def time_70b() -> str:
 if __name__ == "__main__":
     print(f"Legal (layer, TP degree) cells, TP in {TP}; '+N padded': refused cells the planner's zero-padding proposal makes legal (exact for per-row/per-group formats, see docs/planning.md)\n")
     print(table())
-    print("\nQwen2-72B-shaped model, TP 1-8 x FSDP 8-256 (first run per format: nothing cached):")
+    print("\nQwen2-72B-shaped model, TP 1-8 x FSDP 8-256 (each format planned once, after the table above in the same process):")
     print(time_70b())

@@ -166,3 +166,41 @@ def test_padding_proposed_for_qwen2_72b_down_projection():
         assert cells[t].padding == (1, 29696, extra)
         dq.check_placements((8192, 29696), fmt, (t,), [Shard(1)])  # the proposal is legal
     assert "zero-pad its columns from 29568 to 29696" in str(result) and "pad_for_tp" in str(result)
+
+
+def test_arithmetic_shard_boundaries_match_torchs_splitting():
+    """The planner's boundaries (no tensors) against DTensor's own _split_tensor on index tensors."""
+    import random
+
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dtensor_quant.placements import _bad_cut, _pieces
+
+    def torch_pieces(length, cuts):
+        pieces = [torch.arange(length)]
+        for placement, ways in cuts:
+            pieces = [c for p in pieces for c in placement._split_tensor(p, ways, with_padding=False)[0]]
+        return [p.tolist() for p in pieces]
+
+    rng = random.Random(0)
+    for _ in range(400):
+        length, factor = rng.randint(0, 200), rng.choice([1, 2, 3, 4, 8])
+        cuts = tuple(
+            (_StridedShard(0, split_factor=rng.randint(1, 5)) if rng.random() < 0.4 else Shard(0), rng.randint(1, 6))
+            for _ in range(rng.randint(1, 3))
+        )
+        expected = torch_pieces(length, cuts)
+        assert [[i for s, e in p for i in range(s, e)] for p in _pieces(length, cuts)] == expected, (length, cuts)
+        starts = {p[k] for p in expected for k in range(len(p)) if k == 0 or p[k] != p[k - 1] + 1}
+        bad = {s for s in starts if s % factor}
+        got = _bad_cut(length, cuts, factor)
+        assert (got is None) == (not bad) and (got is None or got in bad), (length, cuts, factor, got)
+    # FSDP2 + TP: _StridedShard(split_factor=tp) then Shard on tp
+    for _ in range(400):
+        length, tp, dp, factor = rng.randint(0, 300), rng.randint(1, 8), rng.randint(1, 9), rng.choice([2, 4, 8])
+        cuts = ((_StridedShard(0, split_factor=tp), dp), (Shard(0), tp))
+        expected = torch_pieces(length, cuts)
+        starts = {p[k] for p in expected for k in range(len(p)) if k == 0 or p[k] != p[k - 1] + 1}
+        bad = {s for s in starts if s % factor}
+        got = _bad_cut(length, cuts, factor)
+        assert (got is None) == (not bad) and (got is None or got in bad), (length, cuts, factor, got)
