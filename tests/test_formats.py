@@ -198,3 +198,27 @@ def test_constructor_refuses_inner_tensors_the_format_does_not_declare():
     q = dq.quantize(torch.randn(8, 16), dq.Int8Rowwise())
     with pytest.raises(dq.LayoutError, match=r"inner tensors \('scale',\).*declares \('qdata', 'scale'\)"):
         dq.QuantizedTensor({"scale": q.scale}, q.fmt, q.rels, q.dims, q.shape, q.dtype)
+
+
+def test_nf4_extreme_and_non_finite_input():
+    """fp16 near its max stays finite; one NaN poisons only its factor's 16384 weights; zero blocks are 0."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 4096, generator=g) * 20000).clamp(-65504, 65504).to(torch.float16)
+    w[3, :64] = 65504
+    d = dq.quantize(w, dq.NF4()).dequantize()
+    assert d.isfinite().all() and ((d.float() - w.float()).norm() / w.float().norm()) < 0.12
+
+    w = torch.randn(32, 14336, generator=g).to(torch.bfloat16)
+    w[9, 5000] = float("nan")  # flat index 134024: factor 8 covers [131072, 147456)
+    d = dq.quantize(w, dq.NF4()).dequantize().flatten()
+    bad = (~d.isfinite()).nonzero().flatten()
+    assert bad.numel() == 16384 and bad.min() == 8 * 16384 and bad.max() == 9 * 16384 - 1
+
+    w = torch.randn(8, 14336, generator=g).to(torch.bfloat16)
+    w[2, 64:128] = 0
+    assert (dq.quantize(w, dq.NF4()).dequantize()[2, 64:128] == 0).all()
+
+    w = (torch.randn(8, 14336, generator=g) * 1e-3).to(torch.float16)  # spread < 0.002: the factor would be Inf
+    q = dq.quantize(w, dq.NF4())
+    assert q.factor.isfinite().all()
+    assert ((q.dequantize().float() - w.float()).norm() / w.float().norm()) < 0.12

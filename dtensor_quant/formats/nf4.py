@@ -12,9 +12,10 @@ bitsandbytes, torchtune), defined on the row-major *flattened* weight:
   scales are stored as ``round(scale * factor)`` in int8;
 * dequantized: ``level * (scaler / factor + mean)``, in the weight's dtype.
 
-What is bit-identical to torchao 0.18's ``to_nf4`` on the same input: the
-codes, the int8 scalers, the factors, the mean and the dequantized weight,
-for bf16, fp16 and fp32 weights. The 16 levels are torchao's table (the
+What is bit-identical to torchao 0.18's ``to_nf4`` on the same finite input
+without all-zero blocks: the codes, the int8 scalers, the factors, the mean
+and the dequantized weight, for bf16 and fp16 weights; for fp32 the codes,
+and everything else whenever torch's float32 mean rounds like ours (below). The 16 levels are torchao's table (the
 paper's values rounded to 4 decimals, then to the weight's dtype); bitsandbytes
 keeps the paper's float32 values, which in bf16 and fp16 differ from this
 table in one level (-0.0911 vs -0.09105) by one ulp. The mean is the float64
@@ -32,10 +33,21 @@ covers whole rows) the relations are the per-dim ones and column shards work
 with a multiple of ``block_size * scaler_block_size`` elements before them
 are legal -- torchao's own FSDP2 rule, plus uneven shards.
 
-Non-finite and extreme input (torchao's flow, kept): a block whose maximum is
-0 has scale 0 and its weights are 0/0 = NaN before the level search, which
-maps NaN to code 0 (-1.0): an all-zero block dequantizes to ``-1 * scale``
-where ``scale`` is the (tiny) dequantized block scale, not exactly 0.
+Extreme and non-finite input, where this departs from torchao (identical
+otherwise):
+
+* an all-zero block gets code 7 (level 0.0) and dequantizes to exact zeros
+  (torchao divides 0/0 and keeps the code its NaN search gives);
+* the mean is over the *finite* block scales, so a NaN or Inf weight makes
+  its own factor NaN (or 0) and with it the ``block_size * scaler_block_size``
+  weights that factor covers -- never fewer, because a block's own scale is
+  an int8 that cannot hold NaN, and never more (in torchao the mean, and so
+  the whole weight, becomes NaN);
+* the factor is clamped to the dtype's max: in fp16 a factor's spread below
+  128 / 65504 ~ 0.002 (weights of std ~1e-3) would make it Inf and every scale
+  of its blocks the mean;
+* a dequantized scale that rounds past the dtype's max (fp16 weights near
+  65504) is clamped to it, so finite weights never dequantize to Inf.
 """
 
 from __future__ import annotations
@@ -92,16 +104,21 @@ class NF4(QuantFormat):
         dtype, shape = weight.dtype, weight.shape
         layout = self.layout_for(reduce.full_shape)
         absmax = reduce_to(weight.abs(), layout["scaler"], "max").to(dtype)
-        stats = torch.stack([absmax.double().sum(), absmax.new_tensor(absmax.numel(), dtype=torch.float64)])
+        # The mean of the finite block scales: a NaN or Inf weight poisons its own factor's blocks, not all.
+        finite = absmax.isfinite()
+        stats = torch.stack([torch.where(finite, absmax, 0).double().sum(), finite.double().sum()])
         total, count = reduce(stats.reshape(1, 1, 2), "sum", "mean").reshape(2)
         mean = (total / count).to(dtype).reshape(1, 1)
         centred = absmax - mean
         # The factors' blocks, and each scale's factor, through the logical grid both follow.
         spread = reduce_to(expand_to(centred.abs(), layout["scaler"], shape), layout["factor"], "max")
         factor = (256 / (2 * reduce(spread, "max", "factor").to(dtype))).to(dtype)
+        # A spread below 128 / max (fp16: 0.002) would make the factor Inf and every scale the mean.
+        factor = factor.clamp(max=torch.finfo(dtype).max)
         per_scale = reduce_to(expand_to(factor, layout["factor"], shape), layout["scaler"], "max").to(dtype)
         scaler = (centred * per_scale).round().clamp(-128, 127)
-        codes = self._nearest(weight / expand_to(absmax, layout["scaler"], shape))
+        scales = expand_to(absmax, layout["scaler"], shape)
+        codes = self._nearest(torch.where(scales == 0, 0, weight / scales))  # a zero block: level 0.0, not 0/0
         pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
         return {
             "qdata": (pairs[..., 0] << 4) | pairs[..., 1],
@@ -111,8 +128,12 @@ class NF4(QuantFormat):
         }
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        mean = inner["mean"]
-        scale = (inner["scaler"] / inner["factor"]).to(mean.dtype) + mean
+        mean, factor = inner["mean"], inner["factor"]
+        scale = (inner["scaler"] / factor).to(mean.dtype) + mean
+        # A finite block of a weight near the dtype's max may round its scale past it: keep it finite
+        # (a factor of 0 or NaN comes from an Inf or NaN weight, and stays non-finite).
+        big = torch.finfo(mean.dtype).max
+        scale = torch.where(factor.isfinite() & (factor > 0), scale.clamp(-big, big), scale)
         qdata = inner["qdata"]
         codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().reshape(scale.shape)
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
