@@ -34,9 +34,10 @@ TP = (1, 2, 4, 8)
 
 def layers(n_layers, hidden, inter, q, kv, vocab, per_layer_only=False) -> list[Layer]:
     """One transformer block's Linears (gate/up/q/k/v column-parallel, o/down row-parallel), times n_layers."""
-    block = [("q_proj", (q, hidden), "colwise"), ("k_proj", (kv, hidden), "colwise"), ("v_proj", (kv, hidden), "colwise"),
-             ("o_proj", (hidden, q), "rowwise"), ("gate_proj", (inter, hidden), "colwise"),
-             ("up_proj", (inter, hidden), "colwise"), ("down_proj", (hidden, inter), "rowwise")]
+    block = [("q_proj", (q, hidden), "colwise"), ("k_proj", (kv, hidden), "colwise"),
+             ("v_proj", (kv, hidden), "colwise"), ("o_proj", (hidden, q), "rowwise"),
+             ("gate_proj", (inter, hidden), "colwise"), ("up_proj", (inter, hidden), "colwise"),
+             ("down_proj", (hidden, inter), "rowwise")]
     out = [Layer(f"layers.{i}.{n}", s, st) for i in range(1 if per_layer_only else n_layers) for n, s, st in block]
     return out + [Layer("lm_head", (vocab, hidden), "colwise")]
 
@@ -57,7 +58,8 @@ def table() -> str:
                 kinds: dict[str, list[int]] = {}
                 for kind, tp in refused:
                     kinds.setdefault(kind, []).append(tp)
-                notes.append(f"{model}, {fmt}: refused " + "; ".join(f"{k} at TP {', '.join(map(str, v))}" for k, v in kinds.items()))
+                where = "; ".join(f"{k} at TP {', '.join(map(str, v))}" for k, v in kinds.items())
+                notes.append(f"{model}, {fmt}: refused {where}")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
@@ -79,7 +81,8 @@ def time_70b() -> str:
 
 
 if __name__ == "__main__":
-    print(f"Legal (layer, TP degree) cells, TP in {TP}; '+N padded': refused cells the planner's zero-padding proposal makes legal (exact for per-row/per-group formats, see docs/planning.md)\n")
+    print(f"Legal (layer, TP degree) cells, TP in {TP}; '+N padded': refused cells the planner's zero-padding")
+    print("proposal makes legal (exact for per-row/per-group formats, see docs/planning.md)\n")
     print(table())
-    print("\nQwen2-72B-shaped model, TP 1-8 x FSDP 8-256 (each format planned once, after the table above in the same process):")
+    print("\nQwen2-72B-shaped model, TP 1-8 x FSDP 8-256 (each format once, after the table, in the same process):")
     print(time_70b())

@@ -7,7 +7,8 @@ have. ``from_torchao_(model)`` swaps every such parameter of a model in place.
 
 NF4's bytes are the same here and in torchao (high nibble first, int8 block
 scales, per-256 factors, one mean, all over the flattened weight); only the
-shapes are regrouped as the layout's relations say (views of the same memory). torchao is optional: nothing here imports it.
+shapes are regrouped as the layout's relations say (views of the same memory).
+torchao is optional: nothing here imports it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def _from_nf4(t) -> QuantizedTensor:
         raise ValueError(f"from_torchao: NF4 weights must be 2-D, got {tuple(t.shape)}")
     fmt = NF4(t.block_size, t.scaler_block_size)
     layout = fmt.layout_for(t.shape)  # torchao's inner tensors are the flat, row-major ones
-    torchao_names = {"qdata": "quantized_data", "scaler": "quantized_scalers", "factor": "quantization_factor", "mean": "scaler_mean"}
+    torchao_names = {
+        "qdata": "quantized_data", "scaler": "quantized_scalers", "factor": "quantization_factor", "mean": "scaler_mean"
+    }
     inner = {}
     for name, rels in layout.items():
         shape = tuple(r.inner_len(n) for r, n in zip(rels, t.shape))

@@ -222,7 +222,9 @@ def inner_slice(rel: Relation, start: int, stop: int, length: int) -> tuple[int,
         return 0, 1, rel
     if isinstance(rel, FlatBlocked):
         if start % rel.factor:
-            raise LayoutError(f"start {start} puts {start * rel.row} flat elements before the cut, not a multiple of {rel.b} ({rel})")
+            raise LayoutError(
+                f"start {start} puts {start * rel.row} flat elements before the cut, not a multiple of {rel.b} ({rel})"
+            )
         if rel.packed and (stop * rel.row) % rel.b:
             raise LayoutError(f"end {stop} cuts a pack of {rel.b} ({rel})")
         return start * rel.row // rel.b, -(-stop * rel.row // rel.b), rel

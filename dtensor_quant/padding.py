@@ -136,7 +136,10 @@ def pad_for_tp(
     for fqn, module, (gate, up, down) in find_mlps(model, names):
         inter, hidden = gate.out_features, gate.in_features
         if up.out_features != inter or down.in_features != inter:
-            raise ValueError(f"{fqn}: gate {gate.weight.shape}, up {up.weight.shape}, down {down.weight.shape} do not form a SwiGLU MLP")
+            raise ValueError(
+                f"{fqn}: gate {tuple(gate.weight.shape)}, up {tuple(up.weight.shape)}, down "
+                f"{tuple(down.weight.shape)} do not form a SwiGLU MLP"
+            )
         for lin in (gate, up, down):
             if isinstance(lin.weight, DTensor):
                 raise ValueError(f"{fqn}: pad the MLP before distributing it (its weights are already DTensors)")
@@ -150,7 +153,7 @@ def pad_for_tp(
             plans.append((fqn, module, gate, up, down, inter, padded))
     new = {}
     for fqn, module, gate, up, down, inter, padded in plans:  # compute every new weight before changing any
-        new[fqn] = [_padded(gate.weight, 0, padded, fqn), _padded(up.weight, 0, padded, fqn), _padded(down.weight, 1, padded, fqn)]
+        new[fqn] = [_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
     done = {}
     for fqn, module, gate, up, down, inter, padded in plans:
         for lin, w in zip((gate, up, down), new[fqn]):
@@ -158,7 +161,8 @@ def pad_for_tp(
         for lin in (gate, up):
             lin.out_features = padded
             if lin.bias is not None:
-                lin.bias = nn.Parameter(F.pad(lin.bias.detach(), (0, padded - inter)), requires_grad=lin.bias.requires_grad)
+                bias = F.pad(lin.bias.detach(), (0, padded - inter))
+                lin.bias = nn.Parameter(bias, requires_grad=lin.bias.requires_grad)
         down.in_features = padded
         original = module.get_buffer(PADDING_BUFFER)[0].item() if hasattr(module, PADDING_BUFFER) else inter
         module.register_buffer(PADDING_BUFFER, torch.tensor([original, padded], dtype=torch.int64))

@@ -51,7 +51,8 @@ def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[list[tup
         for piece in pieces:
             total = sum(e - s for s, e in piece)
             if isinstance(placement, _StridedShard):
-                seconds = [(fa, chunk_boundaries(fb - fa, ways)) for fa, fb in chunk_boundaries(total, placement.split_factor)]
+                firsts = chunk_boundaries(total, placement.split_factor)
+                seconds = [(fa, chunk_boundaries(fb - fa, ways)) for fa, fb in firsts]
                 for i in range(ways):
                     out.append([r for fa, cuts in seconds for r in _sub(piece, fa + cuts[i][0], fa + cuts[i][1])])
             else:
@@ -149,7 +150,9 @@ def _first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] |
 @functools.lru_cache(maxsize=65536)
 def _first_bad_cut_cached(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] | None:
     for dim, length in enumerate(shape):
-        cuts = tuple((p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim)
+        cuts = tuple(
+            (p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim
+        )
         factor = dim_alignment(fmt, shape, dim)
         if not cuts or factor == 1:
             continue

@@ -34,7 +34,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, Reducer
-from .layout import MAX_LISTED_MESH_SIZE, LayoutError
+from .layout import MAX_LISTED_MESH_SIZE
 from .placements import _first_bad_cut
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
@@ -147,7 +147,9 @@ def _legal_at(layer: Layer, fmt: QuantFormat, dp: int, tp: int) -> bool:
     return _first_bad_cut(layer.shape, fmt, (dp, tp), _placements(layer.style, dp, tp)) is None
 
 
-def nearest_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int) -> tuple[int | None, int | None]:
+def nearest_degrees(
+    layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int
+) -> tuple[int | None, int | None]:
     """The nearest legal sizes below and above the current one of mesh dim ``which`` ("tp" or "dp").
 
     Searched outward from the current size, so a large mesh costs only the

@@ -11,9 +11,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
@@ -98,7 +97,8 @@ DTENSOR_CASES = [(2, (16, 14336)), (3, (46, 14336)), (4, (30, 14336)), (2, (64, 
 @pytest.mark.parametrize("world,shape", DTENSOR_CASES)
 def test_dtensor_bit_exact(ranks, world, shape):
     errors = ranks(world).run(dtensor_roundtrip, shape)
-    assert len(set(errors)) == 1 and "blocked over the flattened weight" in errors[0], errors  # the same error on every rank
+    # the same error on every rank
+    assert len(set(errors)) == 1 and "blocked over the flattened weight" in errors[0], errors
 
 
 def fsdp_gather(shape):
@@ -121,7 +121,9 @@ def fsdp_gather(shape):
     return True
 
 
-FSDP_CASES = [(2, (16, 14336)), (3, (46, 14336)), (4, (30, 14336)), (4, (128, 3584)), (2, (128, 11008)), (3, (96, 18944))]
+FSDP_CASES = [
+    (2, (16, 14336)), (3, (46, 14336)), (4, (30, 14336)), (4, (128, 3584)), (2, (128, 11008)), (3, (96, 18944))
+]
 
 
 @pytest.mark.parametrize("world,shape", FSDP_CASES)
