@@ -59,7 +59,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized, quantize_like
 from .tensor import QuantizedTensor, contiguous_strides
 
-__all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save"]
+__all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save", "tp_plan"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -206,7 +206,7 @@ def _tied(model: nn.Module) -> dict[str, str]:
     fn = getattr(model, "get_expanded_tied_weights_keys", None)
     try:
         return dict(fn()) if fn is not None else {}
-    except Exception:  # an older transformers, or a model without a config
+    except (AttributeError, TypeError):  # an older transformers, or a model without a config
         return {}
 
 
@@ -358,6 +358,33 @@ def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) ->
         else:
             entries[name] = ckpt.read(k)
     return from_entries(entries, t, key)
+
+
+# -- tensor parallelism from transformers' plan ------------------------------------
+
+
+def tp_plan(model: nn.Module) -> dict:
+    """torch ParallelStyles for a transformers model's own TP plan (``model._tp_plan``: colwise, rowwise, ...).
+
+    Only the styles that are plain column/row sharding are mapped; any other
+    style raises ``ValueError`` naming it (use your own plan then).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    plan = getattr(model, "_tp_plan", None) or {}
+    if not plan:
+        raise ValueError(f"{type(model).__name__} declares no tensor-parallel plan (_tp_plan); write one")
+    unknown = {s for s in plan.values() if s not in styles}
+    if unknown:
+        raise ValueError(f"{type(model).__name__}'s TP plan uses styles {sorted(unknown)}; known: {sorted(styles)}")
+    return {k: styles[s]() for k, s in plan.items()}
 
 
 # -- building a model without memory ------------------------------------------------
