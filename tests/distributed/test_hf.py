@@ -10,16 +10,15 @@ counted and compared with the bytes of its own slices.
 
 from __future__ import annotations
 
+import hf_cases as hc
 import pytest
 import torch
+from helpers import mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
-
-import hf_cases as hc
-from helpers import mesh
 
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
