@@ -129,7 +129,9 @@ def test_fp8_dequantization_equals_torch_reader(fp8_checkpoints):
     ours = dequantized_full("llama", "single", "fp8b", path)
     state = {k: torch.empty_like(v) for k, v in ours.items()}
     with pytest.warns(UserWarning, match="disabled"):
-        dcp.load(state, storage_reader=QuantizedHuggingFaceStorageReader(path, target_dtype=torch.bfloat16), no_dist=True)
+        dcp.load(
+            state, storage_reader=QuantizedHuggingFaceStorageReader(path, target_dtype=torch.bfloat16), no_dist=True
+        )
     quantized = [k for k in ours if k + "_scale_inv" in hc.read_all(path)]
     assert len(quantized) == 14
     for k in ours:
