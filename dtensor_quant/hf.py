@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized, quantize_like
@@ -189,16 +189,31 @@ def _runs(shape, offsets, lengths, itemsize: int):
 
 
 def _tensors(model: nn.Module):
-    """``(key, module, attribute, tensor)`` for every parameter and persistent buffer, shared ones once."""
-    seen = set()
-    for prefix, module in model.named_modules():
-        prefix = prefix + "." if prefix else ""
+    """``(checkpoint key, lora, tensor)`` for every parameter and persistent buffer, shared ones once.
+
+    Inside a :class:`~dtensor_quant.lora.LoRALinear` the frozen ``base`` linear
+    answers to the wrapper's own name (``q_proj.base.weight`` is the
+    checkpoint's ``q_proj.weight``) and ``lora`` is the wrapper; its adapters
+    come with key None (no Hugging Face checkpoint holds them).
+    """
+    from .lora import LoRALinear
+
+    seen, modules = set(), dict(model.named_modules())
+    for prefix, module in modules.items():
+        parent, _, child = prefix.rpartition(".")
+        lora = modules.get(parent) if child in ("base", "lora_a", "lora_b") else None
+        lora = lora if isinstance(lora, LoRALinear) else None
         persistent = [n for n in module._buffers if n not in module._non_persistent_buffers_set]
         for name, t in [*module._parameters.items(), *((n, module._buffers[n]) for n in persistent)]:
             if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
-            yield prefix + name, module, name, t
+            if lora is None:
+                yield (f"{prefix}.{name}" if prefix else name), None, t
+            elif child == "base":
+                yield (f"{parent}.{name}" if parent else name), lora, t
+            else:
+                yield None, lora, t
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
@@ -245,16 +260,27 @@ class LoadResult:
     quantized: list[str] = field(default_factory=list)  # dense in the file, quantized on load
     prequantized: list[str] = field(default_factory=list)  # read as stored (no dequantization)
     dense: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # model tensors the checkpoint lacks (strict=False only)
+    unexpected: list[str] = field(default_factory=list)  # checkpoint tensors the model lacks (strict=False only)
 
 
-def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool) -> list[tuple[str, str, str, torch.Tensor]]:
-    """``(kind, model key, checkpoint key, tensor)`` for every tensor to load; checks only, no collective."""
+def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
+    """``(kind, model key, checkpoint key, tensor)`` for every tensor to load, the missing and the unexpected keys.
+
+    Checks only, no collective: every rank reaches the same verdict before anything is read.
+    """
     tied, tasks, used, missing, errors = _tied(model), [], set(), [], []
-    for key, _, _, t in _tensors(model):
+    for key, _, t in _tensors(model):
+        if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
+            continue
         src = key if key in ckpt.tensors else tied.get(key, key)
         if src not in ckpt.tensors:
             missing.append(key)
             continue
+        try:
+            _local_slice(t)
+        except ValueError as e:
+            errors.append(f"{key}: {e}")
         info, suffixes = ckpt.tensors[src], _suffixes(t)
         companions = [src + s for s in ("_scale_inv", "_scale", "_scales", "_blocks") if src + s in ckpt.tensors]
         dense_float = info.dtype.is_floating_point and info.dtype.itemsize >= 2
@@ -287,7 +313,7 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool) -> list[tuple[str, s
                       f"{' ...' if len(unexpected) > 10 else ''}")  # fmt: skip
     if errors:
         raise ValueError(f"cannot load {ckpt.path} (strict={strict}):\n  " + "\n  ".join(errors))
-    return tasks
+    return tasks, missing, unexpected
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -322,8 +348,8 @@ def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
     (transformers' ``tie_word_embeddings``) are read from their source.
     """
     with Checkpoint(path) as ckpt:
-        tasks = _plan(model, ckpt, strict)
-        result = LoadResult(0, ckpt.header_bytes, ckpt.file_bytes)
+        tasks, missing, unexpected = _plan(model, ckpt, strict)
+        result = LoadResult(0, ckpt.header_bytes, ckpt.file_bytes, missing=missing, unexpected=unexpected)
         with torch.no_grad():
             for kind, key, src, t in tasks:
                 if kind == "prequantized":
@@ -419,32 +445,80 @@ def materialize(model: nn.Module, device="cpu") -> nn.Module:
 # -- saving -------------------------------------------------------------------------
 
 
-def _export_tensors(model: nn.Module, dtype: torch.dtype):
-    """``(key, global dtype, global shape, local tensor, offset, writes)`` for every tensor of the export."""
-    for key, _, _, t in _tensors(model):
+def _export_tensors(model: nn.Module, dtype: torch.dtype, merge_lora: bool):
+    """``(key, dtype, global shape, offset, writes, fetch)`` for every tensor of the export.
+
+    ``fetch()`` makes this rank's slice (dequantized, merged) only when it is
+    written, so a rank holds one dense slice at a time.
+    """
+    for key, lora, t in _tensors(model):
         writes = _owns(t)
+        if key is None:  # an adapter
+            if not merge_lora:
+                name = next(n for n, p in lora.named_parameters() if p is t)
+                yield from _dense_item(_lora_key(model, lora) + name, t, dtype, writes, lambda t=t: _local(t))
+            continue
         suffixes = _suffixes(t)
-        if suffixes is not None:  # stored layout as-is
+        if suffixes is not None and lora is not None and merge_lora:
+            raise ValueError(
+                f"{key}: merging LoRA adapters changes this {_describe(t)} weight, whose stored bytes are "
+                "written as they are; save with merge_lora=False (adapters as their own tensors), or merge "
+                "into a dense copy of the model"
+            )
+        if suffixes is not None:  # the stored layout, as it is
             q, inner, to_canonical, shape = _canonical(t, key)
             for name, rels in q.fmt.layout_for(shape).items():
                 g_shape = entry_shape(rels, shape)
+                offset, writes_e = (0,) * len(g_shape), writes
                 if isinstance(t, DTensor):
                     placements = entry_placements(t.placements, rels, to_canonical)
-                    _, l_off = compute_local_shape_and_global_offset(g_shape, t.device_mesh, placements)
-                    writes_e = writes and all(
-                        c == 0 for c, p in zip(t.device_mesh.get_coordinate(), placements) if not p.is_shard()
-                    )
-                else:
-                    l_off, writes_e = (0,) * len(g_shape), writes
-                yield key + suffixes[name], inner[name].dtype, g_shape, inner[name], l_off, writes_e
+                    _, offset = compute_local_shape_and_global_offset(g_shape, t.device_mesh, placements)
+                    coord = t.device_mesh.get_coordinate()
+                    writes_e = writes and all(c == 0 for c, p in zip(coord, placements) if not p.is_shard())
+                yield key + suffixes[name], inner[name].dtype, g_shape, offset, writes_e, lambda x=inner[name]: x
             continue
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        if lora is not None and merge_lora and t is lora.base.weight:
+            fetch = lambda t=t, lora=lora: _merged(t, lora, dtype)
+        else:
+            fetch = lambda t=t: _local(t)
+        yield from _dense_item(key, t, dtype, writes, fetch)
+
+
+def _dense_item(key, t, dtype, writes, fetch):
+    out_dtype = dtype if t.is_floating_point() else t.dtype
+
+    def cast():
+        local = fetch()
         if isinstance(local, QuantizedTensor):
-            local = local.dequantize(dtype)
-        elif local.is_floating_point():
-            local = local.to(dtype)
-        out_dtype = dtype if t.is_floating_point() else t.dtype
-        yield key, out_dtype, tuple(t.shape), local, _local_slice(t)[1], writes
+            return local.dequantize(dtype)
+        return local.to(out_dtype)
+
+    yield key, out_dtype, tuple(t.shape), _local_slice(t)[1], writes, cast
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _lora_key(model: nn.Module, lora: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is lora) + "."
+
+
+def _merged(weight: torch.Tensor, lora, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slice of ``W + scaling * B @ A`` in fp32 (adapters are small: DTensor's mm moves them)."""
+    a, b = lora.lora_a.weight.detach(), lora.lora_b.weight.detach()
+    if isinstance(a, DTensor) != isinstance(b, DTensor):
+        raise ValueError("LoRA adapters of one layer must both be DTensors or both plain tensors to merge")
+    delta = torch.mm(b.float(), a.float()) * lora.scaling
+    if isinstance(weight, DTensor):
+        if not isinstance(delta, DTensor):
+            delta = distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None)
+        elif delta.device_mesh != weight.device_mesh:
+            raise ValueError("the LoRA adapters live on another mesh than their base weight; cannot merge")
+        delta = delta.redistribute(weight.device_mesh, weight.placements)._local_tensor
+    base = _local(weight)
+    base = base.dequantize(torch.float32) if isinstance(base, QuantizedTensor) else base.float()
+    return (base + delta).to(dtype)
 
 
 def _owns(t: torch.Tensor) -> bool:
@@ -457,18 +531,28 @@ def _owns(t: torch.Tensor) -> bool:
     return all(c == 0 for c, p in zip(coord, t.placements) if not p.is_shard())
 
 
-def save(model: nn.Module, path, *, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 << 30) -> None:
+def save(
+    model: nn.Module,
+    path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    merge_lora: bool = True,
+    max_shard_bytes: int = 5 << 30,
+) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``from_pretrained`` reads.
 
     Every rank calls it; each writes the bytes of its own slices. Weights in a
     format with a Hugging Face layout (``checkpoint_suffixes``, e.g. FP8 block
     scales) are written as stored, with the format's ``quantization_config``;
-    every other weight is dense ``dtype``. ``model.config`` (transformers) is
-    saved alongside. Files over ``max_shard_bytes`` are split with an index.
+    every other weight is dense ``dtype``. LoRA adapters (:mod:`dtensor_quant.lora`)
+    are merged into their weights (``merge_lora``; otherwise written as
+    ``<layer>.lora_a.weight``/``lora_b.weight`` beside the base weight).
+    ``model.config`` (transformers) is saved alongside. Files over
+    ``max_shard_bytes`` are split with an index.
     """
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    items = list(_export_tensors(model, dtype))
+    items = list(_export_tensors(model, dtype, merge_lora))
     files = _layout(items, max_shard_bytes)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -488,7 +572,8 @@ def save(model: nn.Module, path, *, dtype: torch.dtype = torch.bfloat16, max_sha
     where = {k: (name, len(h) + e["data_offsets"][0]) for name, (h, _) in files.items() for k, e in _keys(h).items()}
     fds = {}
     try:
-        for key, g_dtype, g_shape, local, offset, writes in items:
+        for key, g_dtype, g_shape, offset, writes, fetch in items:
+            local = fetch()  # on every rank: merging adapters may need a collective
             if not writes or local.numel() == 0:
                 continue
             name, start = where[key]
@@ -537,7 +622,7 @@ def _save_config(model: nn.Module, path: Path) -> None:
     if config is None or not hasattr(config, "save_pretrained"):
         return
     quant = {}
-    for _, _, _, t in _tensors(model):
+    for _, _, t in _tensors(model):
         if _suffixes(t) is not None:
             local = t._local_tensor if isinstance(t, DTensor) else t
             quant = getattr(local.fmt, "hf_quantization_config", None) or quant

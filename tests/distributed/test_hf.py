@@ -195,7 +195,9 @@ def test_missing_and_unexpected_tensors_are_refused(tmp_path, checkpoints):
     with pytest.raises(ValueError, match=r"missing from the checkpoint: \['model.norm.weight'\]") as e:
         dq.hf.load(model, tmp_path)
     assert "extra.weight" in str(e.value)
-    assert sorted(dq.hf.load(model, tmp_path, strict=False).quantized) == sorted(dq.nn.quantized_fqns(model))
+    result = dq.hf.load(model, tmp_path, strict=False)
+    assert sorted(result.quantized) == sorted(dq.nn.quantized_fqns(model))
+    assert (result.missing, result.unexpected) == (["model.norm.weight"], ["extra.weight"])
 
 
 def test_reads_only_the_slice(tmp_path):
@@ -209,3 +211,37 @@ def test_reads_only_the_slice(tmp_path):
         assert ck.bytes_read == 2 * 5 * 4 * 4
         assert torch.equal(ck.read("t", (2, 0, 1), (3, 10, 2)), t[2:5, :, 1:3])
         assert torch.equal(ck.read("t"), t)
+
+
+def qlora_roundtrip(path, out, layout):
+    """QLoRA on a HF checkpoint: load, wrap in adapters, shard with FSDP2, load again (by HF names), save merged."""
+    model = build("qwen2", "single", "int4")
+    dq.hf.load(model, path)
+    dq.lora.add_lora_(model, rank=4, filter_fn=lambda m, fqn: fqn.endswith(("q_proj", "down_proj")))
+    with torch.no_grad():
+        for i, p in enumerate(dq.lora.lora_parameters(model).values()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+    expected = {}
+    for name, m in model.named_modules():
+        if isinstance(m, dq.lora.LoRALinear):
+            delta = m.lora_b.weight.float() @ m.lora_a.weight.float() * m.scaling
+            expected[name + ".weight"] = (m.base.weight.dequantize(torch.float32) + delta).to(torch.bfloat16)
+    if layout == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh(2))
+        fully_shard(model, mesh=mesh(2))
+    result = dq.hf.load(model, path)  # the base weights by the checkpoint's names; adapters untouched
+    assert not result.missing and len(result.quantized) == 15, result
+    dq.hf.save(model, out)
+    return {k: v.detach() for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp2"])
+def test_qlora_model_loads_by_hf_names_and_saves_merged(ranks, checkpoints, tmp_path, layout):
+    _, model_cls = hc.model_class("qwen2")
+    out = str(tmp_path / "merged")
+    expected = on(ranks, layout, qlora_roundtrip, checkpoints["qwen2", False], out, layout)[0]
+    back = dict(model_cls.from_pretrained(out, dtype=torch.bfloat16).named_parameters())
+    assert len(expected) == 4
+    for k, v in expected.items():
+        assert torch.equal(back[k].detach(), v), k
