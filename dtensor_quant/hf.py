@@ -34,9 +34,11 @@ its DTensor), so nothing is gained from DCP's planning here.
 (no collective); rank 0 writes the headers and the index, then each rank
 writes the bytes of its own slices at their offsets (one replica of each
 slice writes). torch's ``HuggingFaceStorageWriter`` with consolidation was not
-used: its consolidation maps safetensors dtypes through a table without
-float8 (``F8_E4M3`` would be consolidated as float32) and re-reads every
-rank's files on one rank.
+used: it writes every rank's shards to files of their own and then, on the
+coordinator alone, reads them all back and writes the consolidated files (the
+model is written twice, the second time by one process), and its
+consolidation sizes elements with ``torch.finfo``, which fails for integer
+tensors. Here every byte is written once, in parallel, at its final place.
 """
 
 from __future__ import annotations

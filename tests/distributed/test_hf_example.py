@@ -22,3 +22,19 @@ def test_hf_tp_inference_example(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens equal to the one-process quantized model on every rank: True" in out.stdout
     assert out.stdout.count("(0.500x the files)") == 2, out.stdout  # every tensor is split in two
+
+
+@pytest.mark.slow
+def test_qlora_example_from_hf(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_tp_inference
+    import qlora_fsdp2
+    import transformers
+
+    hf_tp_inference.write_tiny(tmp_path / "tiny", "qwen2")
+    out = tmp_path / "out"
+    losses = qlora_fsdp2.main(["--steps", "3", "--ranks", "2", "--format", "int8", "--out", str(out), "--hf",
+                               str(tmp_path / "tiny")])  # fmt: skip
+    assert len(losses) == 3
+    back = transformers.Qwen2ForCausalLM.from_pretrained(out / "hf")
+    assert back.model.layers[0].mlp.down_proj.weight.shape == (256, 768)
