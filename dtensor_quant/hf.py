@@ -58,6 +58,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .format import Reducer
+from .layout import Constant, inner_slice
+from .quantize import MeshReducer, quantize_local
 from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized, quantize_like
 from .tensor import QuantizedTensor, contiguous_strides
 
@@ -337,7 +340,7 @@ def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
     return out
 
 
-def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
+def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 16 << 20) -> LoadResult:
     """Load the Hugging Face checkpoint directory ``path`` into ``model``, each rank reading its own slices.
 
     Every rank calls it, with the model in any layout the library supports
@@ -348,6 +351,10 @@ def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
     (``strict``), a shape or a format that does not fit raises ``ValueError``
     on every rank before anything is read. Tied weights a checkpoint leaves out
     (transformers' ``tie_word_embeddings``) are read from their source.
+
+    A slice is read and quantized in runs of rows of about ``chunk_bytes``
+    when the format's statistics never span rows (its layout is not constant
+    along dim 0); so a rank holds its shards plus one such run at a time.
     """
     with Checkpoint(path) as ckpt:
         tasks, missing, unexpected = _plan(model, ckpt, strict)
@@ -357,19 +364,61 @@ def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
                 if kind == "prequantized":
                     t.copy_(_read_prequantized(ckpt, key, src, t))
                     result.prequantized.append(key)
-                    continue
-                shape, offset = _local_slice(t)
-                local = ckpt.read(src, offset, shape)
-                if kind == "quantized":
-                    dense = _dtensor_like(local, t) if isinstance(t, DTensor) else local
-                    t.copy_(quantize_like(dense, t, key))
+                elif kind == "quantized":
+                    _load_quantized(ckpt, key, src, t, chunk_bytes)
                     result.quantized.append(key)
                 else:
-                    (t._local_tensor if isinstance(t, DTensor) else t).copy_(local)
+                    _load_dense(ckpt, src, t, chunk_bytes)
                     result.dense.append(key)
-                del local
         result.bytes_read = ckpt.bytes_read
     return result
+
+
+def _row_runs(rows: int, row_bytes: int, align: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[r0, r1)`` runs of about ``chunk_bytes`` covering ``rows``, each starting at a multiple of ``align``."""
+    step = max(align, chunk_bytes // max(row_bytes, 1) // align * align)
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _load_dense(ckpt: Checkpoint, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
+    shape, offset = _local_slice(t)
+    local = _local(t)
+    if local.ndim == 0:
+        local.copy_(ckpt.read(src, offset, shape))
+        return
+    row_bytes = math.prod(shape[1:]) * ckpt.tensors[src].dtype.itemsize
+    for r0, r1 in _row_runs(shape[0], row_bytes, 1, chunk_bytes):
+        local[r0:r1].copy_(ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])))
+
+
+def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
+    """Quantize this rank's slice of ``src`` into ``t``: whole, or in runs of rows if no statistic spans rows.
+
+    Runs of rows are exactly as independent as Shard(0) pieces: the layout
+    says so (no inner tensor is constant along dim 0), and a run starts on a
+    multiple of every dim-0 block. Statistics shared across shards of dim 1
+    are all-reduced by the same reducer the quantize op uses; the ranks of
+    such a group hold the same rows, so they run the same collectives.
+    """
+    shape, offset = _local_slice(t)
+    q, _, to_canonical, full = _canonical(t, key)
+    layout = q.fmt.layout_for(full)
+    if to_canonical != (0, 1) or any(isinstance(rels[0], Constant) for rels in layout.values()):
+        local = ckpt.read(src, offset, shape)
+        t.copy_(quantize_like(_dtensor_like(local, t) if isinstance(t, DTensor) else local, t, key))
+        return
+    if isinstance(t, DTensor):
+        reducer = MeshReducer.for_mesh(q.fmt, full, t.device_mesh, t.placements)
+    else:
+        reducer = Reducer(full)
+    align = math.lcm(*(rels[0].factor for rels in layout.values()))
+    row_bytes = shape[1] * ckpt.tensors[src].dtype.itemsize
+    for r0, r1 in _row_runs(shape[0], row_bytes, align, chunk_bytes):
+        dense = ckpt.read(src, (offset[0] + r0, offset[1]), (r1 - r0, shape[1])).to(t.dtype)
+        part = quantize_local(q.fmt, dense, reducer, full)
+        for name, rels in layout.items():
+            i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
+            q.inner[name][i0:i1].copy_(part.inner[name])
 
 
 def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,8 @@ def build(kind: str, layout: str, fmt_name: str):
 def load_and_check(kind, layout, fmt_name, path):
     model = build(kind, layout, fmt_name)
     assert all(not p.is_meta for p in model.parameters())
-    result = dq.hf.load(model, path)
+    # Sharded models read and quantize in runs of a few rows (many runs per weight); one process, whole slices.
+    result = dq.hf.load(model, path, chunk_bytes=16 << 10 if layout != "single" else 16 << 20)
     return hc.check_loaded(model, path, FORMATS[fmt_name], result)
 
 
