@@ -340,7 +340,7 @@ def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
     return out
 
 
-def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 16 << 20) -> LoadResult:
+def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 << 20) -> LoadResult:
     """Load the Hugging Face checkpoint directory ``path`` into ``model``, each rank reading its own slices.
 
     Every rank calls it, with the model in any layout the library supports

@@ -246,3 +246,25 @@ def test_qlora_model_loads_by_hf_names_and_saves_merged(ranks, checkpoints, tmp_
     assert len(expected) == 4
     for k, v in expected.items():
         assert torch.equal(back[k].detach(), v), k
+
+
+def quantize_meta_dtensors():
+    """quantize_ after parallelize_module on the meta device: quantized meta shards, no collective, no data."""
+    config_cls, model_cls = hc.model_class("llama")
+    with dq.hf.init_empty():
+        model = model_cls(config_cls(**hc.CONFIG))
+    parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    dq.quantize_(model, dq.Int8Rowwise())
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert isinstance(w.to_local(), dq.QuantizedTensor) and w.to_local().is_meta, w
+    assert w.to_local().qdata.shape == (256, 384)
+    with dq.hf.init_empty():
+        other = model_cls(config_cls(**hc.CONFIG))
+    parallelize_module(other, mesh(2), dq.hf.tp_plan(other))
+    with pytest.raises(dq.LayoutError, match="o_proj.*not a multiple of 256"):  # 128 columns per rank
+        dq.quantize_(other, dq.Int4Groupwise(256))
+    return True
+
+
+def test_quantize_after_parallelize_on_meta(ranks):
+    assert ranks(2).run(quantize_meta_dtensors) == [True, True]
