@@ -38,3 +38,24 @@ def test_qlora_example_from_hf(tmp_path):
     assert len(losses) == 3
     back = transformers.Qwen2ForCausalLM.from_pretrained(out / "hf")
     assert back.model.layers[0].mlp.down_proj.weight.shape == (256, 768)
+
+
+@pytest.mark.slow
+def test_hf_tp_inference_example_serves_fp8_block_checkpoint(tmp_path):
+    """An FP8 block-scale checkpoint (the tests' own writer) served TP-2 as stored, tokens equal to one process."""
+    import json
+
+    import hf_cases as hc
+
+    dense = hc.read_all(hc.write_dense("llama", tmp_path / "dense", False))
+    linears = {k for k in dense if ".layers." in k and k.endswith("proj.weight")}
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    path = hc.write_fp8(dense, tmp_path / "fp8", linears, True, config)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_tp_inference.py"), path, "--world", "2",
+         "--format", "Float8Blockwise"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "14 quantized weights" in out.stdout and "every rank: True" in out.stdout, out.stdout
