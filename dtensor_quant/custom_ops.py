@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import matmul
-from .format import QuantFormat
+from .format import QuantFormat, check_weight
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
 from .ops import _describe, implements
@@ -106,7 +106,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if not isinstance(weight, DTensor):
         return torch.ops.dtensor_quant.quantize(weight, fid, [], [], list(weight.shape))
     mesh, placements = weight.device_mesh, weight.placements
-    fmt.check_weight(weight.shape, weight.dtype)
+    check_weight(fmt, weight.shape, weight.dtype)
     check_placements(weight.shape, fmt, mesh.shape, placements)
     dims = _shard_dims(placements, weight.ndim)
     return torch.ops.dtensor_quant.quantize(weight, fid, dims, _groups(mesh, dims), list(weight.shape))
