@@ -482,15 +482,35 @@ def _view(func, q, size):
             return out
     if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
         return _flatten(q)
-    if q.ndim == 2 and tuple(size) == (1, q.shape[0] * q.shape[1]):
-        # funcol's all-gather along dim 1 views [world, cols] as [1, world * cols].
-        return cat_dim([slice_dim(q, 0, i, i + 1) for i in range(q.shape[0])], 1)
+    g = _gathered_dim(tuple(q.shape), tuple(size))
+    if g is not None:
+        # funcol's all-gather along dim g views [world, ..., n, ...] as [1, ..., world * n, ...].
+        return cat_dim([slice_dim(q, 0, i, i + 1) for i in range(q.shape[0])], g)
     if q.ndim == 1 and q.dims == ((0, 1),) and len(size) == 2:
         return _unflatten(q, tuple(size))
     raise UnsupportedOpError(
         f"{_describe(q)}: view/reshape to {tuple(size)} is not expressible in the quantized layout "
         "(only the same shape, and -1 for a canonical 2-D weight)"
     )
+
+
+def _gathered_dim(shape: tuple, size: tuple) -> int | None:
+    """The dim ``g`` when ``size`` is ``shape``'s leading pieces laid side by side along ``g``.
+
+    That is ``shape = [world, 1, .., 1, n, rest]`` and ``size = [1, .., 1,
+    world * n, rest]``: what funcol's all-gather along a dim whose leading
+    dims are all 1 does instead of chunk + cat.
+    """
+    if len(size) != len(shape) or len(shape) < 2 or size[0] != 1:
+        return None
+    for g in range(1, len(shape)):
+        if size[g] != 1 or shape[g] != 1:
+            break
+    else:
+        return None
+    if size[g] == shape[0] * shape[g] and size[g + 1 :] == shape[g + 1 :] and all(n == 1 for n in size[:g]):
+        return g
+    return None
 
 
 def _flatten(q: QuantizedTensor) -> QuantizedTensor:
