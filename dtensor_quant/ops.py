@@ -661,7 +661,7 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
         shared = any(isinstance(r, Constant) for r in rel_row) and all(
             isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
         )
-        if shared:
+        if shared and not t.is_meta:  # a meta weight (built on "meta", then to_empty) has nothing to copy
             inner[name] = t.clone().to(device or t.device)
         else:
             inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
