@@ -46,7 +46,7 @@ def measure(repeat):
         local = dt.to_local()
         t0 = time.perf_counter()
         for _ in range(10000):
-            (agree.layout_key(local)) in agree._AGREED
+            _ = agree.layout_key(local) in agree._AGREED
         lookup = (time.perf_counter() - t0) / 10000
         rows.append((shape, statistics.median(on), statistics.median(off), lookup))
     return rows
@@ -60,7 +60,7 @@ def main():
     rows = run(measure, args.world, args.repeat)[0]
     print(f"{'shape':>12} {'checked ms':>11} {'unchecked ms':>13} {'diff us':>8} {'key+lookup us':>14}")
     for shape, on, off, lookup in rows:
-        print(f"{str(shape):>12} {on * 1e3:11.3f} {off * 1e3:13.3f} {(on - off) * 1e6:8.1f} {lookup * 1e6:14.1f}")
+        print(f"{shape!s:>12} {on * 1e3:11.3f} {off * 1e3:13.3f} {(on - off) * 1e6:8.1f} {lookup * 1e6:14.1f}")
 
 
 if __name__ == "__main__":

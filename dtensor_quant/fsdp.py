@@ -99,7 +99,7 @@ def _agreed(result, mesh):
 
 
 def _describe_key(key) -> str:
-    _, fmt, rels, shape, sent, dtypes, shapes = key
+    _, fmt, _rels, shape, sent, dtypes, shapes = key
     parts = ", ".join(f"{n}={tuple(s)}:{str(d).removeprefix('torch.')}" for n, d, s in zip(sent, dtypes, shapes))
     return f"{fmt!r} shard of {shape} sending {parts}"
 

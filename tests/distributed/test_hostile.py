@@ -137,9 +137,8 @@ MIXED = {
 
 
 def disagreeing(kind, op):
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
     from helpers import mesh, rank, weight
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     # A shape no other test uses on this pool: a layout both ranks already agreed on for this group
     # is not checked again (docs/hostile_input.md: the one case the cached check cannot see).
@@ -180,10 +179,10 @@ def test_ranks_that_disagree_all_raise(ranks, kind, op):
 
 
 def agreeing_after():
+    from helpers import mesh, weight
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from dtensor_quant import wire
-    from helpers import mesh, weight
 
     w = dq.quantize(weight((16, 96), seed=7), dq.Int8Rowwise())
     dt = distribute_tensor(w, mesh(2), [Shard(1)])
