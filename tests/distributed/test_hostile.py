@@ -190,3 +190,97 @@ def agreeing_after():
     with wire.record() as log:  # the same layout again: no agreement exchange on the hot path
         assert torch.equal(dt.full_tensor().dequantize(), w.dequantize())
     return all(t.op != "dtensor_quant::agree" for t in log.transfers)
+
+
+# -- damaged checkpoints -------------------------------------------------------------------
+
+
+def load_damaged(path, layout, fmt_name="int8"):
+    """Load into a model with other weights: a clear error, and every local byte as it was."""
+    import ckpt_cases as cc
+
+    from dtensor_quant import checkpoint as ckpt
+
+    net = cc.placed(2, fmt_name, layout)
+    before = {
+        k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+        for k, v in net.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    try:
+        ckpt.load(net, path)
+    except (ckpt.CheckpointCorruptError, ckpt.CheckpointFormatError) as e:
+        after = {
+            k: v.to_local() if hasattr(v, "to_local") else v
+            for k, v in net.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+        same = all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
+        return type(e).__name__, str(e), same
+    return "loaded", "", False
+
+
+def save_placed(path, layout, fmt_name="int8"):
+    import ckpt_cases as cc
+
+    from dtensor_quant import checkpoint as ckpt
+
+    ckpt.save(cc.placed(1, fmt_name, layout), path)
+    return True
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_checkpoint_is_refused_on_every_rank_and_changes_nothing(ranks, tmp_path, damage):
+    path = tmp_path / "ckpt"
+    assert all(ranks(2).run(save_placed, str(path), "s0_2"))
+    victim = path / "__1_0.distcp"  # only rank 1's file: rank 0 must still refuse
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2 : len(data) // 2 + 4] = bytes(255 - b for b in data[len(data) // 2 : len(data) // 2 + 4])
+    else:
+        data = data[: len(data) // 2]
+    victim.write_bytes(bytes(data))
+    for kind, msg, same in ranks(2).run(load_damaged, str(path), "s0_2", timeout=60):
+        assert kind == "CheckpointCorruptError", (kind, msg)
+        assert "__1_0.distcp" in msg and (".weight" in msg or ".bias" in msg), msg
+        assert same, "a failed load changed the model"
+
+
+def test_damaged_checkpoint_single_process(tmp_path):
+    path = tmp_path / "ckpt"
+    save_placed(str(path), "single")
+    victim = next(path.glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x10
+    victim.write_bytes(bytes(data))
+    kind, msg, same = load_damaged(str(path), "single")
+    assert kind == "CheckpointCorruptError" and victim.name in msg and same, (kind, msg)
+
+
+def load_other_format_on_rank1(path):
+    from helpers import rank
+
+    return load_damaged(path, "s0_2", "int8" if rank() == 0 else "int4g32")
+
+
+def test_format_mismatch_on_one_rank_is_raised_on_every_rank(ranks, tmp_path):
+    """Only rank 1's model differs from the checkpoint: rank 0 must not wait in DCP's collective."""
+    path = tmp_path / "ckpt"
+    assert all(ranks(2).run(save_placed, str(path), "s0_2"))
+    results = ranks(2).run(load_other_format_on_rank1, str(path), timeout=60)
+    for kind, msg, same in results:
+        assert kind == "CheckpointFormatError" and "Int4Groupwise" in msg, (kind, msg)
+        assert same
+
+
+def test_save_errors_have_the_documented_type(tmp_path):
+    from dtensor_quant import checkpoint as ckpt
+
+    net = dq.quantize_(torch.nn.Linear(64, 16), dq.Int8Rowwise())
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ckpt.CheckpointSaveError):
+        ckpt.save(net, str(blocker / "ckpt"))
+    future = ckpt.async_save(net, str(blocker / "ckpt"))
+    with pytest.raises(ckpt.CheckpointSaveError):
+        future.result(timeout=60)  # completes: DCP's CheckpointException is a BaseException
