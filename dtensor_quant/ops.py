@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from . import writes
 from .layout import (
     Blocked,
     Constant,
@@ -201,6 +202,7 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     shape = list(q.shape)
     shape[dim] = stop - start
     out = rebuild(q, inner, shape, rels=tuple(rels))
+    writes.note_slice(q, out, dim, start, stop)
     if dim == 0 and start == 0 and stop < length:
         out.__dict__[PADDED_ROWS] = max(length, q.__dict__.get(PADDED_ROWS, 0))
     elif dim != 0 or start == 0:
@@ -474,7 +476,9 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
 
 @implements("aten::detach", "aten::alias", "aten::lift_fresh")
 def _alias(func, q, *args, **kwargs):
-    return _keep_padded_rows(q, rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride()))
+    out = rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
+    writes.keep_shared(q, out)
+    return _keep_padded_rows(q, out)
 
 
 @implements("aten::view", "aten::_unsafe_view")
@@ -599,6 +603,7 @@ def _transpose(func, q, dim0, dim1):
     inner = _map_inner(q, lambda t: t.transpose(dim0, dim1))
     rels = tuple(swap(r) for r in q.rels)
     out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
+    writes.keep_shared(q, out)
     # Kernels cache their prepared weight on the persistent tensor, not on this view.
     out.__dict__["_transposed_from"] = q.__dict__.get("_transposed_from", q)
     return out
@@ -665,7 +670,9 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
             inner[name] = t.clone().to(device or t.device)
         else:
             inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
-    return rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out = rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out.__dict__[writes.FACTORY] = True
+    return out
 
 
 @implements("aten::empty_like")
@@ -705,6 +712,11 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"cannot copy into {_describe(dst)}: inner '{name}' is {tuple(s.shape)}:{s.dtype} in the "
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
+    keep = writes.check_copy(dst, src, _describe)  # every check before the first byte moves
+    for name in dst.fmt.inner_names:
+        if name in keep:
+            continue
+        d, s = getattr(dst, name), getattr(src, name)
         d.copy_(s, non_blocking=non_blocking)
         # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
         # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
