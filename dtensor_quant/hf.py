@@ -14,11 +14,13 @@
 Every rank reads the safetensors headers itself, then, for each tensor of the
 model in turn, only the byte ranges of its own slice (``os.preadv`` at the
 offsets the header gives: whole rows are one read, a column slice one read per
-row). A dense weight that the model holds quantized is then quantized by the
-same path a dense DCP checkpoint takes (:func:`~dtensor_quant.state_dict.quantize_like`):
-statistics that span shards are all-reduced, so the bytes equal quantizing the
-full tensor and then sharding it. A rank holds its shards plus one slice at a
-time. A weight stored quantized in a layout a format declares
+row). A dense weight that the model holds quantized is then quantized as a
+dense DCP checkpoint is (:func:`~dtensor_quant.state_dict.quantize_like`: the
+slice placed like the parameter, through the quantize op): statistics that
+span shards are all-reduced, so the bytes equal quantizing the full tensor and
+then sharding it. Where no statistic spans rows (the layout says so) the slice
+is read and quantized in runs of rows, so a rank holds its shards plus one
+run at a time. A weight stored quantized in a layout a format declares
 (``QuantFormat.checkpoint_suffixes``: FP8 block scales) is read as its inner
 tensors and placed by :func:`~dtensor_quant.state_dict.from_entries`, without
 dequantizing.
@@ -58,10 +60,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .format import Reducer
-from .layout import Constant, inner_slice
-from .quantize import MeshReducer, quantize_local
-from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized, quantize_like
+from .format import Reducer, weight_layout
+from .layout import Blocked, OneToOne, Packed, inner_slice
+from .ops import canonical_dims
+from .quantize import MeshReducer, quantize, quantize_local
+from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized
 from .tensor import QuantizedTensor, contiguous_strides
 
 __all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save", "tp_plan"]
@@ -302,6 +305,9 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
                           "dequantized or requantized")  # fmt: skip
         else:
             kind = "quantized" if is_quantized(t) else "dense"
+            why = _plain_weight(t) if kind == "quantized" else None
+            if why:
+                errors.append(f"{key}: {why}")
             if info.shape != tuple(t.shape):
                 errors.append(
                     f"{key}: the checkpoint's {src} has shape {list(info.shape)}, the model's is {list(t.shape)}"
@@ -328,6 +334,9 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
+    if t.ndim != 2:
+        return [(f"{key}: {_describe(t)} weights are read as stored only as 2-D [out, in] tensors; this one is "
+                 f"{list(t.shape)}")]  # fmt: skip
     q, inner, _, shape = _canonical(t, key)
     out = []
     for name, rels in q.fmt.layout_for(shape).items():
@@ -392,33 +401,47 @@ def _load_dense(ckpt: Checkpoint, src: str, t: torch.Tensor, chunk_bytes: int) -
 
 
 def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
-    """Quantize this rank's slice of ``src`` into ``t``: whole, or in runs of rows if no statistic spans rows.
+    """Quantize this rank's slice of ``src`` into ``t``: in runs of dim-0 indices, or whole.
 
-    Runs of rows are exactly as independent as Shard(0) pieces: the layout
-    says so (no inner tensor is constant along dim 0), and a run starts on a
-    multiple of every dim-0 block. Statistics shared across shards of dim 1
-    are all-reduced by the same reducer the quantize op uses; the ranks of
-    such a group hold the same rows, so they run the same collectives.
+    Runs along dim 0 (rows of a matrix, experts of a fused ``[E, out, in]``
+    stack) are exactly as independent as Shard(0) pieces when the layout says
+    so: every inner tensor is one-to-one, packed or blocked along dim 0 (never
+    constant: no statistic spans them), and a run starts on a multiple of
+    every dim-0 block. Statistics shared across shards of the other dims are
+    all-reduced by the reducer the quantize op uses; the ranks of such a group
+    hold the same dim-0 range, so they run the same collectives. Otherwise the
+    slice is quantized whole, placed like ``t``, by :func:`~dtensor_quant.quantize`
+    (the path :func:`~dtensor_quant.state_dict.quantize_like` takes).
     """
     shape, offset = _local_slice(t)
-    q, _, to_canonical, full = _canonical(t, key)
-    layout = q.fmt.layout_for(full)
-    if to_canonical != (0, 1) or any(isinstance(rels[0], Constant) for rels in layout.values()):
-        local = ckpt.read(src, offset, shape)
-        t.copy_(quantize_like(_dtensor_like(local, t) if isinstance(t, DTensor) else local, t, key))
+    q = _local(t)
+    full = tuple(t.shape)
+    layout = weight_layout(q.fmt, full)
+    if not all(isinstance(rels[0], (OneToOne, Packed, Blocked)) for rels in layout.values()):
+        dense = ckpt.read(src, offset, shape).to(t.dtype)
+        t.copy_(quantize(_dtensor_like(dense, t) if isinstance(t, DTensor) else dense, q.fmt))
         return
     if isinstance(t, DTensor):
         reducer = MeshReducer.for_mesh(q.fmt, full, t.device_mesh, t.placements)
     else:
         reducer = Reducer(full)
     align = math.lcm(*(rels[0].factor for rels in layout.values()))
-    row_bytes = shape[1] * ckpt.tensors[src].dtype.itemsize
+    row_bytes = math.prod(shape[1:]) * ckpt.tensors[src].dtype.itemsize
     for r0, r1 in _row_runs(shape[0], row_bytes, align, chunk_bytes):
-        dense = ckpt.read(src, (offset[0] + r0, offset[1]), (r1 - r0, shape[1])).to(t.dtype)
-        part = quantize_local(q.fmt, dense, reducer, full)
+        run = ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])).to(t.dtype)
+        part = quantize_local(q.fmt, run, reducer, full)
         for name, rels in layout.items():
             i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
             q.inner[name][i0:i1].copy_(part.inner[name])
+
+
+def _plain_weight(t: torch.Tensor) -> str | None:
+    """Why quantized ``t`` cannot be loaded in place (a transposed or gathered view), or None."""
+    q = _local(t)
+    layout = weight_layout(q.fmt, tuple(t.shape))
+    if q.dims != canonical_dims(q.ndim) or any(rels != layout[n] for n, rels in zip(q.fmt.inner_names, q.rels)):
+        return f"{q!r} is not a plain quantized weight (a transposed or gathered view); load into the parameter"
+    return None
 
 
 def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:

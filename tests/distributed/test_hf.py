@@ -23,7 +23,8 @@ from dtensor_quant.fsdp import fully_shard
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 
-FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(), "fp8b": dq.Float8Blockwise(128)}  # fmt: skip
+FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(),
+           "fp8b": dq.Float8Blockwise(128), "nf4": dq.NF4()}  # fmt: skip
 WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4}
 
 
@@ -75,6 +76,7 @@ CASES = [
     ("qwen2", True, "tp2", "int4"),
     ("llama", True, "fsdp2", "f8t"),  # one scale for the whole tensor from FSDP's row shards
     ("qwen2", False, "single", "int4"),
+    ("llama", False, "single", "nf4"),  # statistics span rows: quantized whole
     pytest.param("llama", True, "2d", "int8", marks=pytest.mark.slow),
 ]
 
