@@ -91,6 +91,19 @@ class TensorInfo:
     start: int  # absolute byte offset of the tensor's data in ``file``
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A model tensor that a checkpoint stores in pieces (transformers' per-expert keys of a fused expert stack).
+
+    ``parts`` holds ``(checkpoint key, offset in the assembled tensor)``; a
+    piece with fewer dims than the whole fills its leading dims with 1.
+    """
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
 class Checkpoint:
     """The tensors of a Hugging Face checkpoint directory, read slice by slice.
 
@@ -137,8 +150,16 @@ class Checkpoint:
                 raise ValueError(f"{self.path}: tensor {key} is in both {self.tensors[key].file.name} and {file.name}")
             self.tensors[key] = TensorInfo(file, dtype, shape, 8 + n + begin)
 
-    def read(self, key: str, offsets=None, lengths=None) -> torch.Tensor:
-        """The slice ``[offsets, offsets + lengths)`` of tensor ``key`` (default: all of it)."""
+    def info(self, src) -> TensorInfo | Pieces:
+        return src if isinstance(src, Pieces) else self.tensors[src]
+
+    def read(self, key, offsets=None, lengths=None) -> torch.Tensor:
+        """The slice ``[offsets, offsets + lengths)`` of tensor ``key`` (default: all of it).
+
+        ``key`` is a checkpoint key or :class:`Pieces` (a tensor assembled from several).
+        """
+        if isinstance(key, Pieces):
+            return self._read_pieces(key, offsets, lengths)
         info = self.tensors[key]
         shape = info.shape
         offsets = tuple(offsets) if offsets is not None else (0,) * len(shape)
@@ -150,6 +171,24 @@ class Checkpoint:
         fd = self._fd(info.file)
         for pos, start, n in _runs(shape, offsets, lengths, info.dtype.itemsize):
             self._pread(fd, buf[pos : pos + n], info.start + start, key)
+        return out
+
+    def _read_pieces(self, pieces: Pieces, offsets, lengths) -> torch.Tensor:
+        """Read the part of every piece that falls in the slice, straight into its place."""
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(pieces.shape)
+        lengths = tuple(lengths) if lengths is not None else pieces.shape
+        out = torch.empty(lengths, dtype=pieces.dtype)
+        for key, at in pieces.parts:
+            shape = (1,) * (len(at) - len(self.tensors[key].shape)) + self.tensors[key].shape
+            lo = [max(a, o) for a, o in zip(at, offsets)]
+            hi = [min(a + n, o + m) for a, n, o, m in zip(at, shape, offsets, lengths)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            k = len(at) - len(self.tensors[key].shape)  # leading dims the piece adds (its expert index)
+            part = self.read(key, [l - a for l, a in zip(lo[k:], at[k:])], [h - l for l, h in zip(lo[k:], hi[k:])])
+            out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))] = part.reshape(
+                [h - l for l, h in zip(lo, hi)]
+            )
         return out
 
     def _pread(self, fd: int, buf: memoryview, offset: int, key: str) -> None:
@@ -233,6 +272,62 @@ def _tied(model: nn.Module) -> dict[str, str]:
         return {}
 
 
+def _converters(model: nn.Module) -> list[tuple[list[str], str, bool]]:
+    """transformers' rules that fuse per-expert checkpoint tensors into one model tensor.
+
+    ``(source patterns, target pattern, concatenated)`` for each
+    ``WeightConverter`` whose operations are ``MergeModulelist(dim=0)``
+    (stack the experts), optionally followed by ``Concatenate(dim=1)`` (join
+    the sources along the rows, as gate and up make ``gate_up_proj``); other
+    conversions are not read.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        return []
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return []
+    out = []
+    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(conv, "operations", [])]
+        targets = list(getattr(conv, "target_patterns", []))
+        if len(targets) == 1 and ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+            out.append((list(conv.source_patterns), targets[0], len(ops) == 2))
+    return out
+
+
+def _pieces(key: str, shape, ckpt: Checkpoint, converters) -> Pieces | str | None:
+    """The pieces of fused tensor ``key`` in the checkpoint, an error message if they do not fit, or None."""
+    for sources, target, concatenated in converters:
+        if not key.endswith(target) or len(shape) != 3:
+            continue
+        prefix = key[: -len(target)]
+        parts, row = [], 0
+        for pattern in sources:
+            first = prefix + pattern.replace("*", "0")
+            if first not in ckpt.tensors:
+                break
+            rows = ckpt.tensors[first].shape[0]
+            for e in range(shape[0]):
+                parts.append((prefix + pattern.replace("*", str(e)), (e, row, 0)))
+            row += rows
+        else:
+            found = [ckpt.tensors.get(k) for k, _ in parts]
+            want = [(shape[1] if not concatenated else ckpt.tensors[k].shape[0], shape[2]) for k, _ in parts]
+            dtypes = {f.dtype for f in found if f is not None}
+            if (
+                None in found
+                or len(dtypes) != 1
+                or [f.shape for f in found] != [tuple(w) for w in want]
+                or (row != shape[1])
+            ):
+                return (f"{key}: the checkpoint's per-expert tensors {[k for k, _ in parts[:3]]}... do not add up to "
+                        f"the model's {list(shape)} (expected {len(parts)} tensors of one dtype)")  # fmt: skip
+            return Pieces(tuple(parts), dtypes.pop(), tuple(shape))
+    return None
+
+
 def _local_slice(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's ``(shape, offset)`` in ``t``'s global tensor (the same arithmetic DCP uses)."""
     if not isinstance(t, DTensor):
@@ -278,19 +373,30 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     Checks only, no collective: every rank reaches the same verdict before anything is read.
     """
     tied, tasks, used, missing, errors = _tied(model), [], set(), [], []
+    converters = _converters(model)
     for key, _, t in _tensors(model):
         if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
             continue
         src = key if key in ckpt.tensors else tied.get(key, key)
         if src not in ckpt.tensors:
-            missing.append(key)
-            continue
+            src = _pieces(key, tuple(t.shape), ckpt, converters)
+            if src is None:
+                missing.append(key)
+                continue
+            if isinstance(src, str):  # the pieces do not add up
+                errors.append(src)
+                continue
         try:
             _local_slice(t)
         except ValueError as e:
             errors.append(f"{key}: {e}")
-        info, suffixes = ckpt.tensors[src], _suffixes(t)
-        companions = [src + s for s in ("_scale_inv", "_scale", "_scales", "_blocks") if src + s in ckpt.tensors]
+        info, suffixes = ckpt.info(src), _suffixes(t)
+        names = [k for k, _ in src.parts] if isinstance(src, Pieces) else [src]
+        companions = [
+            k + s for k in names for s in ("_scale_inv", "_scale", "_scales", "_blocks") if k + s in ckpt.tensors
+        ]
+        if isinstance(src, Pieces):
+            suffixes = None  # stored layouts are read from 2-D tensors only
         dense_float = info.dtype.is_floating_point and info.dtype.itemsize >= 2
         if suffixes is not None and not dense_float:
             kind = "prequantized"
@@ -298,7 +404,7 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             used.update(src + s for s in suffixes.values())
         elif is_quantized(t) and not dense_float or companions and not dense_float:
             kind = "error"
-            errors.append(f"{key}: the checkpoint holds it stored quantized ({src} is {info.dtype}"
+            errors.append(f"{key}: the checkpoint holds it stored quantized ({names[0]} is {info.dtype}"
                           f"{', with ' + ', '.join(companions) if companions else ''}), the model's weight is "
                           f"{_describe(t)}; quantize the model's weight in the checkpoint's format (FP8 block "
                           "scales: dq.Float8Blockwise(128)) before loading: quantized bytes are never silently "
@@ -310,9 +416,9 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
                 errors.append(f"{key}: {why}")
             if info.shape != tuple(t.shape):
                 errors.append(
-                    f"{key}: the checkpoint's {src} has shape {list(info.shape)}, the model's is {list(t.shape)}"
+                    f"{key}: the checkpoint's {names[0]} has shape {list(info.shape)}, the model's is {list(t.shape)}"
                 )
-        used.add(src)
+        used.update(names)
         tasks.append((kind, key, src, t))
     unexpected = sorted(set(ckpt.tensors) - used)
     if strict and missing:
@@ -395,7 +501,7 @@ def _load_dense(ckpt: Checkpoint, src: str, t: torch.Tensor, chunk_bytes: int) -
     if local.ndim == 0:
         local.copy_(ckpt.read(src, offset, shape))
         return
-    row_bytes = math.prod(shape[1:]) * ckpt.tensors[src].dtype.itemsize
+    row_bytes = math.prod(shape[1:]) * ckpt.info(src).dtype.itemsize
     for r0, r1 in _row_runs(shape[0], row_bytes, 1, chunk_bytes):
         local[r0:r1].copy_(ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])))
 
@@ -426,7 +532,7 @@ def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk
     else:
         reducer = Reducer(full)
     align = math.lcm(*(rels[0].factor for rels in layout.values()))
-    row_bytes = math.prod(shape[1:]) * ckpt.tensors[src].dtype.itemsize
+    row_bytes = math.prod(shape[1:]) * ckpt.info(src).dtype.itemsize
     for r0, r1 in _row_runs(shape[0], row_bytes, align, chunk_bytes):
         run = ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])).to(t.dtype)
         part = quantize_local(q.fmt, run, reducer, full)

@@ -14,7 +14,7 @@ import hf_cases as hc
 import pytest
 import torch
 from helpers import mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
@@ -25,18 +25,24 @@ pytest.importorskip("transformers")
 
 FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(),
            "fp8b": dq.Float8Blockwise(128), "nf4": dq.NF4()}  # fmt: skip
-WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4}
+WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4, "ep2": 2}
 
 
 def build(kind: str, layout: str, fmt_name: str):
     """The transformers model on meta, quantized, placed by ``layout``, then materialized (this rank's shards)."""
     config_cls, model_cls = hc.model_class(kind)
     with dq.hf.init_empty():
-        model = model_cls(config_cls(**hc.CONFIG))
+        model = model_cls(config_cls(**hc.config_of(kind)))
     model.to(torch.bfloat16)
     dq.quantize_(model, FORMATS[fmt_name], filter_fn=lambda m, fqn: fqn != "lm_head" or fmt_name != "fp8b")
     if layout == "tp2":
         parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    elif layout == "ep2":  # expert parallelism: each rank holds half of every fused expert stack
+        for fqn, module in model.named_modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.ndim == 3:
+                    dt = distribute_tensor(p.detach(), mesh(2), [Shard(0)], src_data_rank=None)
+                    setattr(module, name, torch.nn.Parameter(dt, requires_grad=False))
     elif layout in ("fsdp2", "2d"):
         m = mesh(2) if layout == "fsdp2" else mesh(2, 2)
         if layout == "2d":
@@ -65,7 +71,7 @@ def on(ranks, layout, fn, *args):
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "qwen3moe"):
         for sharded in (False, True):
             out[kind, sharded] = hc.write_dense(kind, root / f"{kind}-{sharded}", sharded)
     return out
@@ -78,6 +84,9 @@ CASES = [
     ("qwen2", False, "single", "int4"),
     ("llama", False, "single", "nf4"),  # statistics span rows: quantized whole
     pytest.param("llama", True, "2d", "int8", marks=pytest.mark.slow),
+    # MoE: fused [E, out, in] experts read from the file's per-expert tensors; FSDP2 shards the experts
+    ("qwen3moe", True, "ep2", "int8"),
+    pytest.param("qwen3moe", False, "single", "int4", marks=pytest.mark.slow),
 ]
 
 
