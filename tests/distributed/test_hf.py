@@ -161,11 +161,12 @@ def save_and_report(kind, layout, fmt_name, src, out):
     return full
 
 
-@pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
-def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, layout):
-    _, model_cls = hc.model_class("qwen2")
+@pytest.mark.parametrize("kind,layout", [("qwen2", "tp2"), ("qwen2", "fsdp2"), ("qwen3moe", "ep2")])
+def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, kind, layout):
+    _, model_cls = hc.model_class(kind)
     out = str(tmp_path / "export")
-    expected = on(ranks, layout, save_and_report, "qwen2", layout, "int4", checkpoints["qwen2", True], out)[0]
+    fmt_name = "int8" if kind == "qwen3moe" else "int4"
+    expected = on(ranks, layout, save_and_report, kind, layout, fmt_name, checkpoints[kind, True], out)[0]
     back = model_cls.from_pretrained(out, dtype=torch.bfloat16)
     got = dict(back.named_parameters())
     assert set(got) == set(expected)
