@@ -153,7 +153,7 @@ def test_fp8_dequantization_equals_torch_reader(fp8_checkpoints):
 def save_and_report(kind, layout, fmt_name, src, out):
     model = build(kind, layout, fmt_name)
     dq.hf.load(model, src)
-    dq.hf.save(model, out)
+    dq.hf.save(model, out, max_shard_bytes=400_000 if layout == "tp2" else 5 << 30)  # TP-2: an index of files
     full = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p
@@ -167,6 +167,9 @@ def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_pa
     out = str(tmp_path / "export")
     fmt_name = "int8" if kind == "qwen3moe" else "int4"
     expected = on(ranks, layout, save_and_report, kind, layout, fmt_name, checkpoints[kind, True], out)[0]
+    from pathlib import Path
+
+    assert (Path(out) / "model.safetensors.index.json").exists() == (layout == "tp2")
     back = model_cls.from_pretrained(out, dtype=torch.bfloat16)
     got = dict(back.named_parameters())
     assert set(got) == set(expected)
