@@ -114,7 +114,7 @@ class NF4(QuantFormat):
         mean = inner["mean"]
         scale = (inner["scaler"] / inner["factor"]).to(mean.dtype) + mean
         qdata = inner["qdata"]
-        codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().reshape(scale.shape)
+        codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().flatten(-2)  # scale broadcasts over it
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
         return (levels[codes] * scale).to(dtype)
 
