@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import dtensor_quant as dq
 
 # Real width where it matters (768 = an intermediate size of real models); few rows.
-CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)  # fmt: skip
+CONFIG = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": False}  # fmt: skip
 
 
 def model_class(kind: str):
