@@ -736,6 +736,9 @@ def save(
     files = _layout(items, max_shard_bytes)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
+        # A previous export's files would otherwise stay, and a stale index would point readers at them.
+        for stale in [*path.glob("*.safetensors"), path / INDEX]:
+            stale.unlink(missing_ok=True)
         for name, (header, size) in files.items():
             with open(path / name, "wb") as f:
                 f.write(header)
