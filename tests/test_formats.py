@@ -75,6 +75,23 @@ def test_float8_matches_reference(fmt):
     assert torch.equal(q.dequantize(), expected)
 
 
+def test_float8_blockwise_matches_reference_with_partial_blocks():
+    """One fp32 scale per 128x128 block (DeepSeek-V3's layout); the last blocks of each dim are partial."""
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    q = dq.quantize(w, dq.Float8Blockwise(128))
+    assert q.qdata.dtype == torch.float8_e4m3fn and q.scale_inv.dtype == torch.float32
+    assert q.scale_inv.shape == (2, 3)
+    expected = torch.empty(200, 300, dtype=torch.bfloat16)
+    for i in range(2):
+        for j in range(3):
+            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
+            s = block.abs().max() / 448
+            assert q.scale_inv[i, j] == s
+            codes = (block / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            expected[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (codes.float() * s).to(torch.bfloat16)
+    assert torch.equal(q.dequantize(), expected)
+
+
 def test_int8_and_int4_match_reference():
     w = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     q8 = dq.quantize(w, dq.Int8Rowwise())
@@ -91,7 +108,7 @@ def test_int8_and_int4_match_reference():
 
 @pytest.mark.parametrize(
     "fmt",
-    [dq.Int8Rowwise(), dq.Int4Groupwise(32), dq.NF4(32, 4), dq.Float8Rowwise(), dq.Float8Tensorwise()],
+    [dq.Int8Rowwise(), dq.Int4Groupwise(32), dq.NF4(32, 4), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(16)],
     ids=str,
 )
 def test_quantized_linear_matches_dequantized(fmt):

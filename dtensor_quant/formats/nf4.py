@@ -135,7 +135,9 @@ class NF4(QuantFormat):
         big = torch.finfo(mean.dtype).max
         scale = torch.where(factor.isfinite() & (factor > 0), scale.clamp(-big, big), scale)
         qdata = inner["qdata"]
-        codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().reshape(scale.shape)
+        codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().flatten(-2)  # scale broadcasts over it
+        if codes.shape[-1] != scale.shape[-1]:  # codes packed across rows (odd widths): in flat order
+            codes = codes.reshape(*codes.shape[:-2], *scale.shape[-2:])
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
         return (levels[codes] * scale).to(dtype)
 
