@@ -36,6 +36,7 @@ from .format import QuantFormat
 from .format_ids import format_from_id, format_id
 from .layout import Constant
 from .ops import (
+    VIEW_OF,
     _describe,
     _tracing,
     block_sizes,
@@ -56,6 +57,9 @@ _NO_CACHE_ATTR = "_dtensor_quant_never_cache"
 
 
 def _anchor(t: torch.Tensor) -> torch.Tensor:
+    owner = t.__dict__.get(VIEW_OF)  # an expert selected from a stack: the stack's tensor
+    if owner is not None:
+        return owner
     return t._base if t._base is not None else t
 
 

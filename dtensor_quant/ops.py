@@ -127,6 +127,18 @@ def matrix_dims(q: QuantizedTensor) -> int:
 PADDED_ROWS = "fsdp_padded_rows"
 
 
+# "_dtensor_quant_view_of": the tensor an inner view was taken from. Views made inside
+# __torch_dispatch__ have no ``_base`` (autograd's view tracking is below us), and a kernel
+# caches its prepared weight on the viewed tensor (dtensor_quant.matmul), so the experts
+# selected from a stack record the stack's inner tensor here.
+VIEW_OF = "_dtensor_quant_view_of"
+
+
+def _view_of(view: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    view.__dict__[VIEW_OF] = t.__dict__.get(VIEW_OF) or (t._base if t._base is not None else t)
+    return view
+
+
 def _keep_padded_rows(src: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
     if PADDED_ROWS in src.__dict__ and out.shape == src.shape:
         out.__dict__[PADDED_ROWS] = src.__dict__[PADDED_ROWS]
@@ -395,7 +407,7 @@ def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
     for name, row in zip(q.fmt.inner_names, q.rels):
         if not isinstance(row[dim], OneToOne):
             raise LayoutError(f"{_describe(q)}: inner '{name}' is {row[dim]} along leading dim {dim}, not one-to-one")
-    inner = _map_inner(q, lambda t: t.select(dim, index))
+    inner = _map_inner(q, lambda t: _view_of(t.select(dim, index), t))
     rels = tuple(row[:dim] + row[dim + 1 :] for row in q.rels)
     shape = tuple(q.shape[:dim]) + tuple(q.shape[dim + 1 :])
     dims = (canonical_dims if q.dims == canonical_dims(q.ndim) else transposed_dims)(q.ndim - 1)
@@ -784,5 +796,5 @@ def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:
     if q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
         return q.inner
     if is_transposed(q):
-        return _map_inner(q, lambda t: t.transpose(-2, -1))
+        return _map_inner(q, lambda t: _view_of(t.transpose(-2, -1), t))
     return None
