@@ -135,7 +135,8 @@ VIEW_OF = "_dtensor_quant_view_of"
 
 
 def _view_of(view: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    view.__dict__[VIEW_OF] = t.__dict__.get(VIEW_OF) or (t._base if t._base is not None else t)
+    owner = t.__dict__.get(VIEW_OF)
+    view.__dict__[VIEW_OF] = owner if owner is not None else (t._base if t._base is not None else t)
     return view
 
 
