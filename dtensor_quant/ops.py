@@ -605,7 +605,7 @@ def _transpose(func, q, dim0, dim1):
         seq[dim0], seq[dim1] = seq[dim1], seq[dim0]
         return tuple(seq)
 
-    inner = _map_inner(q, lambda t: t.transpose(dim0, dim1))
+    inner = _map_inner(q, lambda t: _view_of(t.transpose(dim0, dim1), t))
     rels = tuple(swap(r) for r in q.rels)
     out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
     # Kernels cache their prepared weight on the persistent tensor, not on this view.
