@@ -11,14 +11,18 @@ arrive, not at import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from . import writes
 from .layout import (
     Blocked,
     Constant,
+    FlatBlocked,
+    InFlat,
     LayoutError,
     OneToOne,
     Packed,
@@ -211,6 +215,7 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     shape = list(q.shape)
     shape[dim] = stop - start
     out = rebuild(q, inner, shape, rels=tuple(rels))
+    writes.note_slice(q, out, dim, start, stop)
     if dim == 0 and start == 0 and stop < length:
         out.__dict__[PADDED_ROWS] = max(length, q.__dict__.get(PADDED_ROWS, 0))
     elif dim != 0 or start == 0:
@@ -232,10 +237,14 @@ def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
     why = ", ".join(f"'{n}' is {r}" for n, r in rels.items() if r.factor > 1)
     length = q.shape[dim]
     legal = legal_chunk_counts(length, factor)
+    hint = (
+        f"Sharding this dim over n ranks cuts only on multiples of {factor} for n = {', '.join(map(str, legal))}."
+        if legal != [1]
+        else "This dim cannot be sharded at all; shard another dim (check_placements lists the legal sizes)."
+    )
     raise LayoutError(
         f"{_describe(q)}: cannot split dim {dim} (size {length}) into pieces of {list(sizes)[:8]}: the cut "
-        f"at {bad} is not a multiple of {factor} ({why}). Sharding this dim over n ranks cuts only on "
-        f"multiples of {factor} for n = {', '.join(map(str, legal))}."
+        f"at {bad} is not a multiple of {factor} ({why}). {hint}"
     )
 
 
@@ -374,6 +383,12 @@ def _pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
     """Append ``amount`` zero elements to ``dim`` (what uneven shards are padded with)."""
     length = q.shape[dim]
     inner = {}
+    flat = [f"'{n}' is {r[dim]}" for n, r in zip(q.fmt.inner_names, q.rels) if isinstance(r[dim], InFlat)]
+    if flat:
+        raise LayoutError(
+            f"{_describe(q)}: padding dim {dim} would move blocks that run across it ({', '.join(flat)}); "
+            "this dim cannot be sharded, shard another dim"
+        )
     for (name, t), rel_row in zip(q.inner.items(), q.rels):
         rel = rel_row[dim]
         if isinstance(rel, Packed) and amount % rel.p:
@@ -474,7 +489,9 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
 
 @implements("aten::detach", "aten::alias", "aten::lift_fresh")
 def _alias(func, q, *args, **kwargs):
-    return _keep_padded_rows(q, rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride()))
+    out = rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
+    writes.keep_shared(q, out)
+    return _keep_padded_rows(q, out)
 
 
 @implements("aten::view", "aten::_unsafe_view")
@@ -608,6 +625,7 @@ def _transpose(func, q, dim0, dim1):
     inner = _map_inner(q, lambda t: _view_of(t.transpose(dim0, dim1), t))
     rels = tuple(swap(r) for r in q.rels)
     out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
+    writes.keep_shared(q, out)
     # Kernels cache their prepared weight on the persistent tensor, not on this view.
     out.__dict__["_transposed_from"] = q.__dict__.get("_transposed_from", q)
     return out
@@ -665,14 +683,18 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
             shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
         except LayoutError as e:
             raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}': {e}") from None
+        if any(isinstance(r, InFlat) and n != n0 for r, n, n0 in zip(rel_row, size, q.shape)):
+            raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}' has flat blocks across rows")
         shared = any(isinstance(r, Constant) for r in rel_row) and all(
             isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
         )
-        if shared:
+        if shared and not t.is_meta:  # a meta weight (built on "meta", then to_empty) has nothing to copy
             inner[name] = t.clone().to(device or t.device)
         else:
             inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
-    return rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out = rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out.__dict__[writes.FACTORY] = True
+    return out
 
 
 @implements("aten::empty_like")
@@ -712,6 +734,11 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"cannot copy into {_describe(dst)}: inner '{name}' is {tuple(s.shape)}:{s.dtype} in the "
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
+    keep = writes.check_copy(dst, src, _describe)  # every check before the first byte moves
+    for name in dst.fmt.inner_names:
+        if name in keep:
+            continue
+        d, s = getattr(dst, name), getattr(src, name)
         d.copy_(s, non_blocking=non_blocking)
         # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
         # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
@@ -769,8 +796,18 @@ def _broadcastable(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, tor
 
 
 def block_sizes(rels) -> list[int]:
-    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked."""
-    return [rel.b if isinstance(rel, Blocked) else 0 for row in rels for rel in row]
+    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked.
+
+    A block over the flat index of this and the later dims (``FlatBlocked``, not packed) is
+    given as ``-b``: a list of ints is what the compiled kernel op can take.
+    """
+    return [_block_size(rel) for row in rels for rel in row]
+
+
+def _block_size(rel) -> int:
+    if isinstance(rel, Blocked):
+        return rel.b
+    return -rel.b if isinstance(rel, FlatBlocked) and not rel.packed else 0
 
 
 def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) -> dict[str, torch.Tensor]:
@@ -784,8 +821,13 @@ def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) 
     for i, (name, t) in enumerate(inner.items()):
         for dim in range(ndim):
             b = blocks[i * ndim + dim]
-            if b:
+            if b > 0:
                 t = t.repeat_interleave(b, dim).narrow(dim, 0, shape[dim])
+            elif b < 0:  # blocks over the flat index of dims dim.. (their inner dims are 1 after dim)
+                span = tuple(shape[dim:])
+                flat = t.flatten(dim).repeat_interleave(-b, dim).narrow(dim, 0, math.prod(span))
+                t = flat.unflatten(dim, span)
+                break
         out[name] = t
     return out
 

@@ -30,6 +30,7 @@ its in dim) and FSDP2 shards the experts within each expert-parallel group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -39,8 +40,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, Reducer, weight_layout
-from .layout import LayoutError
-from .placements import _first_bad_cut, check_placements, legal_mesh_sizes
+from .layout import MAX_LISTED_MESH_SIZE, LayoutError
+from .placements import _first_bad_cut, check_placements
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 
@@ -62,6 +63,7 @@ class Cell:
     nbytes: int | None = None
     why: str | None = None
     alternatives: str | None = None
+    padding: tuple[int, int, int] | None = None  # (dim, padded length, extra bytes of the whole weight)
 
     @property
     def legal(self) -> bool:
@@ -127,16 +129,24 @@ def stored_bytes(fmt: QuantFormat, shape: Sequence[int], dtype=torch.bfloat16, f
 
 
 def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
+    return _check(tuple(layer.shape), layer.style, fmt, dp, tp, ep)
+
+
+@functools.lru_cache(maxsize=65536)
+def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
+    """One verdict per (shape, style, format, mesh): a model repeats a few shapes many times."""
+    layer = Layer("", shape, style)
     mesh, placements = _mesh_and_placements(layer, dp, tp, ep)
     try:
-        check_placements(layer.shape, fmt, mesh, placements)
+        check_placements(shape, fmt, mesh, placements)
     except LayoutError:
         return Cell(dp, tp, placements, why=_why(layer, fmt, mesh, placements),
-                    alternatives=_alternatives(layer, fmt, mesh, placements))
+                    alternatives=_alternatives(layer, fmt, mesh, placements),
+                    padding=_padding(layer, fmt, mesh, placements))
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
-    local = _local_shape(layer.shape, mesh, placements)
-    return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=layer.shape))
+    local = _local_shape(shape, mesh, placements)
+    return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
 
 def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
@@ -148,22 +158,57 @@ def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
             f"({needs}; dim {dim})")
 
 
+def legal_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int, ep: int = 1) -> list[int]:
+    """The sizes (up to ``limit``) of the ``which`` ("tp" or "dp") mesh dim at which ``layer`` is legal.
+
+    Each size is checked with the placements the planner would give that mesh
+    (FSDP's ``_StridedShard`` takes the tp size as its split factor, and tp 1
+    is no tensor parallelism at all), not with this mesh's placements resized.
+    """
+    out = []
+    for n in range(1, limit + 1):
+        d, t = (dp, n) if which == "tp" else (n, tp)
+        if _first_bad_cut(layer.shape, fmt, *_mesh_and_placements(layer, d, t, ep)) is None:
+            out.append(n)
+    return out
+
+
 def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
     dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    dp, tp = mesh[-2:]
+    ep = mesh[0] if len(mesh) == 3 else 1
     out = []
     for mesh_dim, name in ((len(mesh) - 1, "tp"), (len(mesh) - 2, "dp")):
         p = placements[mesh_dim]
         if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
             continue
-        legal = [n for n in legal_mesh_sizes(layer.shape, fmt, mesh, placements, mesh_dim) if n != mesh[mesh_dim]]
-        below = [n for n in legal if n < mesh[mesh_dim]]
-        above = [n for n in legal if n > mesh[mesh_dim]]
+        now = mesh[mesh_dim]
+        limit = max(MAX_LISTED_MESH_SIZE, 2 * now)
+        legal = [n for n in legal_degrees(layer, fmt, dp, tp, name, limit, ep) if n != now]
+        below = [n for n in legal if n < now]
+        above = [n for n in legal if n > now]
         near = [str(x) for x in (below[-1:] + above[:1])]
-        out.append(f"nearest legal {name}: {' or '.join(near) if near else 'none up to 64'}")
+        text = f"nearest legal {name}: {' or '.join(near) if near else 'none'}"
+        if not above:
+            text += f" (none above {now} up to {limit}, where the search stops)"
+        out.append(text)
     smaller = _smaller_block(layer, fmt, mesh, placements)
     if smaller:
         out.append(f"{smaller} would be legal here")
     return "; ".join(out)
+
+
+def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int, int] | None:
+    """The smallest zero-padding of the refused dim that makes this mesh legal: (dim, length, extra bytes)."""
+    from .padding import legal_length, padding_cost
+
+    if len(layer.shape) > 2:  # padding is planned for 2-D SwiGLU weights, not expert stacks
+        return None
+    dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    length = legal_length(tuple(layer.shape), dim, fmt, tuple(mesh), tuple(placements))
+    if length is None:
+        return None
+    return dim, length, padding_cost(tuple(layer.shape), dim, length, fmt)
 
 
 def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
@@ -271,7 +316,7 @@ def render(p: Plan) -> str:
     # One note per distinct refusal: layers of one shape and style refused for one reason share it.
     notes: dict[tuple, list] = {}
     for layer, c in p.refusals:
-        key = (layer.shape, layer.style, c.why, c.alternatives)
+        key = (layer.shape, layer.style, c.why, c.alternatives, c.padding)
         entry = notes.setdefault(key, [len(notes) + 1, [], []])
         entry[1] += [layer.name] if layer.name not in entry[1] else []
         entry[2] += [_label(c.dp, c.tp)] if _label(c.dp, c.tp) not in entry[2] else []
@@ -279,7 +324,7 @@ def render(p: Plan) -> str:
     for layer, cells in p.rows:
         row = [layer.name, "x".join(map(str, layer.shape)), layer.style]
         for c in cells:
-            note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives)][0]
+            note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives, c.padding)][0]
             row.append(_size(c.nbytes) if c.legal else f"NO ({note})")
         table.append(row)
     if len({layer.name for layer, _ in p.rows}) == len(p.rows):  # one style per layer: totals make sense
@@ -294,12 +339,22 @@ def render(p: Plan) -> str:
     lines += ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
               for r in table]
     lines += [""] if notes else []
-    for (shape, style, why, alternatives), (number, names, meshes) in notes.items():
+    for (shape, style, why, alternatives, padding), (number, names, meshes) in notes.items():
         who = names[0] + (f" (and {len(names) - 1} more like it)" if len(names) > 1 else "")
         kind = "row-parallel" if style == "rowwise" else "column-parallel"
         where = "every mesh" if len(meshes) == len(p.meshes) > 1 else "; ".join(meshes)
         lines.append(f"({number}) {who} [{'x'.join(map(str, shape))}, {kind}] at {where}: {why}. {alternatives}.")
+        if padding:
+            lines.append("    " + padding_hint(shape, padding))
     return "\n".join(lines)
+
+
+def padding_hint(shape, padding: tuple[int, int, int]) -> str:
+    dim, length, extra = padding
+    what = "rows" if dim == 0 else "columns"
+    return (f"Or zero-pad its {what} from {shape[dim]} to {length} (+{_size(extra)} for the whole weight): "
+            f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
+            f"together, which changes no output.")
 
 
 def _numel(shape) -> int:

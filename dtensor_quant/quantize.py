@@ -108,6 +108,14 @@ def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedT
 
 
 def _quantize_dtensor(weight: DTensor, fmt: QuantFormat) -> DTensor:
+    if weight._local_tensor.is_meta:  # no data (a model built on "meta"): only the structure, no collective
+        from .placements import check_placements
+
+        check_placements(tuple(weight.shape), fmt, tuple(weight.device_mesh.shape), list(weight.placements))
+        local = quantize_local(fmt, weight._local_tensor, Reducer(weight.shape), weight.shape)
+        return DTensor.from_local(
+            local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+        )
     # One implementation for both entry points: the custom op, whose sharding
     # strategy keeps the placements and whose kernel reduces the statistics.
     from .custom_ops import quantize as quantize_op

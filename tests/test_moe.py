@@ -199,7 +199,7 @@ def test_bf16_moe_kernels_close_to_dequantized(kind):
 def test_quantize_never_skips_silently():
     model = tiny_moe("mixtral")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*multiple of block_size"):
-        dq.quantize_(model, dq.NF4(128, 256))  # hidden 64 is not a multiple of 128: an error, not a skip
+        dq.quantize_(model, dq.NF4(96, 256))  # 64 x 64 = 4096 elements are not a multiple of 96: an error, not a skip
     dense = []
     dq.quantize_(tiny_moe("mixtral"), dq.Int8Rowwise(), lambda m, fqn: "experts" not in fqn, left_dense=dense)
     assert sum(why == "excluded by filter_fn" for _, why in dense) == 4
