@@ -25,6 +25,7 @@ FORMATS = [
     dq.Int8Rowwise(),
     dq.Float8Rowwise(),
     dq.Float8Tensorwise(),
+    dq.Float8Blockwise(32),
     dq.Int4Groupwise(64),
     dq.NF4(64, 256),
     PerTensorInt8(),
@@ -161,7 +162,11 @@ def dequantized_copy(model):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 64), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str)
+@pytest.mark.parametrize(
+    "fmt",
+    [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 64), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(32)],
+    ids=str,
+)
 def test_quantize_moe_model_covers_every_expert(kind, fmt):
     model = tiny_moe(kind)
     dense = []

@@ -21,6 +21,7 @@ FORMATS = {
     "nf4": dq.NF4(64, 8),  # 512 columns = 8 blocks per row: one scaler block per row
     "f8row": dq.Float8Rowwise(),
     "f8tensor": dq.Float8Tensorwise(),
+    "f8block": dq.Float8Blockwise(32),
 }
 
 
