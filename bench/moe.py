@@ -56,10 +56,10 @@ def shard_moves(shape, repeat):
         ep = distribute_tensor(t, mesh, [Shard(0)])
         tp = ep.redistribute(mesh, [Shard(1)])
         moves = {
-            "distribute_tensor Shard(0) (EP)": lambda: distribute_tensor(t, mesh, [Shard(0)]),
-            "full_tensor from Shard(0)": lambda: ep.full_tensor(),
-            "Shard(0) -> Shard(1) (EP -> TP)": lambda: ep.redistribute(mesh, [Shard(1)]).to_local(),
-            "full_tensor from Shard(1)": lambda: tp.full_tensor(),
+            "distribute_tensor Shard(0) (EP)": lambda t=t: distribute_tensor(t, mesh, [Shard(0)]),
+            "full_tensor from Shard(0)": lambda ep=ep: ep.full_tensor(),
+            "Shard(0) -> Shard(1) (EP -> TP)": lambda ep=ep: ep.redistribute(mesh, [Shard(1)]).to_local(),
+            "full_tensor from Shard(1)": lambda tp=tp: tp.full_tensor(),
         }
         for label, step in moves.items():
             with wire.record() as log:

@@ -8,7 +8,7 @@ quantized bytes only on the wire, including uneven expert counts.
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
