@@ -239,7 +239,7 @@ def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFor
         while size >= max(1, value // 4):
             try:
                 candidate = dataclasses.replace(fmt, **{field.name: size})
-                candidate.check_weight(torch.Size(layer.shape), torch.bfloat16)
+                check_weight(candidate, layer.shape, torch.bfloat16)
                 if _first_bad_cut(layer.shape, candidate, mesh, placements) is None:
                     return candidate
                 size //= 2
