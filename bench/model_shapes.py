@@ -28,7 +28,7 @@ MODELS = {
     "Gemma-2-9B": (42, 3584, 14336, 4096, 2048, 256000),
     "Qwen2-72B": (80, 8192, 29568, 8192, 1024, 152064),
 }
-FORMATS = [dq.Int8Rowwise(), dq.Int4Groupwise(128), dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise()]
+FORMATS = [dq.Int8Rowwise(), dq.Int4Groupwise(128), dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise()]
 TP = (1, 2, 4, 8)
 
 
