@@ -35,7 +35,8 @@ def nf4_reference(w: torch.Tensor, block: int, scaler_block: int):
 
 @pytest.mark.parametrize(
     "shape,block,scaler_block",
-    [((64, 4096), 64, 256), ((32, 512), 64, 256), ((8, 8192), 32, 64), ((8, 14336), 64, 256), ((24, 96), 64, 4)],
+    [((64, 4096), 64, 256), ((32, 512), 64, 256), ((8, 8192), 32, 64), ((8, 14336), 64, 256), ((24, 96), 64, 4),
+     ((128, 33), 64, 2), ((8, 4), 16, 1)],  # odd width: codes packed across rows; blocks of whole rows
 )
 def test_nf4_matches_reference_algorithm(shape, block, scaler_block):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

@@ -136,7 +136,8 @@ class NF4(QuantFormat):
         scale = torch.where(factor.isfinite() & (factor > 0), scale.clamp(-big, big), scale)
         qdata = inner["qdata"]
         codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().flatten(-2)  # scale broadcasts over it
-        if codes.shape[-1] != scale.shape[-1]:  # codes packed across rows (odd widths): in flat order
+        if any(c != s and s != 1 for c, s in zip(codes.shape[-2:], scale.shape[-2:])):
+            # codes packed across rows (odd widths; the scales then vary per element): in flat order
             codes = codes.reshape(*codes.shape[:-2], *scale.shape[-2:])
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
         return (levels[codes] * scale).to(dtype)
