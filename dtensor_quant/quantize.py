@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from . import wire
+from .blocks import reduce_nan_aware
 from .format import QuantFormat, Reducer
 from .layout import Constant, LayoutError
 from .ops import canonical_dims
@@ -97,7 +98,11 @@ class MeshReducer(Reducer):
         rels = self.layout[like]
         for dim, group in self.axes:
             if isinstance(rels[dim], Constant):
-                stat = funcol.all_reduce(stat.contiguous(), op, group)
-                wire.note_hidden("_c10d_functional::all_reduce", stat)
-                stat = funcol.wait_tensor(stat) if isinstance(stat, funcol.AsyncCollectiveTensor) else stat
+                stat = reduce_nan_aware(stat, op, lambda t, o, g=group: _all_reduce(t, o, g))
         return stat
+
+
+def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    out = funcol.all_reduce(t.contiguous(), op, group)
+    wire.note_hidden("_c10d_functional::all_reduce", out)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out

@@ -66,6 +66,8 @@ class NF4(QuantFormat):
     def check_weight(self, shape, dtype):
         super().check_weight(shape, dtype)
         n_in = shape[1]
+        if n_in == 0:
+            raise ValueError(f"{self} needs in_features >= {self.block_size}; got a weight of shape {tuple(shape)}")
         if n_in % self.block_size:
             raise ValueError(f"{self}: in_features {n_in} must be a multiple of block_size {self.block_size}")
         per_row = n_in // self.block_size
