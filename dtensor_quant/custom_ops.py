@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import agree, matmul
-from .format import QuantFormat
+from .format import QuantFormat, Reducer
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
 from .ops import _describe, implements
@@ -122,6 +122,11 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     mesh, placements = weight.device_mesh, weight.placements
     fmt.check_weight(weight.shape, weight.dtype)
     check_placements(weight.shape, fmt, mesh.shape, placements)
+    if weight._local_tensor.is_meta:
+        # Meta init (build, quantize_, shard, to_empty, load): no values, so nothing to reduce, and the
+        # op's Meta kernel is its dense fake; quantize the meta shard itself to get the layout.
+        local = quantize_local(fmt, weight._local_tensor, Reducer(weight.shape), weight.shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     dims = _shard_dims(placements, weight.ndim)
     return torch.ops.dtensor_quant.quantize(weight, fid, dims, _groups(mesh, dims), list(weight.shape))
 

@@ -227,6 +227,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
         if not local.is_contiguous():
             raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
+        if param.requires_grad and isinstance(local, QuantizedTensor):
+            raise ValueError(
+                f"{where} has requires_grad=True: FSDP2 would compute and reduce a dense gradient that no "
+                "optimizer can apply to quantized bytes. Freeze it (requires_grad_(False)) and train adapters "
+                "(dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+            )
         if world is not None and world > 1:
             factor = _row_factor(local)
             if not legal_chunk(local.shape[0], world, factor):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from .format import QuantFormat
 from .quantize import quantize
-from .state_dict import register
+from .state_dict import is_quantized, register
 
 
 def quantize_(
@@ -34,7 +35,32 @@ def quantize_(
         except ValueError as e:
             raise type(e)(f"{fqn}.weight: {e}") from None
         module.weight = nn.Parameter(weight, requires_grad=False)
+        if not getattr(module, "_dtensor_quant_frozen_check", False):
+            module.register_forward_pre_hook(_refuse_trainable(fqn))
+            module._dtensor_quant_frozen_check = True
     return register(model)
+
+
+def _refuse_trainable(fqn: str):
+    """A forward pre-hook: a quantized weight with ``requires_grad=True`` is refused before any gradient.
+
+    Its gradient would be dense (under FSDP2 also reduced), and the update
+    could not be applied to quantized bytes: without this the first error
+    comes from ``optimizer.step()``, after a wasted backward, naming no parameter.
+    """
+
+    def hook(module, args):
+        if not torch.is_grad_enabled():
+            return
+        for name, p in module._parameters.items():
+            if p is not None and p.requires_grad and is_quantized(p):
+                raise ValueError(
+                    f"{fqn + '.' if fqn else ''}{name} is quantized and has requires_grad=True: its gradient would be "
+                    "dense and no optimizer can update quantized bytes. Freeze it (requires_grad_(False)) and train "
+                    "adapters (dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+                )
+
+    return hook
 
 
 def quantized_fqns(model: nn.Module) -> list[str]:
@@ -62,4 +88,3 @@ def weight_bytes(model: nn.Module) -> int:
         local = p._local_tensor if isinstance(p, DTensor) else p
         total += local.nbytes_stored if isinstance(local, QuantizedTensor) else local.numel() * local.element_size()
     return total
-

@@ -551,7 +551,10 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
         shared = any(isinstance(r, Constant) for r in rel_row) and all(
             isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
         )
-        if shared:
+        if shared and t.is_meta and torch.device(device or t.device).type != "meta":
+            # to_empty() of a meta-initialised weight: there is nothing to copy yet, only memory to take.
+            inner[name] = torch.empty(shape, dtype=t.dtype, device=device)
+        elif shared:
             inner[name] = t.clone().to(device or t.device)
         else:
             inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)

@@ -21,6 +21,10 @@ from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne, Packed
 
 
+# torch's int4 mm kernels (CPU and CUDA) take only these; other group sizes dequantize.
+_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+
+
 def _fit_range(scale, zero, lo, hi, dtype):
     """Step ``scale`` down (and ``zero`` with it) where code 0 or 15 would dequantize to Inf in ``dtype``.
 
@@ -109,6 +113,7 @@ class Int4Groupwise(QuantFormat):
     def prepare(self, inner):
         """Repack for torch's int4 mm on this device where its shape rules allow it, else None.
 
+        Both kernels take group sizes 32, 64, 128 and 256 only.
         CPU: ``aten._convert_weight_to_int4pack_for_cpu`` (int32 codes, out % 16 == 0).
         CUDA (untested here: no GPU in CI): ``aten._convert_weight_to_int4pack``, which wants
         the even code in the high nibble, out % 8 == 0 and in % (16 * inner_k_tiles) == 0.
@@ -116,7 +121,7 @@ class Int4Groupwise(QuantFormat):
         """
         qdata = inner["qdata"]
         n_out, n_in = qdata.shape[0], qdata.shape[1] * 2
-        if not n_out or n_in % self.group_size:
+        if not n_out or n_in % self.group_size or self.group_size not in _KERNEL_GROUP_SIZES:
             return None
         scale_zeros = torch.stack([inner["scale"], inner["zero"]], dim=-1).transpose(0, 1).contiguous()
         if qdata.device.type == "cpu":
@@ -128,7 +133,6 @@ class Int4Groupwise(QuantFormat):
         if (
             qdata.device.type != "cuda"
             or not _has_kernel("aten::_weight_int4pack_mm", "CUDA")
-            or self.group_size not in (32, 64, 128, 256)
             or n_out % 8
             or tiles is None
         ):

@@ -396,3 +396,92 @@ def test_empty_weights():
         assert q.dequantize().shape == (0, 64)
     with pytest.raises(ValueError, match="in_features"):
         dq.quantize(torch.zeros(64, 0), dq.NF4())
+
+
+# -- paths users take -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [2, 16, 512])
+def test_int4_matmul_falls_back_where_the_kernel_refuses_the_group_size(group_size):
+    w = torch.randn(32, 1024).bfloat16()
+    q = dq.quantize(w, dq.Int4Groupwise(group_size))
+    x = torch.randn(3, 1024).bfloat16()
+    assert torch.equal(torch.nn.functional.linear(x, q), torch.nn.functional.linear(x, q.dequantize()))
+
+
+def build_on_meta_and_load(path, fmt_name, how):
+    """The large-model workflow: meta init -> quantize_ -> shard -> to_empty -> load (docs/checkpoint.md)."""
+    from helpers import mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dtensor_quant import checkpoint as ckpt
+
+    fmt = {**FORMATS, "nf4": dq.NF4(64, 4)}[fmt_name]
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Linear(128, 64, bias=False))
+
+    torch.manual_seed(4)
+    ref = dq.quantize_(net().bfloat16(), fmt)
+    ckpt.save(ref, path)
+    with torch.device("meta"):
+        model = net().bfloat16()
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    if how == "tp_after":
+        dq.quantize_(model, fmt)
+        parallelize_module(model, mesh(2), plan)
+    elif how == "tp_before":
+        parallelize_module(model, mesh(2), plan)
+        dq.quantize_(model, fmt)
+    else:
+        dq.quantize_(model, fmt)
+        dq.fsdp.fully_shard(model, mesh=mesh(2))
+    model.to_empty(device="cpu")
+    ckpt.load(model, path)
+    from helpers import assert_same_bits
+
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert_same_bits(got.full_tensor(), want.detach(), name)
+    model(torch.randn(3, 256).bfloat16())  # and it runs
+    return True
+
+
+@pytest.mark.parametrize("how", ["tp_after", "tp_before", "fsdp"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "f8tensor"])
+def test_meta_init_quantize_to_empty_load(ranks, tmp_path, fmt_name, how):
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(build_on_meta_and_load, path, fmt_name, how, timeout=120))
+
+
+def trainable_quantized(how):
+    from helpers import mesh
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    dq.quantize_(net, dq.Int8Rowwise())
+    net[1].weight.requires_grad_(True)
+    try:
+        if how == "fully_shard":
+            dq.fsdp.fully_shard(net, mesh=mesh(2))
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(net, mesh=mesh(2))
+            net(torch.randn(2, 64)).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("how", ["fully_shard", "plain_fully_shard"])
+def test_trainable_quantized_parameter_is_refused_by_name(ranks, how):
+    for msg in ranks(2).run(trainable_quantized, how, timeout=60):
+        assert "1.weight" in msg and "requires_grad=True" in msg, msg
+
+
+def test_trainable_quantized_parameter_is_refused_before_backward_single_process():
+    net = dq.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32)), dq.Int4Groupwise(32))
+    net[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"0\.weight is quantized and has requires_grad=True"):
+        net(torch.randn(2, 64))
+    with torch.no_grad():  # inference is fine
+        net(torch.randn(2, 64))
