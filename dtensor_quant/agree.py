@@ -20,11 +20,14 @@ already used successfully with the others on the same group (both layouts
 are in the agreed set) skip the exchange. With equal byte counts those still
 mix; with unequal ones gloo still fails. That takes two ranks whose configs
 agree on one weight of a shape and disagree on another of the same shape.
+``DTENSOR_QUANT_AGREE_EVERY_CALL=1`` checks every collective instead (one
+8-byte all-gather each), which closes that gap.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -36,6 +39,9 @@ from . import wire
 from .layout import LayoutError
 
 _AGREED: set = set()
+# Check every collective, not only the first per layout (one 8-byte all-gather each): closes the gap
+# described above, for debugging configs. Set DTENSOR_QUANT_AGREE_EVERY_CALL=1, or this attribute.
+EVERY_CALL = os.environ.get("DTENSOR_QUANT_AGREE_EVERY_CALL", "") not in ("", "0")
 
 
 def layout_key(q) -> tuple:
@@ -62,7 +68,7 @@ def check_same(
     collective the first time a key is seen). ``what`` names the operation;
     ``sample`` is a tensor on the group's device.
     """
-    if (group_name, key) in _AGREED:
+    if not EVERY_CALL and (group_name, key) in _AGREED:
         return
     from .ops import _tracing
 

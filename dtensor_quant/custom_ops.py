@@ -39,14 +39,14 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from . import agree, matmul
+from . import matmul
 from .format import QuantFormat, Reducer
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
 from .ops import _describe, implements
 from .ops import dequantize as dequantize_local
 from .placements import _shard_like, check_placements
-from .quantize import MeshReducer, quantize_local
+from .quantize import MeshReducer, agree_before_reducing, quantize_local
 from .tensor import QuantizedTensor
 
 # -- quantize -------------------------------------------------------------------
@@ -67,22 +67,9 @@ def _quantize(
     whole weight's shape (a layout may depend on it).
     """
     fmt = format_from_id(fmt_id)
-    _agree_quantize(fmt, weight, shard_dims, groups, full_shape)
+    agree_before_reducing(fmt, weight, shard_dims, groups, full_shape)
     reduce = MeshReducer(fmt, full_shape, [(d, g) for d, g in zip(shard_dims, groups) if d >= 0])
     return quantize_local(fmt, weight, reduce, full_shape)
-
-
-def _agree_quantize(fmt, weight, shard_dims, groups, full_shape) -> None:
-    """Every rank of every sharded mesh dim must quantize with the same format (else the reductions mix)."""
-    key = ("quantize", fmt, tuple(full_shape), weight.dtype, tuple(shard_dims))
-    for d, g in zip(shard_dims, groups):
-        if d >= 0:
-            agree.check_same(g, key, weight, f"quantize into {fmt}", _describe_quantize)
-
-
-def _describe_quantize(key) -> str:
-    _, fmt, shape, dtype, dims = key
-    return f"quantize a {str(dtype).removeprefix('torch.')} {shape} weight sharded on dims {list(dims)} into {fmt!r}"
 
 
 @_quantize.register_fake

@@ -154,6 +154,11 @@ def disagreeing(kind, op):
         DTensor.from_local(local, m, [Shard(1)], run_check=False).redistribute(m, [Shard(0)])
     elif op == "quantize":
         dq.quantize(distribute_tensor(w, m, [Shard(1)]), fmt)
+    elif op == "gather_quantized":  # trainable masters quantized before FSDP2's all-gather
+        net = torch.nn.Sequential(torch.nn.Linear(256, 24, bias=False))
+        dq.gather_quantized_(net, fmt)
+        dq.fsdp.fully_shard(net, mesh=m)
+        net(torch.randn(2, 256))
     elif op == "fsdp":
         net = torch.nn.Sequential(torch.nn.Linear(256, 24, bias=False))
         dq.quantize_(net, fmt)
@@ -162,7 +167,7 @@ def disagreeing(kind, op):
     return True
 
 
-@pytest.mark.parametrize("op", ["gather", "distribute", "redistribute", "quantize", "fsdp"])
+@pytest.mark.parametrize("op", ["gather", "distribute", "redistribute", "quantize", "fsdp", "gather_quantized"])
 @pytest.mark.parametrize("kind", list(MIXED))
 def test_ranks_that_disagree_all_raise(ranks, kind, op):
     """A clear error on every rank -- never a gloo abort, a hang (the 60 s timeout) or mixed bytes."""
@@ -485,3 +490,30 @@ def test_trainable_quantized_parameter_is_refused_before_backward_single_process
         net(torch.randn(2, 64))
     with torch.no_grad():  # inference is fine
         net(torch.randn(2, 64))
+
+
+def disagree_after_agreeing(every_call):
+    """Both ranks agreed on Int8 and Int4 layouts of this shape; then they disagree (the cached check's gap)."""
+    from helpers import mesh, rank, weight
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dtensor_quant import agree
+
+    w, m = weight((20, 256), seed=12), mesh(2)
+    for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(64)):  # both layouts agreed on this group
+        DTensor.from_local(dq.quantize(w, fmt)[rank() * 10 : (rank() + 1) * 10].clone(), m, [Shard(0)]).full_tensor()
+    fmt = (dq.Int8Rowwise(), dq.Int4Groupwise(64))[rank()]
+    agree.EVERY_CALL = every_call
+    try:
+        DTensor.from_local(dq.quantize(w, fmt)[rank() * 10 : (rank() + 1) * 10].clone(), m, [Shard(0)]).full_tensor()
+    finally:
+        agree.EVERY_CALL = False
+    return True
+
+
+def test_checking_every_call_closes_the_cached_gap(ranks):
+    from dtensor_quant.launch import RankError
+
+    with pytest.raises(RankError) as info:
+        ranks(2).run(disagree_after_agreeing, True, timeout=60)
+    assert all("different layouts" in str(e) for e, _ in info.value.errors.values()) and len(info.value.errors) == 2
