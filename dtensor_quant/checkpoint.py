@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import json
 import os
+import pickle
 import shutil
 import warnings
 import zlib
@@ -361,6 +362,8 @@ def _read_metadata(path) -> Metadata:
         partial = staging_path(path)
         hint = f"; {partial} holds the files of a save that did not complete" if partial.exists() else ""
         raise FileNotFoundError(f"no complete checkpoint at {path} (its .metadata is missing){hint}") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointCorruptError(f"{Path(path) / '.metadata'} is damaged ({type(e).__name__}: {e})") from None
 
 
 def _leaves(state: dict, prefix: str = ""):

@@ -308,13 +308,13 @@ def poisoned(shape, dtype, seed, kinds):
     return w
 
 
-def quantize_poisoned_sharded(fmt_name, shape, dtype, seed, kinds, placement):
+def quantize_poisoned_sharded(fmt_name, shape, dtype, seed, kinds, placement, world=2):
     from helpers import assert_same_bits, mesh
     from torch.distributed.tensor import distribute_tensor
 
     fmt = {**FORMATS, "nf4": dq.NF4(64, 4)}[fmt_name]
     w = poisoned(shape, dtype, seed, kinds)
-    m = mesh(2)
+    m = mesh(world)
     from test_placements import parse
 
     got = dq.quantize(distribute_tensor(w, m, [parse(placement)]), fmt)
@@ -332,6 +332,20 @@ def test_non_finite_quantize_sharded_is_bit_identical(ranks, fmt_name, placement
     for kinds, seed in cases:
         args = (fmt_name, (8, 256), torch.bfloat16, seed, kinds, placement)
         assert all(ranks(2).run(quantize_poisoned_sharded, *args))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    fmt_name=st.sampled_from(EXTREME_FORMATS),
+    placement=st.sampled_from(["S0", "S1"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    kinds=st.lists(st.sampled_from(["nan", "-nan", "inf", "-inf"]), min_size=1, max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_non_finite_sweep_on_three_ranks(ranks, fmt_name, placement, dtype, kinds, seed):
+    """Three ranks give gloo's MAX more orders to drop a NaN in; any positions, kinds and dtypes."""
+    args = (fmt_name, (6, 192), dtype, seed, kinds, placement, 3)
+    assert all(ranks(3).run(quantize_poisoned_sharded, *args))
 
 
 @pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
@@ -517,3 +531,12 @@ def test_checking_every_call_closes_the_cached_gap(ranks):
     with pytest.raises(RankError) as info:
         ranks(2).run(disagree_after_agreeing, True, timeout=60)
     assert all("different layouts" in str(e) for e, _ in info.value.errors.values()) and len(info.value.errors) == 2
+
+
+def test_damaged_metadata_is_a_corrupt_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    save_placed(str(path), "single")
+    meta = path / ".metadata"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    kind, msg, same = load_damaged(str(path), "single")
+    assert kind == "CheckpointCorruptError" and ".metadata" in msg and same, (kind, msg)
