@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import matmul
-from .format import QuantFormat, Reducer
+from .format import QuantFormat, Reducer, check_weight
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
 from .ops import _describe, implements
@@ -107,7 +107,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if not isinstance(weight, DTensor):
         return torch.ops.dtensor_quant.quantize(weight, fid, [], [], list(weight.shape))
     mesh, placements = weight.device_mesh, weight.placements
-    fmt.check_weight(weight.shape, weight.dtype)
+    check_weight(fmt, weight.shape, weight.dtype)
     check_placements(weight.shape, fmt, mesh.shape, placements)
     if weight._local_tensor.is_meta:
         # Meta init (build, quantize_, shard, to_empty, load): no values, so nothing to reduce, and the
@@ -115,7 +115,26 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         local = quantize_local(fmt, weight._local_tensor, Reducer(weight.shape), weight.shape)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     dims = _shard_dims(placements, weight.ndim)
+    if _fewer_than_shards(weight.shape, mesh.shape, dims):
+        # DTensor's propagation calls a dim shorter than its shard count unshardable and would
+        # replicate the input (gathering the dense weight) before the op: run the kernel on the
+        # local shard directly, with the same reductions (3 experts over 4 ranks, say).
+        agree_before_reducing(fmt, weight.to_local(), dims, _groups(mesh, dims), list(weight.shape))
+        reduce = MeshReducer.for_mesh(fmt, weight.shape, mesh, placements)
+        local = quantize_local(fmt, weight.to_local(), reduce, weight.shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     return torch.ops.dtensor_quant.quantize(weight, fid, dims, _groups(mesh, dims), list(weight.shape))
+
+
+def _fewer_than_shards(shape, mesh_shape, shard_dims: list[int]) -> bool:
+    """Whether some logical dim is shorter than the number of shards it is cut into."""
+    for dim in set(shard_dims) - {-1}:
+        shards = 1
+        for n, d in zip(mesh_shape, shard_dims):
+            shards *= n if d == dim else 1
+        if shape[dim] < shards:
+            return True
+    return False
 
 
 # -- dequantize -----------------------------------------------------------------

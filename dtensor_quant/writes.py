@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Blocked, Constant, LayoutError, OneToOne, Packed, Stacked
+from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, Stacked
 
 SHARED = "_dq_shared_outside"  # on a view: {inner index: (relation, dim, start, stop) of the cut}
 FACTORY = "_dq_factory"  # on a factory's output: rows past a leading narrow of it are padding
@@ -70,6 +70,10 @@ def note_slice(q, out, dim: int, start: int, stop: int) -> None:
                 hit = end > 0
             elif start == stop or isinstance(rel, (OneToOne, Packed)):  # slices cut whole packs only
                 hit = False
+            elif isinstance(rel, FlatBlocked):  # a block of the flat index straddles a cut row boundary
+                hit = (start > 0 and start * rel.row % rel.b != 0) or (stop < end and stop * rel.row % rel.b != 0)
+            elif isinstance(rel, InFlat):  # blocks run across the whole dim: any cut shares them
+                hit = True
             elif isinstance(rel, Blocked):  # the start is on a block boundary (slice_dim checked it)
                 hit = stop < end and stop % rel.b != 0
             else:  # the element just outside on either side maps into the view's inner range

@@ -17,7 +17,7 @@ FORMATS = {
     "int8": dq.Int8Rowwise(),
     "int4g32": dq.Int4Groupwise(32),
     "int4g128": dq.Int4Groupwise(128),
-    "nf4": dq.NF4(64, 4),
+    "nf4": dq.NF4(32, 4),
     "f8row": dq.Float8Rowwise(),
     "f8tensor": dq.Float8Tensorwise(),
 }
@@ -312,7 +312,7 @@ def quantize_poisoned_sharded(fmt_name, shape, dtype, seed, kinds, placement, wo
     from helpers import assert_same_bits, mesh
     from torch.distributed.tensor import distribute_tensor
 
-    fmt = {**FORMATS, "nf4": dq.NF4(64, 4)}[fmt_name]
+    fmt = {**FORMATS, "nf4": dq.NF4(32, 4)}[fmt_name]
     w = poisoned(shape, dtype, seed, kinds)
     m = mesh(world)
     from test_placements import parse
@@ -413,8 +413,12 @@ def test_empty_weights():
     for fmt in (*FORMATS.values(), dq.NF4()):
         q = dq.quantize(torch.zeros(0, 64), fmt)
         assert q.dequantize().shape == (0, 64)
-    with pytest.raises(ValueError, match="in_features"):
-        dq.quantize(torch.zeros(64, 0), dq.NF4())
+    for fmt in (*FORMATS.values(), dq.NF4()):  # no in_features: works, or a ValueError (never ZeroDivisionError)
+        try:
+            q = dq.quantize(torch.zeros(64, 0), fmt)
+        except ValueError:
+            continue
+        assert q.dequantize().shape == (64, 0)
 
 
 # -- paths users take -------------------------------------------------------------------------
@@ -435,7 +439,7 @@ def build_on_meta_and_load(path, fmt_name, how):
 
     from dtensor_quant import checkpoint as ckpt
 
-    fmt = {**FORMATS, "nf4": dq.NF4(64, 4)}[fmt_name]
+    fmt = {**FORMATS, "nf4": dq.NF4(32, 4)}[fmt_name]
 
     def net():
         return torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Linear(128, 64, bias=False))
