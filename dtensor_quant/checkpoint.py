@@ -479,6 +479,12 @@ def load(state, path, *, process_group=None, strict: bool = True):
     return None
 
 
+_MIRRORED = {
+    t.__name__: t
+    for t in (CheckpointFormatError, CheckpointCorruptError, CheckpointLoadError, FileNotFoundError, LayoutError)
+}
+
+
 def _on_every_rank(check, process_group):
     """``check()``, whose failure on any rank is raised on every rank (one small all-gather per load).
 
@@ -488,16 +494,16 @@ def _on_every_rank(check, process_group):
     error = None
     try:
         result = check()
-    except (CheckpointFormatError, CheckpointLoadError, FileNotFoundError, LayoutError) as e:
+    except Exception as e:  # noqa: BLE001  (any failure: the other ranks must hear of it)
         error, result = e, None
     if dist.is_initialized():
         errors: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(errors, None if error is None else (type(error), str(error)), group=process_group)
+        dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=process_group)
         if error is None:
             failed = [(r, e) for r, e in enumerate(errors) if e is not None]
             if failed:
                 rank, (kind, msg) = failed[0]
-                raise kind(f"rank {rank}: {msg}")
+                raise _MIRRORED.get(kind, CheckpointLoadError)(f"rank {rank}: {kind}: {msg}")
     if error is not None:
         raise error
     return result
