@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .layout import LayoutError
 from .state_dict import (
     SPEC_KEY,
     CheckpointFormatError,
@@ -64,7 +65,6 @@ from .state_dict import (
     register,
     to_entries,
 )
-from .layout import LayoutError
 from .tensor import contiguous_strides
 
 __all__ = [
