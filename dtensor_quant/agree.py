@@ -47,13 +47,15 @@ EVERY_CALL = os.environ.get("DTENSOR_QUANT_AGREE_EVERY_CALL", "") not in ("", "0
 def layout_key(q) -> tuple:
     """What must be the same on every rank for ``q``'s bytes to mean the same (hashable, cheap)."""
     inner = tuple((t.dtype, tuple(t.shape)) for t in q.inner.values())
-    return (q.fmt, tuple(tuple(map(str, row)) for row in q.rels), q.dims, q.dtype, tuple(q.shape), inner)
+    # Relations are frozen dataclasses: hashable, and printed the same on every rank for the fingerprint.
+    return (q.fmt, q.rels, q.dims, q.dtype, tuple(q.shape), inner)
 
 
 def describe_key(key: tuple) -> str:
     fmt, rels, dims, dtype, shape, inner = key[0], key[1], key[2], key[3], key[4], key[5]
     parts = ", ".join(
-        f"{n}={s}:{str(d).removeprefix('torch.')} {list(r)}" for n, (d, s), r in zip(fmt.inner_names, inner, rels)
+        f"{n}={s}:{str(d).removeprefix('torch.')} {[str(x) for x in r]}"
+        for n, (d, s), r in zip(fmt.inner_names, inner, rels)
     )
     orient = "" if dims == tuple((i,) for i in range(len(dims))) else f", dims={dims}"
     return f"{fmt!r} of shape {shape}, {str(dtype).removeprefix('torch.')}{orient} ({parts})"

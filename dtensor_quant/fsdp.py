@@ -92,7 +92,7 @@ def _agreed(result, mesh):
     """Every rank must send its bytes in the same layout: a clear error on all of them if not."""
     inputs, meta = result
     if meta.world > 1:
-        key = ("fsdp", meta.fmt, tuple(tuple(map(str, r)) for r in meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
+        key = ("fsdp", meta.fmt, tuple(meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
         group = mesh.get_group(mesh.ndim - 1).group_name
         agree.check_same(group, key, inputs[0], f"FSDP2 all-gather of a {meta.fmt} shard of {tuple(meta.shape)}", _describe_key)
     return result
