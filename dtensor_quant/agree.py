@@ -12,8 +12,8 @@ others' descriptions and raises :class:`~dtensor_quant.LayoutError` naming
 what each rank holds -- on every rank, before the real collective.
 
 Cost: one all-gather of 8 bytes per rank the first time a (process group,
-layout) pair is seen; afterwards building the layout key and a set lookup, about 10 us (measured in
-``bench/agree.py``). Under ``torch.compile`` tracing no check is made.
+layout) pair is seen; afterwards building the layout key and a set lookup,
+about 10 us (measured in ``bench/agree.py``). Under ``torch.compile`` tracing no check is made.
 
 What it cannot catch: ranks that disagree on a layout which each of them
 already used successfully with the others on the same group (both layouts
