@@ -45,6 +45,21 @@ def canonical_nan(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
 
 
+def canonical_nans(t: torch.Tensor) -> torch.Tensor:
+    """A stored inner tensor with every NaN as one bit pattern.
+
+    Vectorized and scalar loops (a shard's length decides which runs) leave
+    different NaN payloads and signs; canonical NaNs keep quantizing a shard
+    bit-identical to quantizing the full tensor. Integer tensors pass through.
+    """
+    if t.dtype == torch.float8_e4m3fn:  # NaN is S.1111.111: drop the sign
+        b = t.view(torch.uint8)
+        return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b).view(t.dtype)
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        return canonical_nan(t)
+    return t
+
+
 def reduce_nan_aware(stat: torch.Tensor, op: str, all_reduce) -> torch.Tensor:
     """``all_reduce(stat, op)`` that is NaN wherever any rank's ``stat`` is (gloo's MAX/MIN may drop NaN).
 

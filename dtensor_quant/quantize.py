@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from . import agree, wire
-from .blocks import reduce_nan_aware
+from .blocks import canonical_nans, reduce_nan_aware
 from .format import QuantFormat, Reducer, check_weight, weight_layout
 from .layout import Constant, LayoutError
 from .ops import canonical_dims
@@ -56,6 +56,8 @@ def quantize_local(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer, full
             inner = fmt.quantize(weight.detach(), reduce)
         else:
             inner = _quantize_matrices(fmt, weight.detach(), reduce)
+        if not weight.is_meta:
+            inner = {name: canonical_nans(t) for name, t in inner.items()}
     return _wrap(fmt, inner, weight.shape, weight.dtype, full_shape)
 
 
