@@ -168,6 +168,12 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     local = weight._local_tensor if isinstance(weight, DTensor) else weight
     if not isinstance(local, QuantizedTensor):
         raise TypeError(f"dequantize expects a quantized tensor (or a DTensor of one), got {type(local).__name__}")
+    if isinstance(weight, DTensor):
+        mesh, placements = weight.device_mesh, weight.placements
+        if _fewer_than_shards(weight.shape, mesh.shape, _shard_dims(placements, weight.ndim)):
+            # As in quantize(): DTensor would replicate (gather) a dim shorter than its shard count.
+            dense = dequantize_local(local, dtype or weight.dtype)
+            return DTensor.from_local(dense, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     return torch.ops.dtensor_quant.dequantize(weight, format_id(local.fmt), dtype or weight.dtype)
 
 

@@ -8,7 +8,7 @@ quantized bytes only on the wire, including uneven expert counts.
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
@@ -21,6 +21,7 @@ FORMATS = {
     "nf4": dq.NF4(64, 8),  # 512 columns = 8 blocks per row: one scaler block per row
     "f8row": dq.Float8Rowwise(),
     "f8tensor": dq.Float8Tensorwise(),
+    "f8block": dq.Float8Blockwise(32),
 }
 
 
@@ -133,3 +134,20 @@ def misaligned():
 
 def test_misaligned_tp_inside_experts_raises_on_every_rank(ranks):
     assert ranks(4).run(misaligned) == ["LayoutError"] * 4
+
+
+def fewer_experts_than_ranks():
+    """3 experts over 4 ranks: quantize and dequantize of the DTensor keep Shard(0) and move nothing."""
+    m, w = mesh(4), weight((3, 8, 256), seed=14)
+    dense = distribute_tensor(w, m, [Shard(0)], src_data_rank=None)
+    with wire.record() as log:
+        q = dq.quantize(dense, dq.Int8Rowwise())
+        back = dq.custom_ops.dequantize(q)
+    assert q.placements == back.placements == (Shard(0),) and len(log) == 0, (q.placements, back.placements, len(log))
+    expected = dq.quantize(w, dq.Int8Rowwise()).dequantize()
+    assert torch.equal(back.full_tensor(), expected)
+    return back.to_local().shape[0]
+
+
+def test_fewer_experts_than_ranks_stay_sharded(ranks):
+    assert ranks(4).run(fewer_experts_than_ranks) == [1, 1, 1, 0]
