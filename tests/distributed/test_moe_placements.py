@@ -143,7 +143,8 @@ def fewer_experts_than_ranks():
     with wire.record() as log:
         q = dq.quantize(dense, dq.Int8Rowwise())
         back = dq.custom_ops.dequantize(q)
-    assert q.placements == back.placements == (Shard(0),) and len(log) == 0, (q.placements, back.placements, len(log))
+    moved = [t for t in log.transfers if t.op != "dtensor_quant::agree"]  # the ranks' one-time format check
+    assert q.placements == back.placements == (Shard(0),) and not moved, (q.placements, back.placements, moved)
     expected = dq.quantize(w, dq.Int8Rowwise()).dequantize()
     assert torch.equal(back.full_tensor(), expected)
     return back.to_local().shape[0]
