@@ -93,7 +93,7 @@ def _agreed(result, mesh):
     """Every rank must send its bytes in the same layout: a clear error on all of them if not."""
     inputs, meta = result
     if meta.world > 1:
-        key = ("fsdp", meta.fmt, tuple(tuple(map(str, r)) for r in meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
+        key = ("fsdp", meta.fmt, tuple(meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
         group = mesh.get_group(mesh.ndim - 1).group_name
         agree.check_same(group, key, inputs[0], f"FSDP2 all-gather of a {meta.fmt} shard of {tuple(meta.shape)}", _describe_key)
     return result
@@ -231,6 +231,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
         if not local.is_contiguous():
             raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
+        if param.requires_grad and isinstance(local, QuantizedTensor):
+            raise ValueError(
+                f"{where} has requires_grad=True: FSDP2 would compute and reduce a dense gradient that no "
+                "optimizer can apply to quantized bytes. Freeze it (requires_grad_(False)) and train adapters "
+                "(dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+            )
         if world is not None and world > 1:
             factor = _row_factor(local)
             if not legal_chunk(local.shape[0], world, factor):

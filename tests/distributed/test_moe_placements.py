@@ -60,8 +60,9 @@ def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
         assert_same_bits(got.to_local(), dt.to_local(), f"quantize on {src}")
     moved_dense = {t.dtype for t in log.transfers if not t.quantized and t.dtype != torch.uint8}
     assert {t.dtype for t in log.transfers if t.quantized} <= {torch.uint8}
-    # the only dense traffic allowed: the scale statistics quantize() reduces (float32 maxima/sums)
-    assert moved_dense <= {torch.float32, torch.float64}, moved_dense
+    # the only dense traffic allowed: the scale statistics quantize() reduces (float32 maxima travel as
+    # int32 keys in IEEE total order so NaN survives the all-reduce; sums as float64)
+    assert moved_dense <= {torch.float32, torch.int32, torch.float64}, moved_dense
     return len(targets)
 
 
@@ -142,7 +143,8 @@ def fewer_experts_than_ranks():
     with wire.record() as log:
         q = dq.quantize(dense, dq.Int8Rowwise())
         back = dq.custom_ops.dequantize(q)
-    assert q.placements == back.placements == (Shard(0),) and len(log) == 0, (q.placements, back.placements, len(log))
+    moved = [t for t in log.transfers if t.op != "dtensor_quant::agree"]  # the ranks' one-time format check
+    assert q.placements == back.placements == (Shard(0),) and not moved, (q.placements, back.placements, moved)
     expected = dq.quantize(w, dq.Int8Rowwise()).dequantize()
     assert torch.equal(back.full_tensor(), expected)
     return back.to_local().shape[0]
