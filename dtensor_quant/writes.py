@@ -74,6 +74,13 @@ def note_slice(q, out, dim: int, start: int, stop: int) -> None:
                 hit = (start > 0 and start * rel.row % rel.b != 0) or (stop < end and stop * rel.row % rel.b != 0)
             elif isinstance(rel, InFlat):  # blocks run across the whole dim: any cut shares them
                 hit = True
+            elif isinstance(rel, Stacked) and isinstance(rel.rel, FlatBlocked):  # each run has its own flat grid
+                f = rel.rel
+
+                def inside(p, n=rel.n, f=f):
+                    return p % n != 0 and (p % n) * f.row % f.b != 0
+
+                hit = (start > 0 and inside(start)) or (stop < end and inside(stop))
             elif isinstance(rel, Blocked):  # the start is on a block boundary (slice_dim checked it)
                 hit = stop < end and stop % rel.b != 0
             else:  # the element just outside on either side maps into the view's inner range

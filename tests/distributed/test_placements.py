@@ -361,6 +361,7 @@ def property_case(fmt_name, shape, world, src, tgt, seed):
     seed=st.integers(0, 2**16),
 )
 @example(fmt_name="nf4:8:4", rows=1, half_cols=8, world=2, src="S1", tgt="S0", seed=0)  # the padded-cut gap
+@example(fmt_name="nf4:8:4", rows=1, half_cols=12, world=3, src="R", tgt="S0", seed=880)  # a stacked flat-blocked narrow
 def test_property_gather_of_shard_is_identity(ranks, fmt_name, rows, half_cols, world, src, tgt, seed):
     """Legal placements round-trip bit-exactly; illegal ones raise LayoutError on every rank."""
     shape = (rows, 2 * half_cols)
