@@ -51,6 +51,7 @@ from .layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .matmul import invalidate, never_cache
 from .ops import PADDED_ROWS, _describe, _pad_end, canonical_dims, cat_dim, slice_dim
 from .tensor import QuantizedTensor
+from .unpack import unpack_into
 
 
 def padded_rows(t: torch.Tensor) -> int:
@@ -70,24 +71,26 @@ class GatherMeta:
     kept: dict[str, torch.Tensor]  # the others: constant along every dim, the same on every rank
     dtypes: tuple[torch.dtype, ...]  # per sent inner tensor
     shapes: tuple[torch.Size, ...]  # per sent inner tensor, as each rank sends it
+    dense: bool  # the unsharded parameter is the dequantized weight (frozen weights), not a QuantizedTensor
 
 
-def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor]):
+def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor], dense: bool):
     """The ``fsdp_pre_all_gather`` FSDP2 sees on shard ``t``: 5 arguments if full, 1 if short.
 
-    ``quantized(mesh)`` gives this rank's shard as a QuantizedTensor.
+    ``quantized(mesh)`` gives this rank's shard as a QuantizedTensor; ``dense``
+    whether the post hook dequantizes the gathered weight (see :func:`post_all_gather`).
     """
 
     def five(mesh, outer_size, outer_stride, module, mp_policy):
-        return pre_all_gather(quantized(mesh), mesh, outer_size)
+        return pre_all_gather(quantized(mesh), mesh, outer_size, dense=dense)
 
     def one(mesh):
-        return pre_all_gather(quantized(mesh), mesh)
+        return pre_all_gather(quantized(mesh), mesh, dense=dense)
 
     return one if t.shape[0] < padded_rows(t) else five
 
 
-def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
+def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True):
     """``(all-gather inputs, metadata)`` for this rank's shard ``q``: its inner tensors as bytes.
 
     Raises (identically on every rank, before FSDP2's collective) when the
@@ -115,7 +118,8 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
     sent = tuple(n for n in q.fmt.inner_names if _varies(piece, n))
     inner = [getattr(piece, n).contiguous() for n in sent]
     kept = {n: t for n, t in piece.inner.items() if n not in sent}
-    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, tuple(t.dtype for t in inner), tuple(t.shape for t in inner))
+    dtypes, shapes = tuple(t.dtype for t in inner), tuple(t.shape for t in inner)
+    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, dtypes, shapes, dense)
     if world == 1:
         # torch 2.13's one-rank path copies only the first all-gather input
         return (_pack(inner),), meta
@@ -130,11 +134,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=None):
     """Rebuild the unsharded weight (logical dtype ``param_dtype``) from FSDP2's gathered buffers.
 
-    Returns ``(weight, buffers)`` the first time, the weight's inner tensors
-    being views of FSDP2's buffers so that FSDP2 can free and reuse them. With
-    ``out`` (later gathers), ``out``'s inner tensors already view the refilled
-    buffers (FSDP2 re-allocates the same storages); anything that does not
-    (the unsent constants) is copied in.
+    Returns ``(weight, buffers to free at reshard)`` the first time; with
+    ``out`` (later gathers, FSDP2 having re-allocated the storages) it refills
+    ``out`` in place.
+
+    A frozen weight (``meta.dense``) is dequantized here, once per all-gather,
+    into a dense ``param_dtype`` parameter that the forward and the backward
+    both use: the memory a bf16 FSDP2 unit holds anyway, and the matmuls run
+    at dense speed with no second dequantize in the backward. The gathered
+    bytes are freed at once. Otherwise (trainable weights gathered quantized,
+    :mod:`dtensor_quant.gather_quantized`) the weight is a QuantizedTensor whose
+    inner tensors view FSDP2's buffers; anything that does not (the unsent
+    constants) is copied into ``out``.
     """
     world, names, buffers = meta.world, meta.fmt.inner_names, list(outputs)
     if world == 1:
@@ -149,6 +160,8 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
         inner = {n: joined[n].narrow(0, r * rows[n], rows[n]) if n in joined else meta.kept[n] for n in names}
         pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(2), meta.shape, param_dtype))
     full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
+    if meta.dense:
+        return _dequantize_gathered(full, buffers, out)
     if out is None:
         return full, buffers
     target = out._local_tensor if isinstance(out, DTensor) else out
@@ -160,6 +173,29 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
             with torch.no_grad():
                 dst.copy_(src)
     invalidate(target)
+
+
+@torch.no_grad()
+def _dequantize_gathered(full: QuantizedTensor, buffers, out):
+    """Write ``full``'s dense values into a new tensor (first gather) or ``out``'s storage; free ``buffers``.
+
+    ``full`` holds FSDP2's padded rows; the parameter is FSDP2's ``as_strided``
+    view of its leading rows, so ``out``'s storage holds all of them.
+    """
+    if out is None:
+        dense = torch.empty(full.shape, dtype=full.dtype, device=full.device)
+    else:
+        target = out._local_tensor if isinstance(out, DTensor) else out
+        storage = target.untyped_storage()
+        assert target.storage_offset() == 0 and storage.nbytes() == full.numel() * target.element_size(), (
+            "FSDP2 re-allocated the unsharded weight with another size"
+        )
+        dense = torch.empty(0, dtype=target.dtype, device=target.device).set_(storage, 0, full.shape)
+    if not unpack_into(full, dense):
+        dense.copy_(full.dequantize())
+    for buf in buffers:  # the quantized bytes are spent; FSDP2 re-allocates them before the next gather
+        buf.untyped_storage().resize_(0)
+    return None if out is not None else (dense, [dense])
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -139,7 +139,7 @@ class GatherQuantized(torch.Tensor):
     def fsdp_pre_all_gather(self):
         from .fsdp import hook_for
 
-        return hook_for(self, self._quantized_shard)
+        return hook_for(self, self._quantized_shard, dense=False)
 
     def _quantized_shard(self, mesh) -> QuantizedTensor:
         q = self.quantized(MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)]))

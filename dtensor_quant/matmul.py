@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import unpack
 from .format import QuantFormat
 from .format_ids import format_from_id, format_id
 from .layout import Constant
@@ -96,7 +97,9 @@ def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch
     out = fmt.linear(x, prepared(fmt, inner), bias)
     if out is not None:
         return out
-    out = x @ fmt.dequantize(broadcastable(inner, blocks, (out_features, x.shape[-1])), x.dtype).t()
+    shape = (out_features, x.shape[-1])
+    w = None if _tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
+    out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
 
 

@@ -193,3 +193,23 @@ def test_constructor_refuses_inner_tensors_the_format_does_not_declare():
     q = dq.quantize(torch.randn(8, 16), dq.Int8Rowwise())
     with pytest.raises(dq.LayoutError, match=r"inner tensors \('scale',\).*declares \('qdata', 'scale'\)"):
         dq.QuantizedTensor({"scale": q.scale}, q.fmt, q.rels, q.dims, q.shape, q.dtype)
+
+
+@pytest.mark.parametrize(
+    "fmt", [dq.NF4(), dq.NF4(64, 4), dq.Int4Groupwise(32), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str
+)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(64, 512), (46, 1024)], ids=str)
+def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, shape, monkeypatch):
+    """The fast whole-weight path (table lookup, block-grid scales, row chunks) is bit-exact."""
+    from dtensor_quant import unpack
+    from dtensor_quant.ops import _broadcastable, same_bits
+
+    q = dq.quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(wdtype) * 0.05, fmt)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        expected = fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype)
+        for chunk in (1 << 20, 1024):  # one piece; row chunks cut on the layout's row blocks
+            monkeypatch.setattr(unpack, "CHUNK_ELEMENTS", chunk)
+            got = unpack.dense(q, dtype)
+            assert got is not None and same_bits(got, expected), (dtype, chunk)
+        assert same_bits(q.t().dequantize(dtype), expected.t())

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks
+from ..blocks import block_reduce, expand_blocks, nibbles_into
 from ..format import QuantFormat, Reducer
 from ..layout import Blocked, Constant, OneToOne, Packed
 
@@ -119,6 +119,23 @@ class NF4(QuantFormat):
         codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).flatten(-2).long()
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
         return (levels[codes] * scale).to(dtype)
+
+    def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
+        """Levels by table lookup (one per byte), times each block's scale, computed on the block grid."""
+        mean, scaler, factor = inner["mean"], inner["scaler"], inner["factor"]
+        rows, cols = out.shape
+        per_row = self._scaler_rows(cols)
+        if per_row:
+            factor = factor.repeat_interleave(per_row, 0).narrow(0, 0, rows)
+        else:
+            factor = factor.repeat_interleave(self.scaler_block_size, 1).narrow(1, 0, scaler.shape[1])
+        scale = ((scaler / factor).to(mean.dtype) + mean).unsqueeze(-1)  # [rows, blocks, 1]
+        values = out if out.dtype == mean.dtype and out.is_contiguous() else torch.empty(out.shape, dtype=mean.dtype, device=out.device)
+        nibbles_into(inner["qdata"], NF4_LEVELS, values, high_first=True)
+        values.view(rows, -1, self.block_size).mul_(scale)
+        if values is not out:
+            out.copy_(values)
+        return True
 
     def _expand_factor(self, factor: torch.Tensor, shape, rows: int | None) -> torch.Tensor:
         """The factor of each block scale (quantize works on the small ``[out, blocks]`` grid)."""
