@@ -32,7 +32,9 @@ shard full. See docs/fsdp.md.
 What FSDP2 cannot do with a compact all-gather is refused before any
 collective, on every rank: ``shard_placement_fn`` other than ``Shard(0)``
 (FSDP2 regroups other dims assuming dense bytes), integer
-``reshard_after_forward`` (FSDP2 re-shards the gathered bytes as if dense), and
+``reshard_after_forward`` (torch's FSDP2 has no post-forward reshard for any
+parameter with all-gather hooks: the backward's gather from it raises
+``NotImplementedError``), and
 dim-0 shards that cut a pack or a block. :func:`fully_shard` checks all of
 them when sharding; the hooks check what they can see.
 """
@@ -232,8 +234,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             if world is not None and reshard_after_forward not in (1, world):
                 raise ValueError(
-                    f"{where}: reshard_after_forward={reshard_after_forward} re-shards the gathered weight "
-                    "as if its bytes were dense, which quantized weights cannot do. Use True or False."
+                    f"{where}: reshard_after_forward={reshard_after_forward} is not supported by torch's FSDP2 "
+                    "for any parameter with an all-gather extension (fsdp_pre_all_gather): its post-forward "
+                    "reshard keeps a slice of one dense all-gather output, and the backward's all-gather from "
+                    "that slice raises NotImplementedError for extensions (torch 2.13, FSDPParam."
+                    "all_gather_inputs). Use True (least memory: the backward all-gathers the quantized bytes "
+                    "again) or False (keeps the dequantized weight from forward to backward)."
                 )
         if shard_placement_fn is not None:
             placement = shard_placement_fn(param)
