@@ -220,10 +220,44 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    record_tensor_parallel(module)
     check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs)
     return torch_fully_shard(
         module, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn, **kwargs
     )
+
+
+def record_tensor_parallel(module) -> None:
+    """Tell each tensor-parallel trainable weight gathered quantized which TP groups share its statistics.
+
+    A ``GatherQuantized`` weight that ``parallelize_module`` sharded is a
+    DTensor over the TP mesh; FSDP2's pre hook only sees the local shard and
+    the FSDP2 mesh. Recording the TP mesh dims here lets the hook all-reduce a
+    statistic that spans TP shards (a per-row scale of a row-parallel weight)
+    over the TP group as well, so the gathered weight is bit-identical to
+    quantizing the whole master, as on one process. Raises ``LayoutError``
+    (every rank, before any collective) if a TP shard cuts a block or a pack.
+    """
+    from .gather_quantized import GatherQuantized
+    from .placements import _shard_like
+
+    for fqn, param, local, fmt in quantized_params(module):
+        if not isinstance(local, GatherQuantized) or not isinstance(param, DTensor):
+            continue
+        layout, axes = fmt.layout_for(local.full_shape), []
+        for i, placement in enumerate(param.placements):
+            if not _shard_like(placement):
+                continue
+            dim, size = placement.dim % 2, param.device_mesh.size(i)
+            factor = dim_factor([rels[dim] for rels in layout.values()])
+            if not legal_chunk(local.full_shape[dim], size, factor):
+                raise LayoutError(
+                    f"{fqn} ({fmt}): tensor parallelism over {size} ranks cuts dim {dim} (size "
+                    f"{local.full_shape[dim]}) off its layout, which needs multiples of {factor}; legal sizes: "
+                    f"{', '.join(map(str, legal_chunk_counts(local.full_shape[dim], factor)))}."
+                )
+            axes.append((dim, param.device_mesh.get_group(i).group_name))
+        local.tp_axes = tuple(axes)
 
 
 def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs=None) -> None:

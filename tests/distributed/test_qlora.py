@@ -18,13 +18,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.layout import Constant
 from dtensor_quant.lora import lora_tp_plan
 
-from helpers import mesh
+from helpers import floor_bytes, mesh
 from training import batches, qlora_model, reference_losses, train
 
 STEPS = 4
@@ -115,21 +113,6 @@ def test_compiled_qlora(ranks):
 # -- HSDP, CPU offload: the same losses, and each block's all-gather at the byte floor -----
 
 
-def _floor_bytes(unit: torch.nn.Module, shard: int, param_dtype) -> int:
-    """Bytes one rank sends for ``unit``: stored bytes of quantized padded shards, ``param_dtype`` ones of dense."""
-    total = 0
-    for p in unit.parameters():
-        rows = -(-p.shape[0] // shard)
-        if isinstance(p, dq.QuantizedTensor):
-            for name, rels in zip(p.fmt.inner_names, p.rels):
-                if not all(isinstance(r, Constant) for r in rels):
-                    inner = getattr(p, name)
-                    total += rels[0].inner_len(rows) * inner[0].numel() * inner.element_size()
-        else:
-            total += rows * p[0].numel() * (param_dtype or p.dtype).itemsize
-    return total
-
-
 def fsdp_layout(fmt_name, mp, layout):
     world = torch.distributed.get_world_size()
     model = qlora_model(fmt_name, "even")
@@ -138,7 +121,7 @@ def fsdp_layout(fmt_name, mp, layout):
     else:
         m, extra = mesh(world), {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
     param_dtype = getattr(torch, mp) if mp else None
-    floor = {_floor_bytes(layer, m.size(m.ndim - 1), param_dtype) for layer in model.layers}
+    floor = {floor_bytes(layer, m.size(m.ndim - 1), param_dtype) for layer in model.layers}
     for layer in model.layers:
         fully_shard(layer, mesh=m, mp_policy=_policy(mp), **extra)
     fully_shard(model, mesh=m, mp_policy=_policy(mp), **extra)
