@@ -21,6 +21,8 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .layout import Relation
@@ -93,7 +95,10 @@ class QuantFormat:
         """``x @ W.T + bias`` from ``prepare``'s result, or None to dequantize instead."""
         return None
 
-    @property
+    @functools.cached_property
     def inner_names(self) -> tuple[str, ...]:
-        """The inner tensors, in the order of every layout (override with ``layout_for``)."""
+        """The inner tensors, in the order of every layout (override with ``layout_for``).
+
+        Cached on the (frozen) format: every QuantizedTensor construction checks it.
+        """
         return tuple(self.layout)
