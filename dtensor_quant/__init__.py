@@ -6,13 +6,14 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
-from . import custom_ops, fsdp, interop, lora, wire
+from . import custom_ops, fsdp, hf, interop, lora, wire
 from .format import QuantFormat
-from .formats import NF4, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
+from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .gather_quantized import GatherQuantized, gather_quantized_
-from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
+from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .nn import quantize_
 from .ops import UnsupportedOpError
+from .padding import pad_for_tp
 from .placements import check_placements, legal_mesh_sizes
 from .quantize import quantize
 from .tensor import QuantizedTensor
@@ -20,9 +21,12 @@ from .tensor import QuantizedTensor
 __all__ = [
     "Blocked",
     "Constant",
+    "FlatBlocked",
+    "Float8Blockwise",
     "Float8Rowwise",
     "Float8Tensorwise",
     "GatherQuantized",
+    "InFlat",
     "Int4Groupwise",
     "Int8Rowwise",
     "LayoutError",
@@ -35,10 +39,13 @@ __all__ = [
     "check_placements",
     "checkpoint",
     "custom_ops",
+    "flat_blocked",
     "fsdp",
     "gather_quantized_",
+    "hf",
     "legal_mesh_sizes",
     "lora",
+    "pad_for_tp",
     "quantize",
     "quantize_",
     "wire",

@@ -45,6 +45,50 @@ def expand_blocks(s: torch.Tensor, dim: int, block: int, length: int) -> torch.T
     return s.repeat_interleave(block, dim).narrow(dim, 0, length)
 
 
+def reduce_to(x: torch.Tensor, rels, op: str) -> torch.Tensor:
+    """Reduce a logical-shaped ``x`` to one value per inner element of an inner tensor laid out by ``rels``.
+
+    The statistic a format stores per block (a scale per group, a factor per
+    block of scales), for any of the relations in :mod:`dtensor_quant.layout`
+    except packing. Float32 (float64 for ``"sum"``), like :func:`block_reduce`.
+    """
+    from .layout import Blocked, Constant, FlatBlocked, OneToOne
+
+    x = x.double() if op == "sum" else x.float()
+    for dim, rel in enumerate(rels):
+        if isinstance(rel, OneToOne):
+            continue
+        if isinstance(rel, Blocked):
+            x = block_reduce(x, dim, rel.b, op)
+        elif isinstance(rel, Constant):
+            x = block_reduce(x, dim, None, op)
+        elif isinstance(rel, FlatBlocked) and not rel.packed:
+            flat = block_reduce(x.flatten(dim), dim, rel.b, op)
+            return flat.reshape(*flat.shape, *(1,) * (x.ndim - dim - 1))
+        else:
+            raise ValueError(f"cannot reduce a statistic to an inner tensor that is {rel} along dim {dim}")
+    return x
+
+
+def expand_to(s: torch.Tensor, rels, shape) -> torch.Tensor:
+    """The inverse of :func:`reduce_to`: each inner element repeated over its block of a ``shape`` tensor.
+
+    Constant dims stay of size 1 (broadcastable).
+    """
+    from .layout import Blocked, FlatBlocked
+
+    for dim, rel in enumerate(rels):
+        if isinstance(rel, Blocked):
+            s = expand_blocks(s, dim, rel.b, shape[dim])
+        elif isinstance(rel, FlatBlocked):
+            span = tuple(shape[dim:])
+            n = 1
+            for v in span:
+                n *= v
+            return expand_blocks(s.flatten(dim), dim, rel.b, n).unflatten(dim, span)
+    return s
+
+
 # -- unpack kernels (QuantFormat.unpack): whole blocks, written into a given tensor ---------
 
 _EXACT_PRODUCT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import warnings
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -43,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -60,13 +63,31 @@ from .state_dict import (
     register,
     to_entries,
 )
+from .layout import LayoutError
 from .tensor import contiguous_strides
 
-__all__ = ["CheckpointFormatError", "CheckpointSaveError", "async_save", "load", "save", "staging_path"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "async_save",
+    "load",
+    "save",
+    "staging_path",
+]
 
 
 class CheckpointSaveError(RuntimeError):
     """A save that did not complete; the previous checkpoint at the target path is untouched."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A load that did not complete; raised on every rank (DCP's own failure is a BaseException)."""
+
+
+class CheckpointCorruptError(CheckpointLoadError):
+    """A stored chunk whose bytes fail their checksum (damaged or truncated file); nothing was loaded."""
 
 
 def staging_path(path) -> Path:
@@ -93,9 +114,106 @@ class AtomicFileSystemWriter(dcp.FileSystemWriter):
             shutil.rmtree(self.path, ignore_errors=True)
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
+    def write_data(self, plan, planner):
+        """DCP's write, then a CRC32 per stored chunk into ``<file>.crc32.json`` beside each data file."""
+        results = super().write_data(plan, planner).wait()
+        _write_checksums(Path(self.path), results, self.sync_files)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(results)
+        return done
+
     def finish(self, metadata: Metadata, results) -> None:
         super().finish(metadata, results)  # every rank's data is written; .metadata goes last
         _commit(Path(self.path), self.final_path)
+
+
+# -- checksums ----------------------------------------------------------------------------
+
+CHECKSUM_SUFFIX = ".crc32.json"
+
+
+def _crc_of(path: Path, offset: int, length: int) -> int | None:
+    """CRC32 of ``length`` bytes at ``offset`` of ``path``; None if the file is shorter."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        crc, left = 0, length
+        while left:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                return None
+            crc, left = zlib.crc32(block, crc), left - len(block)
+    return crc
+
+
+def _write_checksums(root: Path, results, sync: bool) -> None:
+    """One JSON file per data file: every chunk's offset, length, CRC32 and key (readable without this library)."""
+    per_file: dict[str, list] = {}
+    for r in results:
+        info = r.storage_data
+        crc = _crc_of(root / info.relative_path, info.offset, info.length)
+        chunk = {"key": r.index.fqn, "offset": info.offset, "length": info.length, "crc32": crc}
+        per_file.setdefault(info.relative_path, []).append(chunk)
+    for name, chunks in per_file.items():
+        with open(root / (name + CHECKSUM_SUFFIX), "w") as f:
+            json.dump({"file": name, "chunks": chunks}, f)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+
+
+class VerifyingFileSystemReader(dcp.FileSystemReader):
+    """A FileSystemReader that checks the CRC32 of every chunk this rank will read before reading any.
+
+    The check runs in DCP's planning step, whose failures DCP raises on every
+    rank before any data is read, so a damaged or truncated file leaves every
+    rank's model as it was. A checkpoint without checksum files (a plain
+    ``dcp.save``) is read unchecked.
+    """
+
+    def prepare_local_plan(self, plan):
+        plan = super().prepare_local_plan(plan)
+        root, sums, seen = Path(self.path), {}, set()
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            where = (info.relative_path, info.offset, info.length)
+            if where in seen:
+                continue
+            seen.add(where)
+            if info.relative_path not in sums:
+                sums[info.relative_path] = _load_checksums(root, info.relative_path)
+            table = sums[info.relative_path]
+            if table is None:
+                continue
+            expected = table.get((info.offset, info.length))
+            key = item.storage_index.fqn
+            if expected is None:
+                raise CheckpointCorruptError(
+                    f"{root / info.relative_path}: no checksum for the chunk of {key} at bytes "
+                    f"[{info.offset}, {info.offset + info.length}): the checksum file does not match the metadata"
+                )
+            got = _crc_of(root / info.relative_path, info.offset, info.length)
+            if got != expected:
+                why = "the file is truncated" if got is None else f"CRC32 {got:#010x}, stored {expected:#010x}"
+                raise CheckpointCorruptError(
+                    f"{root / info.relative_path}: the stored chunk of {key} at bytes [{info.offset}, "
+                    f"{info.offset + info.length}) is damaged ({why}). Nothing was loaded; restore the file or "
+                    "load another checkpoint."
+                )
+        return plan
+
+
+def _load_checksums(root: Path, name: str) -> dict | None:
+    """``{(offset, length): crc}`` of data file ``name``; None for a checkpoint saved without checksums."""
+    path = root / (name + CHECKSUM_SUFFIX)
+    if not path.exists():
+        if any(root.glob("*" + CHECKSUM_SUFFIX)):
+            raise CheckpointCorruptError(f"{path} is missing, though the other data files of {root} have theirs")
+        return None
+    try:
+        chunks = json.loads(path.read_text())["chunks"]
+        return {(c["offset"], c["length"]): c["crc32"] for c in chunks}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorruptError(f"{path}: the checksum file is damaged ({e})") from None
 
 
 def _commit(staging: Path, final: Path) -> None:
@@ -160,7 +278,7 @@ def save(state, path, *, process_group=None) -> Metadata:
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
             )
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise _save_error(path, e) from e
 
 
@@ -189,7 +307,7 @@ def async_save(state, path, *, process_group=None) -> Future:
     def done(f):
         try:
             outer.set_result(f.result())
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001  (DCP's CheckpointException is one): the future must complete
             outer.set_exception(_save_error(path, e))
 
     inner.add_done_callback(done)
@@ -210,6 +328,10 @@ def _background_group():
 
 
 def _save_error(path, e: BaseException) -> CheckpointSaveError:
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    if failures:  # name the first failing rank's own error, not DCP's wrapper
+        _, failure = min(failures.items())
+        e = failure[0] if isinstance(failure, tuple) else failure
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return CheckpointSaveError(
         f"saving to {path} did not complete ({type(e).__name__}: {first[:300]}). {path} still holds the "
@@ -257,7 +379,10 @@ def _read_specs(path, keys: list[str]) -> dict[str, dict]:
         return {}
     records = {k + "." + SPEC_KEY: "" for k in keys}
     with _quiet_single_process():
-        dcp.load(records, storage_reader=dcp.FileSystemReader(path), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(records, storage_reader=VerifyingFileSystemReader(path), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+        except CheckpointException as e:
+            raise _load_error(path, e) from None
     return {k: parse_spec(records[k + "." + SPEC_KEY], k) for k in keys}
 
 
@@ -330,16 +455,15 @@ def load(state, path, *, process_group=None, strict: bool = True):
     is replaced by the dense tensor, which the model's ``load_state_dict``
     quantizes.
     """
-    metadata = _read_metadata(path)
     if isinstance(state, nn.Module):
         model = register(state)
         state_dict = model.state_dict()
-        _prepare(state_dict, metadata, path, strict)
+        _on_every_rank(lambda: _prepare(state_dict, _read_metadata(path), path, strict), process_group)
         _dcp_load(state_dict, path, process_group, strict)
         return model.load_state_dict(state_dict, strict=strict)
     raw, held, loaded = _to_entry_form(state), [], False
     try:
-        held = _prepare(state, metadata, path, strict)
+        held = _on_every_rank(lambda: _prepare(state, _read_metadata(path), path, strict), process_group)
         _dcp_load(state, path, process_group, strict)
         loaded = True
     finally:
@@ -350,6 +474,42 @@ def load(state, path, *, process_group=None, strict: bool = True):
             if loaded and isinstance(value, torch.Tensor):  # read dense: quantize into the original
                 original.copy_(quantize_like(value, original, key))
     return None
+
+
+def _on_every_rank(check, process_group):
+    """``check()``, whose failure on any rank is raised on every rank (one small all-gather per load).
+
+    The checks before a load read files but run no collective; a rank whose
+    check fails must not leave the others waiting in DCP's first collective.
+    """
+    error = None
+    try:
+        result = check()
+    except (CheckpointFormatError, CheckpointLoadError, FileNotFoundError, LayoutError) as e:
+        error, result = e, None
+    if dist.is_initialized():
+        errors: list = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(errors, None if error is None else (type(error), str(error)), group=process_group)
+        if error is None:
+            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+            if failed:
+                rank, (kind, msg) = failed[0]
+                raise kind(f"rank {rank}: {msg}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _load_error(path, e: CheckpointException) -> CheckpointLoadError:
+    """DCP's BaseException as the documented type, with the first failing rank's error."""
+    failures = getattr(e, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        original = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
+        if isinstance(original, CheckpointCorruptError):
+            return CheckpointCorruptError(f"rank {rank}: {original}")
+        if isinstance(original, BaseException):
+            return CheckpointLoadError(f"loading {path} failed on rank {rank}: {type(original).__name__}: {original}")
+    return CheckpointLoadError(f"loading {path} failed: {e}")
 
 
 def _to_entry_form(state: dict) -> list:
@@ -372,10 +532,13 @@ def _quiet_single_process():
 
 def _dcp_load(state_dict: dict, path, process_group, strict: bool) -> None:
     with _quiet_single_process():
-        dcp.load(
-            state_dict,
-            storage_reader=dcp.FileSystemReader(path),
-            planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
-            process_group=process_group,
-            no_dist=not dist.is_initialized(),
-        )
+        try:
+            dcp.load(
+                state_dict,
+                storage_reader=VerifyingFileSystemReader(path),
+                planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
+                process_group=process_group,
+                no_dist=not dist.is_initialized(),
+            )
+        except CheckpointException as e:
+            raise _load_error(path, e) from None

@@ -39,8 +39,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from . import matmul
-from .format import QuantFormat
+from . import agree, matmul
+from .format import QuantFormat, check_weight
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
 from .ops import _describe, implements
@@ -67,8 +67,22 @@ def _quantize(
     whole weight's shape (a layout may depend on it).
     """
     fmt = format_from_id(fmt_id)
+    _agree_quantize(fmt, weight, shard_dims, groups, full_shape)
     reduce = MeshReducer(fmt, full_shape, [(d, g) for d, g in zip(shard_dims, groups) if d >= 0])
     return quantize_local(fmt, weight, reduce, full_shape)
+
+
+def _agree_quantize(fmt, weight, shard_dims, groups, full_shape) -> None:
+    """Every rank of every sharded mesh dim must quantize with the same format (else the reductions mix)."""
+    key = ("quantize", fmt, tuple(full_shape), weight.dtype, tuple(shard_dims))
+    for d, g in zip(shard_dims, groups):
+        if d >= 0:
+            agree.check_same(g, key, weight, f"quantize into {fmt}", _describe_quantize)
+
+
+def _describe_quantize(key) -> str:
+    _, fmt, shape, dtype, dims = key
+    return f"quantize a {str(dtype).removeprefix('torch.')} {shape} weight sharded on dims {list(dims)} into {fmt!r}"
 
 
 @_quantize.register_fake
@@ -106,10 +120,28 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if not isinstance(weight, DTensor):
         return torch.ops.dtensor_quant.quantize(weight, fid, [], [], list(weight.shape))
     mesh, placements = weight.device_mesh, weight.placements
-    fmt.check_weight(weight.shape, weight.dtype)
+    check_weight(fmt, weight.shape, weight.dtype)
     check_placements(weight.shape, fmt, mesh.shape, placements)
     dims = _shard_dims(placements, weight.ndim)
+    if _fewer_than_shards(weight.shape, mesh.shape, dims):
+        # DTensor's propagation calls a dim shorter than its shard count unshardable and would
+        # replicate the input (gathering the dense weight) before the op: run the kernel on the
+        # local shard directly, with the same reductions (3 experts over 4 ranks, say).
+        reduce = MeshReducer.for_mesh(fmt, weight.shape, mesh, placements)
+        local = quantize_local(fmt, weight.to_local(), reduce, weight.shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     return torch.ops.dtensor_quant.quantize(weight, fid, dims, _groups(mesh, dims), list(weight.shape))
+
+
+def _fewer_than_shards(shape, mesh_shape, shard_dims: list[int]) -> bool:
+    """Whether some logical dim is shorter than the number of shards it is cut into."""
+    for dim in set(shard_dims) - {-1}:
+        shards = 1
+        for n, d in zip(mesh_shape, shard_dims):
+            shards *= n if d == dim else 1
+        if shape[dim] < shards:
+            return True
+    return False
 
 
 # -- dequantize -----------------------------------------------------------------

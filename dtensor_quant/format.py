@@ -13,6 +13,11 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
   mesh dims whose shards share a block when the weight is a sharded DTensor.
 * ``unpack`` (optional): ``dequantize`` at memory speed for whole weights,
   which FSDP2's gathers and the backward's input gradient use.
+* N-D weights ``[..., out, in]`` (fused mixture-of-experts parameters
+  ``[experts, out, in]``) need nothing from the format: :func:`weight_layout`
+  prepends a one-to-one relation per leading dim to every inner tensor, and
+  the library quantizes and dequantizes each ``[out, in]`` matrix with the
+  2-D math, so an expert's bytes are those of quantizing it on its own.
 * ``prepare``/``linear`` (optional): a fast ``x @ W.T``. ``prepare`` turns the
   canonical inner tensors into whatever the kernel wants (the library caches
   it per weight); ``linear`` returning ``None`` falls back to dequantize +
@@ -25,7 +30,7 @@ import functools
 
 import torch
 
-from .layout import Relation
+from .layout import OneToOne, Relation
 
 
 class Reducer:
@@ -102,3 +107,31 @@ class QuantFormat:
         Cached on the (frozen) format: every QuantizedTensor construction checks it.
         """
         return tuple(self.layout)
+
+
+def weight_layout(fmt: QuantFormat, shape) -> dict[str, tuple[Relation, ...]]:
+    """``fmt``'s relations for a weight of logical ``shape`` ``[..., out, in]``.
+
+    A leading (expert) dim is one-to-one for every inner tensor: each matrix
+    keeps its own codes and scales, so slicing, sharding and gathering along
+    it never cuts a block. Library code asks this, never ``fmt.layout_for``
+    directly, so a format only ever sees 2-D shapes.
+    """
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"{fmt} quantizes weights [..., out, in] of at least 2 dims; got shape {shape}")
+    lead = (OneToOne(),) * (len(shape) - 2)
+    return {name: lead + tuple(rels) for name, rels in fmt.layout_for(shape[-2:]).items()}
+
+
+def check_weight(fmt: QuantFormat, shape, dtype: torch.dtype) -> None:
+    """``fmt.check_weight`` for a weight ``[..., out, in]``: the format checks one ``[out, in]`` matrix."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"{fmt} quantizes weights [..., out, in] of at least 2 dims; got shape {shape}")
+    try:
+        fmt.check_weight(torch.Size(shape[-2:]), dtype)
+    except ValueError as e:
+        if len(shape) == 2:
+            raise
+        raise type(e)(f"each [out, in] matrix {shape[-2:]} of the {shape} weight: {e}") from None

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from . import agree
 from .collectives import _pack, _unpack, _varies
 from .layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .matmul import invalidate, never_cache
@@ -84,12 +85,28 @@ def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor], de
     """
 
     def five(mesh, outer_size, outer_stride, module, mp_policy):
-        return pre_all_gather(quantized(mesh), mesh, outer_size, dense=dense)
+        return _agreed(pre_all_gather(quantized(mesh), mesh, outer_size, dense=dense), mesh)
 
     def one(mesh):
-        return pre_all_gather(quantized(mesh), mesh, dense=dense)
+        return _agreed(pre_all_gather(quantized(mesh), mesh, dense=dense), mesh)
 
     return one if t.shape[0] < padded_rows(t) else five
+
+
+def _agreed(result, mesh):
+    """Every rank must send its bytes in the same layout: a clear error on all of them if not."""
+    inputs, meta = result
+    if meta.world > 1:
+        key = ("fsdp", meta.fmt, tuple(tuple(map(str, r)) for r in meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
+        group = mesh.get_group(mesh.ndim - 1).group_name
+        agree.check_same(group, key, inputs[0], f"FSDP2 all-gather of a {meta.fmt} shard of {tuple(meta.shape)}", _describe_key)
+    return result
+
+
+def _describe_key(key) -> str:
+    _, fmt, _rels, shape, sent, dtypes, shapes = key
+    parts = ", ".join(f"{n}={tuple(s)}:{str(d).removeprefix('torch.')}" for n, d, s in zip(sent, dtypes, shapes))
+    return f"{fmt!r} shard of {shape} sending {parts}"
 
 
 def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True):
@@ -238,13 +255,14 @@ def record_tensor_parallel(module) -> None:
     quantizing the whole master, as on one process. Raises ``LayoutError``
     (every rank, before any collective) if a TP shard cuts a block or a pack.
     """
+    from .format import weight_layout
     from .gather_quantized import GatherQuantized
     from .placements import _shard_like
 
     for fqn, param, local, fmt in quantized_params(module):
         if not isinstance(local, GatherQuantized) or not isinstance(param, DTensor):
             continue
-        layout, axes = fmt.layout_for(local.full_shape), []
+        layout, axes = weight_layout(fmt, local.full_shape), []
         for i, placement in enumerate(param.placements):
             if not _shard_like(placement):
                 continue

@@ -6,8 +6,8 @@ torchao users get DTensor, FSDP2 and DCP support for the weights they already
 have. ``from_torchao_(model)`` swaps every such parameter of a model in place.
 
 NF4's bytes are the same here and in torchao (high nibble first, int8 block
-scales, per-256 factors, one mean); only the shapes are regrouped so that the
-blocks follow the weight's dims. torchao is optional: nothing here imports it.
+scales, per-256 factors, one mean, all over the flattened weight); only the
+shapes are regrouped as the layout's relations say (views of the same memory). torchao is optional: nothing here imports it.
 """
 
 from __future__ import annotations
@@ -33,20 +33,13 @@ def from_torchao(t: torch.Tensor) -> QuantizedTensor:
 def _from_nf4(t) -> QuantizedTensor:
     if t.dim() != 2:
         raise ValueError(f"from_torchao: NF4 weights must be 2-D, got {tuple(t.shape)}")
-    n_out, n_in = t.shape
     fmt = NF4(t.block_size, t.scaler_block_size)
-    layout = fmt.layout_for(t.shape)  # raises if the blocks do not tile rows
-    per_row = n_in // t.block_size
-    rows = fmt._scaler_rows(n_in)
-    factor_shape = (-(-n_out // rows), 1) if rows else (n_out, per_row // t.scaler_block_size)
-    if rows and n_out % rows:
-        raise ValueError(f"from_torchao: {n_out} rows do not fill whole scaler blocks of {rows} rows")
-    inner = {
-        "qdata": t.quantized_data.view(n_out, n_in // 2),
-        "scaler": t.quantized_scalers.view(n_out, per_row),
-        "factor": t.quantization_factor.view(factor_shape),
-        "mean": t.scaler_mean.view(1, 1),
-    }
+    layout = fmt.layout_for(t.shape)  # torchao's inner tensors are the flat, row-major ones
+    torchao_names = {"qdata": "quantized_data", "scaler": "quantized_scalers", "factor": "quantization_factor", "mean": "scaler_mean"}
+    inner = {}
+    for name, rels in layout.items():
+        shape = tuple(r.inner_len(n) for r, n in zip(rels, t.shape))
+        inner[name] = getattr(t, torchao_names[name]).reshape(shape)
     return QuantizedTensor(inner, fmt, tuple(layout.values()), canonical_dims(2), tuple(t.shape), t.dtype)
 
 

@@ -15,6 +15,19 @@ relation       inner index for logical index ``i``    legal shard boundary
 ``Constant``   ``0`` (inner has size 1 on this dim)   anywhere, inner is copied
 =============  =====================================  ========================
 
+Blocks over the *flattened* weight (NF4's per-64 scales and per-256-scale
+factors, or any format ported from a library that blocks the flat tensor)
+need one relation over several dims: ``FlatBlocked(b, row)`` on the first
+dim it spans and ``InFlat(n)`` on each later one. Inner element ``k`` holds
+flat (row-major) elements ``[k*b, (k+1)*b)``; the inner tensor has shape
+``[ceil(rows*row/b), 1, ...]``. A cut at index ``i`` of the first dim is legal
+iff ``i*row`` is a multiple of ``b`` (so ``factor = b / gcd(b, row)``); the
+later dims cannot be cut at all, because every block runs across them.
+:func:`flat_blocked` gives a format these relations, or the per-dim ones
+above where they say the same thing (``(OneToOne, Blocked(b))`` when ``b``
+divides a row, ``(Blocked(b/row), Constant)`` when a block is whole rows),
+so that column shards stay legal wherever they can be expressed.
+
 ``Stacked(n)`` is internal: it is what an all-gather along a dim makes of an
 inner that is ``Constant`` there but may differ between the gathered pieces
 (one inner row per piece of ``n`` logical rows).
@@ -117,7 +130,72 @@ class Stacked:
         return f"stacked in runs of {self.n} ({self.rel})"
 
 
-Relation = OneToOne | Packed | Blocked | Constant | Stacked
+@dataclass(frozen=True)
+class FlatBlocked:
+    """One inner element per ``b`` consecutive elements of the row-major flat index of this and later dims.
+
+    ``row`` is the number of flat elements per index of this dim (the product
+    of the later dims' lengths, which carry :class:`InFlat`). ``packed``: the
+    elements are packs (``b`` values per inner element, no partial pack)
+    rather than blocks (the last block may be partial).
+    """
+
+    b: int
+    row: int
+    packed: bool = False
+
+    @property
+    def factor(self) -> int:
+        """Rows per cut: a cut at row ``i`` is legal iff ``i * row`` is a multiple of ``b``."""
+        return self.b // math.gcd(self.b, self.row) if self.row else 1
+
+    def inner_len(self, n: int) -> int:
+        flat = n * self.row
+        if self.packed and flat % self.b:
+            raise LayoutError(f"{n} rows of {self.row} elements cannot be packed {self.b} per element")
+        return -(-flat // self.b)
+
+    def __str__(self) -> str:
+        kind = "packed" if self.packed else "blocked"
+        return f"{kind} by {self.b} over the flat index ({self.row} per row)"
+
+
+@dataclass(frozen=True)
+class InFlat:
+    """A later dim (of logical length ``n``) spanned by an earlier :class:`FlatBlocked`: size 1, never cut."""
+
+    n: int
+
+    @property
+    def factor(self) -> int:
+        return max(self.n, 1)
+
+    def inner_len(self, n: int) -> int:
+        return 1
+
+    def __str__(self) -> str:
+        return f"blocked over the flattened weight, its blocks running across this dim's {self.n} elements"
+
+
+Relation = OneToOne | Packed | Blocked | Constant | Stacked | FlatBlocked | InFlat
+
+
+def flat_blocked(b: int, shape, dim: int = 0, packed: bool = False) -> tuple:
+    """Relations, one per logical dim of ``shape``, for blocks of ``b`` over the flat index of ``shape[dim:]``.
+
+    Dims before ``dim`` are one-to-one. The per-dim relations are used where
+    they describe the same blocks (a block inside one row, or a block of whole
+    rows), because they allow more cuts; otherwise ``FlatBlocked``/``InFlat``.
+    """
+    shape = tuple(shape)
+    lead, span = (OneToOne(),) * dim, shape[dim:]
+    unit = Packed(b) if packed else Blocked(b)
+    if len(span) == 1 or span[-1] % b == 0:
+        return lead + (OneToOne(),) * (len(span) - 1) + (unit,)
+    row = math.prod(span[1:])
+    if not packed and row and b % row == 0:
+        return lead + (Blocked(b // row),) + (Constant(),) * (len(span) - 1)
+    return lead + (FlatBlocked(b, row, packed),) + tuple(InFlat(n) for n in span[1:])
 
 
 def inner_slice(rel: Relation, start: int, stop: int, length: int) -> tuple[int, int, Relation]:
@@ -128,10 +206,26 @@ def inner_slice(rel: Relation, start: int, stop: int, length: int) -> tuple[int,
     very end of a packed dim may be partial.
     """
     if start == stop:
+        if isinstance(rel, FlatBlocked):
+            i = min(-(-start * rel.row // rel.b), -(-length * rel.row // rel.b))
+            return i, i, rel
         i = min(rel.inner_len(start), rel.inner_len(length)) if not isinstance(rel, Constant) else 0
         return i, i + isinstance(rel, Constant), rel
     if isinstance(rel, Constant):
         return 0, 1, rel
+    if isinstance(rel, InFlat):
+        if (start, stop) != (0, length):
+            raise LayoutError(
+                f"[{start}:{stop}] of {length} cuts blocks that run across this dim ({rel}); "
+                "only the dim that carries the flat blocks can be cut"
+            )
+        return 0, 1, rel
+    if isinstance(rel, FlatBlocked):
+        if start % rel.factor:
+            raise LayoutError(f"start {start} puts {start * rel.row} flat elements before the cut, not a multiple of {rel.b} ({rel})")
+        if rel.packed and (stop * rel.row) % rel.b:
+            raise LayoutError(f"end {stop} cuts a pack of {rel.b} ({rel})")
+        return start * rel.row // rel.b, -(-stop * rel.row // rel.b), rel
     if isinstance(rel, Stacked):
         run = start // rel.n
         if stop <= (run + 1) * rel.n:  # inside one run: that run's own layout
@@ -158,6 +252,8 @@ def can_flatten(outer: Relation, inner: Relation, inner_dim_len: int) -> Relatio
     the flattened inner tensor does not follow the flat logical index in
     order (e.g. a per-column scale), so the flat view cannot be sliced.
     """
+    if isinstance(outer, FlatBlocked) and isinstance(inner, InFlat):
+        return Packed(outer.b) if outer.packed else Blocked(outer.b)
     if isinstance(inner, Constant):
         if isinstance(outer, Constant):
             return Constant()

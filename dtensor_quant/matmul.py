@@ -44,7 +44,9 @@ from .ops import (
     dequantize,
     implements,
     is_transposed,
+    matrix_dims,
     rebuild,
+    select_dim,
 )
 from .tensor import QuantizedTensor
 
@@ -250,6 +252,14 @@ def _batched(func, a, b):
         return linear(a, unbroadcast(b))
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and is_broadcast_batch(a):
         return dequantize(unbroadcast(a), b.dtype) @ b
+    if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and matrix_dims(b) == 1:
+        # One matrix per batch entry (transformers' batched_mm experts: ``bmm(x, w[ids])``).
+        return torch.stack([linear(a[i], select_dim(b, 0, i)) for i in range(b.shape[0])]) if b.shape[0] else a.new_empty((0, a.shape[1], b.shape[2]))
+    if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and matrix_dims(a) == 1:
+        # ``bmm(w[ids], x)``: ``W_i @ x_i = (x_i.T @ W_i.T).T``, the weight-only kernel on ``x_i.T``.
+        if not a.shape[0]:
+            return b.new_empty((0, a.shape[1], b.shape[2]))
+        return torch.stack([linear(b[i].mT, select_dim(a, 0, i).mT).mT for i in range(a.shape[0])])
     q = a if isinstance(a, QuantizedTensor) else b
     raise NotImplementedError(
         f"{func} with a {_describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
@@ -267,3 +277,52 @@ def _baddbmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
         raise NotImplementedError(f"baddbmm with a quantized bias ({_describe(bias)})")
     return _plus_bias(_batched(func, a, b), bias, beta, alpha)
+
+
+# -- grouped products: one weight matrix per group of rows (mixture-of-experts) ----
+
+
+@implements("aten::_grouped_mm")
+def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm(x, W.transpose(-2, -1), offs)`` with a quantized stack of expert weights.
+
+    Rows ``[offs[g-1], offs[g])`` of ``x`` go through expert ``g`` with the
+    format's weight-only kernel (:func:`linear`, which dequantizes that one
+    expert where the format has no kernel); a 3-D ``x`` pairs batch entry
+    ``g`` with expert ``g``. Rows past ``offs[-1]`` come back as zeros (torch
+    leaves them undefined). The per-group loop needs concrete offsets, so
+    this is an eager-mode path.
+    """
+    if isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor) or matrix_dims(b) != 1:
+        q = a if isinstance(a, QuantizedTensor) else b
+        raise NotImplementedError(
+            f"_grouped_mm with a {_describe(q)}: only a dense input and a quantized [experts, in, out] "
+            "stack (a transposed [experts, out, in] weight) are supported"
+        )
+    if isinstance(bias, QuantizedTensor):
+        raise NotImplementedError(f"_grouped_mm with a quantized bias ({_describe(bias)})")
+    experts = b.shape[0]
+    if a.ndim == 3:
+        if offs is not None or a.shape[0] != experts:
+            raise ValueError(f"_grouped_mm: a 3-D input needs one batch entry per expert ({experts}) and no offs")
+        groups = [(g, a[g]) for g in range(experts)]
+        rows = None
+    else:
+        if offs is None or offs.ndim != 1 or offs.shape[0] != experts:
+            raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts})")
+        if _tracing(offs):
+            raise NotImplementedError(f"_grouped_mm with a {_describe(b)}: needs concrete offsets (eager mode)")
+        ends = offs.tolist()
+        starts = [0] + ends[:-1]
+        groups = [(g, a[s:e]) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
+        rows = (a.shape[0], ends[-1] if ends else 0)
+    dtype = out_dtype or a.dtype
+    outs = []
+    for g, x in groups:
+        y = linear(x, select_dim(b, 0, g), None if bias is None else bias[g]).to(dtype)
+        outs.append(y)
+    if rows is None:
+        return torch.stack(outs) if outs else a.new_empty((0, a.shape[1], b.shape[2]), dtype=dtype)
+    total, used = rows
+    outs.append(a.new_zeros((total - used, b.shape[2]), dtype=dtype))
+    return torch.cat(outs)

@@ -11,15 +11,20 @@ arrive, not at import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from . import writes
 from .layout import (
     Blocked,
     Constant,
+    FlatBlocked,
+    InFlat,
     LayoutError,
+    OneToOne,
     Packed,
     Stacked,
     can_flatten,
@@ -90,15 +95,34 @@ def canonical_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
     return tuple((i,) for i in range(ndim))
 
 
+def transposed_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
+    """``dims`` of a weight ``[..., out, in]`` after ``transpose(-2, -1)``: ``[..., in, out]``."""
+    return canonical_dims(ndim - 2) + ((ndim - 1,), (ndim - 2,))
+
+
 def is_transposed(q: QuantizedTensor) -> bool:
-    return q.dims == ((1,), (0,))
+    return q.ndim >= 2 and q.dims == transposed_dims(q.ndim)
 
 
 def _strides(q: QuantizedTensor, shape, dims) -> tuple[int, ...]:
     """Logical strides for a result of ``q``: contiguous unless ``q`` was a transposed view."""
-    if q.is_contiguous() or len(shape) != 2 or dims != ((1,), (0,)):
+    n = len(shape)
+    if q.is_contiguous() or n < 2 or dims != transposed_dims(n):
         return contiguous_strides(shape)
-    return tuple(reversed(contiguous_strides(tuple(reversed(shape)))))
+    swapped = contiguous_strides((*shape[:-2], shape[-1], shape[-2]))
+    return (*swapped[:-2], swapped[-1], swapped[-2])
+
+
+def matrix_dims(q: QuantizedTensor) -> int:
+    """How many leading (expert) dims ``q`` has in front of its ``[out, in]`` (or ``[in, out]``) matrix.
+
+    0 for a 2-D weight and for anything that is not a plain stack of
+    matrices (a flat view, a weight broadcast over a batch by ``expand``).
+    """
+    k = q.ndim - 2
+    if k <= 0 or q.dims not in (canonical_dims(q.ndim), transposed_dims(q.ndim)):
+        return 0
+    return k
 
 
 # "fsdp_padded_rows": the rows of the buffer this tensor is a leading-rows narrow of
@@ -179,6 +203,7 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     shape = list(q.shape)
     shape[dim] = stop - start
     out = rebuild(q, inner, shape, rels=tuple(rels))
+    writes.note_slice(q, out, dim, start, stop)
     if dim == 0 and start == 0 and stop < length:
         out.__dict__[PADDED_ROWS] = max(length, q.__dict__.get(PADDED_ROWS, 0))
     elif dim != 0 or start == 0:
@@ -200,10 +225,14 @@ def _check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
     why = ", ".join(f"'{n}' is {r}" for n, r in rels.items() if r.factor > 1)
     length = q.shape[dim]
     legal = legal_chunk_counts(length, factor)
+    hint = (
+        f"Sharding this dim over n ranks cuts only on multiples of {factor} for n = {', '.join(map(str, legal))}."
+        if legal != [1]
+        else "This dim cannot be sharded at all; shard another dim (check_placements lists the legal sizes)."
+    )
     raise LayoutError(
         f"{_describe(q)}: cannot split dim {dim} (size {length}) into pieces of {list(sizes)[:8]}: the cut "
-        f"at {bad} is not a multiple of {factor} ({why}). Sharding this dim over n ranks cuts only on "
-        f"multiples of {factor} for n = {', '.join(map(str, legal))}."
+        f"at {bad} is not a multiple of {factor} ({why}). {hint}"
     )
 
 
@@ -342,6 +371,12 @@ def _pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
     """Append ``amount`` zero elements to ``dim`` (what uneven shards are padded with)."""
     length = q.shape[dim]
     inner = {}
+    flat = [f"'{n}' is {r[dim]}" for n, r in zip(q.fmt.inner_names, q.rels) if isinstance(r[dim], InFlat)]
+    if flat:
+        raise LayoutError(
+            f"{_describe(q)}: padding dim {dim} would move blocks that run across it ({', '.join(flat)}); "
+            "this dim cannot be sharded, shard another dim"
+        )
     for (name, t), rel_row in zip(q.inner.items(), q.rels):
         rel = rel_row[dim]
         if isinstance(rel, Packed) and amount % rel.p:
@@ -354,6 +389,66 @@ def _pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
     shape = list(q.shape)
     shape[dim] = length + amount
     return rebuild(q, inner, shape)
+
+
+def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
+    """``q[..., index, ...]`` along a leading (expert) ``dim``: one matrix, or a smaller stack.
+
+    Every inner tensor is one-to-one along a leading dim, so each is indexed
+    the same way; the result is an ordinary quantized weight the linear
+    kernels take (a 2-D one for a single expert).
+    """
+    k = matrix_dims(q)
+    if dim >= k:
+        raise UnsupportedOpError(
+            f"{_describe(q)}: select along dim {dim} would cut the quantized [out, in] matrix; only its "
+            f"{k} leading (expert) dim(s) can be indexed"
+        )
+    length = q.shape[dim]
+    if not -length <= index < length:
+        raise IndexError(f"index {index} is out of bounds for dim {dim} of size {length} ({_describe(q)})")
+    index %= length
+    for name, row in zip(q.fmt.inner_names, q.rels):
+        if not isinstance(row[dim], OneToOne):
+            raise LayoutError(f"{_describe(q)}: inner '{name}' is {row[dim]} along leading dim {dim}, not one-to-one")
+    inner = _map_inner(q, lambda t: t.select(dim, index))
+    rels = tuple(row[:dim] + row[dim + 1 :] for row in q.rels)
+    shape = tuple(q.shape[:dim]) + tuple(q.shape[dim + 1 :])
+    dims = (canonical_dims if q.dims == canonical_dims(q.ndim) else transposed_dims)(q.ndim - 1)
+    stride = tuple(q.stride()[:dim]) + tuple(q.stride()[dim + 1 :])
+    return rebuild(q, inner, shape, rels=rels, dims=dims, stride=stride)
+
+
+@implements("aten::select")
+def _select(func, q, dim, index):
+    return select_dim(q, dim % q.ndim, index)
+
+
+@implements("aten::unbind")
+def _unbind(func, q, dim=0):
+    dim %= q.ndim
+    return [select_dim(q, dim, i) for i in range(q.shape[dim])]
+
+
+@implements("aten::index")
+def _index(func, q, indices):
+    """``q[ids]`` with one integer index tensor on the leading (expert) dim: a stack of the chosen matrices."""
+    indices = list(indices)
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype in (torch.bool, torch.uint8) or matrix_dims(q) < 1:
+        raise UnsupportedOpError(
+            f"{_describe(q)}: only indexing the leading (expert) dim with one integer tensor is supported"
+        )
+    ids = indices[0]
+    if _tracing(ids):
+        raise UnsupportedOpError(f"{_describe(q)}: indexing needs concrete indices, not traced ones")
+    flat = [select_dim(q, 0, i) for i in ids.reshape(-1).tolist()]
+    inner = {n: torch.stack([getattr(p, n) for p in flat]).reshape(*ids.shape, *getattr(q, n).shape[1:]) for n in q.fmt.inner_names}
+    lead = (q.rels[0][0],) * ids.ndim
+    rels = tuple(lead + row[1:] for row in q.rels)
+    shape = (*ids.shape, *q.shape[1:])
+    nd = len(shape)
+    dims = canonical_dims(nd) if q.dims == canonical_dims(q.ndim) else transposed_dims(nd)
+    return rebuild(q, inner, shape, rels=rels, dims=dims)
 
 
 @implements("aten::index_select")
@@ -382,7 +477,9 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
 
 @implements("aten::detach", "aten::alias", "aten::lift_fresh")
 def _alias(func, q, *args, **kwargs):
-    return _keep_padded_rows(q, rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride()))
+    out = rebuild(q, _map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
+    writes.keep_shared(q, out)
+    return _keep_padded_rows(q, out)
 
 
 @implements("aten::view", "aten::_unsafe_view")
@@ -403,15 +500,35 @@ def _view(func, q, size):
             return out
     if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
         return _flatten(q)
-    if q.ndim == 2 and tuple(size) == (1, q.shape[0] * q.shape[1]):
-        # funcol's all-gather along dim 1 views [world, cols] as [1, world * cols].
-        return cat_dim([slice_dim(q, 0, i, i + 1) for i in range(q.shape[0])], 1)
+    g = _gathered_dim(tuple(q.shape), tuple(size))
+    if g is not None:
+        # funcol's all-gather along dim g views [world, ..., n, ...] as [1, ..., world * n, ...].
+        return cat_dim([slice_dim(q, 0, i, i + 1) for i in range(q.shape[0])], g)
     if q.ndim == 1 and q.dims == ((0, 1),) and len(size) == 2:
         return _unflatten(q, tuple(size))
     raise UnsupportedOpError(
         f"{_describe(q)}: view/reshape to {tuple(size)} is not expressible in the quantized layout "
         "(only the same shape, and -1 for a canonical 2-D weight)"
     )
+
+
+def _gathered_dim(shape: tuple, size: tuple) -> int | None:
+    """The dim ``g`` when ``size`` is ``shape``'s leading pieces laid side by side along ``g``.
+
+    That is ``shape = [world, 1, .., 1, n, rest]`` and ``size = [1, .., 1,
+    world * n, rest]``: what funcol's all-gather along a dim whose leading
+    dims are all 1 does instead of chunk + cat.
+    """
+    if len(size) != len(shape) or len(shape) < 2 or size[0] != 1:
+        return None
+    for g in range(1, len(shape)):
+        if size[g] != 1 or shape[g] != 1:
+            break
+    else:
+        return None
+    if size[g] == shape[0] * shape[g] and size[g + 1 :] == shape[g + 1 :] and all(n == 1 for n in size[:g]):
+        return g
+    return None
 
 
 def _flatten(q: QuantizedTensor) -> QuantizedTensor:
@@ -487,6 +604,7 @@ def _transpose(func, q, dim0, dim1):
     inner = _map_inner(q, lambda t: t.transpose(dim0, dim1))
     rels = tuple(swap(r) for r in q.rels)
     out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
+    writes.keep_shared(q, out)
     # Kernels cache their prepared weight on the persistent tensor, not on this view.
     out.__dict__["_transposed_from"] = q.__dict__.get("_transposed_from", q)
     return out
@@ -497,8 +615,8 @@ def _permute(func, q, dims):
     dims = [d % q.ndim for d in dims]
     if dims == sorted(dims):
         return _alias(func, q)
-    if q.ndim == 2:
-        return _transpose(func, q, 0, 1)
+    if dims == list(range(q.ndim - 2)) + [q.ndim - 1, q.ndim - 2]:
+        return _transpose(func, q, q.ndim - 2, q.ndim - 1)
     raise UnsupportedOpError(f"{_describe(q)}: permute({dims}) of a quantized tensor")
 
 
@@ -544,14 +662,18 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
             shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
         except LayoutError as e:
             raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}': {e}") from None
+        if any(isinstance(r, InFlat) and n != n0 for r, n, n0 in zip(rel_row, size, q.shape)):
+            raise LayoutError(f"{_describe(q)}: cannot create shape {size}: inner '{name}' has flat blocks across rows")
         shared = any(isinstance(r, Constant) for r in rel_row) and all(
             isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
         )
-        if shared:
+        if shared and not t.is_meta:  # a meta weight (built on "meta", then to_empty) has nothing to copy
             inner[name] = t.clone().to(device or t.device)
         else:
             inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
-    return rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out = rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out.__dict__[writes.FACTORY] = True
+    return out
 
 
 @implements("aten::empty_like")
@@ -591,6 +713,11 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"cannot copy into {_describe(dst)}: inner '{name}' is {tuple(s.shape)}:{s.dtype} in the "
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
+    keep = writes.check_copy(dst, src, _describe)  # every check before the first byte moves
+    for name in dst.fmt.inner_names:
+        if name in keep:
+            continue
+        d, s = getattr(dst, name), getattr(src, name)
         d.copy_(s, non_blocking=non_blocking)
         # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
         # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
@@ -618,7 +745,15 @@ def _record_stream(func, q, stream):
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dense values of ``q`` in ``dtype``, whatever its orientation or stacking."""
+    """Dense values of ``q`` in ``dtype``, whatever its orientation or stacking.
+
+    A stack of matrices (experts) dequantizes one matrix at a time with the
+    format's 2-D math, so a user format's ``dequantize`` never sees N dims.
+    """
+    if matrix_dims(q):
+        if q.shape[0] == 0:
+            return torch.empty(q.shape, dtype=dtype, device=q.device)
+        return torch.stack([dequantize(select_dim(q, 0, i), dtype) for i in range(q.shape[0])])
     for rel_row in q.rels:
         for dim, rel in enumerate(rel_row):
             if isinstance(rel, Stacked):  # each run has a grid of its own: one piece at a time
@@ -649,8 +784,18 @@ def _broadcastable(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, tor
 
 
 def block_sizes(rels) -> list[int]:
-    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked."""
-    return [rel.b if isinstance(rel, Blocked) else 0 for row in rels for rel in row]
+    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked.
+
+    A block over the flat index of this and the later dims (``FlatBlocked``, not packed) is
+    given as ``-b``: a list of ints is what the compiled kernel op can take.
+    """
+    return [_block_size(rel) for row in rels for rel in row]
+
+
+def _block_size(rel) -> int:
+    if isinstance(rel, Blocked):
+        return rel.b
+    return -rel.b if isinstance(rel, FlatBlocked) and not rel.packed else 0
 
 
 def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) -> dict[str, torch.Tensor]:
@@ -664,18 +809,23 @@ def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) 
     for i, (name, t) in enumerate(inner.items()):
         for dim in range(ndim):
             b = blocks[i * ndim + dim]
-            if b:
+            if b > 0:
                 t = t.repeat_interleave(b, dim).narrow(dim, 0, shape[dim])
+            elif b < 0:  # blocks over the flat index of dims dim.. (their inner dims are 1 after dim)
+                span = tuple(shape[dim:])
+                flat = t.flatten(dim).repeat_interleave(-b, dim).narrow(dim, 0, math.prod(span))
+                t = flat.unflatten(dim, span)
+                break
         out[name] = t
     return out
 
 
 def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:
-    """Inner tensors in the format's ``[out, in]`` orientation, or None if ``q`` is not a plain weight view."""
+    """Inner tensors in the format's ``[..., out, in]`` orientation, or None if ``q`` is not a plain weight view."""
     if any(isinstance(r, Stacked) for row in q.rels for r in row):
         return None
-    if q.dims == canonical_dims(2):
+    if q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
         return q.inner
     if is_transposed(q):
-        return _map_inner(q, lambda t: t.t())
+        return _map_inner(q, lambda t: t.transpose(-2, -1))
     return None

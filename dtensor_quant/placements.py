@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .format import QuantFormat
+from .format import QuantFormat, check_weight, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE, LayoutError, dim_factor
 
 
@@ -27,7 +27,7 @@ def _shard_like(p: Placement) -> bool:
 
 def dim_alignment(fmt: QuantFormat, shape: Sequence[int], dim: int) -> int:
     """The multiple every shard boundary along logical ``dim`` of a ``shape`` weight must fall on."""
-    return dim_factor([rels[dim] for rels in fmt.layout_for(shape).values()])
+    return dim_factor([rels[dim] for rels in weight_layout(fmt, shape).values()])
 
 
 def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[torch.Tensor]:
@@ -67,7 +67,7 @@ def check_placements(
     shape, mesh_shape = tuple(shape), tuple(mesh_shape)
     if len(placements) != len(mesh_shape):
         raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh {mesh_shape}")
-    fmt.check_weight(torch.Size(shape), torch.bfloat16)
+    check_weight(fmt, shape, torch.bfloat16)
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial):
             raise LayoutError(
@@ -113,7 +113,7 @@ def legal_mesh_sizes(
 
 
 def _explain(fmt, shape, mesh_shape, placements, dim, bad, factor) -> str:
-    why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in fmt.layout_for(shape).items() if rels[dim].factor > 1)
+    why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in weight_layout(fmt, shape).items() if rels[dim].factor > 1)
     mesh_dims = [m for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
     hints = []
     for m in mesh_dims:

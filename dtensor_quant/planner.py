@@ -24,6 +24,7 @@ Legal cells show the bytes the largest shard holds on one rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,8 +34,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, Reducer
-from .layout import LayoutError
-from .placements import _first_bad_cut, check_placements, legal_mesh_sizes
+from .layout import MAX_LISTED_MESH_SIZE, LayoutError
+from .placements import _first_bad_cut, check_placements
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 
@@ -56,6 +57,7 @@ class Cell:
     nbytes: int | None = None
     why: str | None = None
     alternatives: str | None = None
+    padding: tuple[int, int, int] | None = None  # (dim, padded length, extra bytes of the whole weight)
 
     @property
     def legal(self) -> bool:
@@ -107,16 +109,24 @@ def stored_bytes(fmt: QuantFormat, shape: Sequence[int], dtype=torch.bfloat16, f
 
 
 def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int) -> Cell:
-    mesh, placements = (dp, tp), _placements(layer.style, dp, tp)
+    return _check(layer.shape, layer.style, fmt, dp, tp)
+
+
+@functools.lru_cache(maxsize=65536)
+def _check(shape: tuple[int, int], style: str, fmt: QuantFormat, dp: int, tp: int) -> Cell:
+    """One verdict per (shape, style, format, mesh): a model repeats a few shapes many times."""
+    layer = Layer("", shape, style)
+    mesh, placements = (dp, tp), _placements(style, dp, tp)
     try:
-        check_placements(layer.shape, fmt, mesh, placements)
+        check_placements(shape, fmt, mesh, placements)
     except LayoutError:
         return Cell(dp, tp, placements, why=_why(layer, fmt, mesh, placements),
-                    alternatives=_alternatives(layer, fmt, mesh, placements))
+                    alternatives=_alternatives(layer, fmt, mesh, placements),
+                    padding=_padding(layer, fmt, mesh, placements))
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
-    local = _local_shape(layer.shape, mesh, placements)
-    return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=layer.shape))
+    local = _local_shape(shape, mesh, placements)
+    return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
 
 def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
@@ -128,22 +138,54 @@ def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
             f"({needs}; dim {dim})")
 
 
+def legal_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int) -> list[int]:
+    """The sizes (up to ``limit``) of the ``which`` ("tp" or "dp") mesh dim at which ``layer`` is legal.
+
+    Each size is checked with the placements the planner would give that mesh
+    (FSDP's ``_StridedShard`` takes the tp size as its split factor, and tp 1
+    is no tensor parallelism at all), not with this mesh's placements resized.
+    """
+    out = []
+    for n in range(1, limit + 1):
+        d, t = (dp, n) if which == "tp" else (n, tp)
+        if _first_bad_cut(layer.shape, fmt, (d, t), _placements(layer.style, d, t)) is None:
+            out.append(n)
+    return out
+
+
 def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
     dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    dp, tp = mesh
     out = []
     for mesh_dim, name in ((1, "tp"), (0, "dp")):
         p = placements[mesh_dim]
         if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
             continue
-        legal = [n for n in legal_mesh_sizes(layer.shape, fmt, mesh, placements, mesh_dim) if n != mesh[mesh_dim]]
-        below = [n for n in legal if n < mesh[mesh_dim]]
-        above = [n for n in legal if n > mesh[mesh_dim]]
+        now = mesh[mesh_dim]
+        limit = max(MAX_LISTED_MESH_SIZE, 2 * now)
+        legal = [n for n in legal_degrees(layer, fmt, dp, tp, name, limit) if n != now]
+        below = [n for n in legal if n < now]
+        above = [n for n in legal if n > now]
         near = [str(x) for x in (below[-1:] + above[:1])]
-        out.append(f"nearest legal {name}: {' or '.join(near) if near else 'none up to 64'}")
+        text = f"nearest legal {name}: {' or '.join(near) if near else 'none'}"
+        if not above:
+            text += f" (none above {now} up to {limit}, where the search stops)"
+        out.append(text)
     smaller = _smaller_block(layer, fmt, mesh, placements)
     if smaller:
         out.append(f"{smaller} would be legal here")
     return "; ".join(out)
+
+
+def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int, int] | None:
+    """The smallest zero-padding of the refused dim that makes this mesh legal: (dim, length, extra bytes)."""
+    from .padding import legal_length, padding_cost
+
+    dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    length = legal_length(tuple(layer.shape), dim, fmt, tuple(mesh), tuple(placements))
+    if length is None:
+        return None
+    return dim, length, padding_cost(tuple(layer.shape), dim, length, fmt)
 
 
 def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
@@ -239,7 +281,7 @@ def render(p: Plan) -> str:
     # One note per distinct refusal: layers of one shape and style refused for one reason share it.
     notes: dict[tuple, list] = {}
     for layer, c in p.refusals:
-        key = (layer.shape, layer.style, c.why, c.alternatives)
+        key = (layer.shape, layer.style, c.why, c.alternatives, c.padding)
         entry = notes.setdefault(key, [len(notes) + 1, [], []])
         entry[1] += [layer.name] if layer.name not in entry[1] else []
         entry[2] += [_label(c.dp, c.tp)] if _label(c.dp, c.tp) not in entry[2] else []
@@ -247,7 +289,7 @@ def render(p: Plan) -> str:
     for layer, cells in p.rows:
         row = [layer.name, f"{layer.shape[0]}x{layer.shape[1]}", layer.style]
         for c in cells:
-            note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives)][0]
+            note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives, c.padding)][0]
             row.append(_size(c.nbytes) if c.legal else f"NO ({note})")
         table.append(row)
     if len({layer.name for layer, _ in p.rows}) == len(p.rows):  # one style per layer: totals make sense
@@ -260,9 +302,19 @@ def render(p: Plan) -> str:
     lines += ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
               for r in table]
     lines += [""] if notes else []
-    for (shape, style, why, alternatives), (number, names, meshes) in notes.items():
+    for (shape, style, why, alternatives, padding), (number, names, meshes) in notes.items():
         who = names[0] + (f" (and {len(names) - 1} more like it)" if len(names) > 1 else "")
         kind = "row-parallel" if style == "rowwise" else "column-parallel"
         where = "every mesh" if len(meshes) == len(p.meshes) > 1 else "; ".join(meshes)
         lines.append(f"({number}) {who} [{shape[0]}x{shape[1]}, {kind}] at {where}: {why}. {alternatives}.")
+        if padding:
+            lines.append("    " + padding_hint(shape, padding))
     return "\n".join(lines)
+
+
+def padding_hint(shape, padding: tuple[int, int, int]) -> str:
+    dim, length, extra = padding
+    what = "rows" if dim == 0 else "columns"
+    return (f"Or zero-pad its {what} from {shape[dim]} to {length} (+{_size(extra)} for the whole weight): "
+            f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
+            f"together, which changes no output.")

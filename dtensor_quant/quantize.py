@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from . import wire
-from .format import QuantFormat, Reducer
+from .format import QuantFormat, Reducer, check_weight, weight_layout
 from .layout import Constant, LayoutError
 from .ops import canonical_dims
 from .placements import _shard_like
@@ -23,7 +23,11 @@ from .tensor import QuantizedTensor
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """Quantize a dense 2-D weight (or a DTensor of one) into ``fmt``.
+    """Quantize a dense weight ``[..., out, in]`` (or a DTensor of one) into ``fmt``.
+
+    Leading dims (the experts of a fused mixture-of-experts parameter) are
+    one-to-one: every ``[out, in]`` matrix is quantized with the format's
+    2-D math, bit-identical to quantizing it on its own.
 
     Returns a :class:`QuantizedTensor` with the same logical shape and dtype,
     or, for a DTensor, a DTensor with the same mesh and placements whose local
@@ -45,15 +49,52 @@ def quantize_local(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer, full
     ``reduce`` combines the statistics that shards share (the identity on one
     process); ``full_shape`` is the whole weight's, which a layout may depend on.
     """
-    fmt.check_weight(torch.Size(full_shape), weight.dtype)
+    check_weight(fmt, full_shape, weight.dtype)
     with torch.no_grad():
-        inner = fmt.quantize(weight.detach(), reduce)
+        if weight.ndim == 2:
+            inner = fmt.quantize(weight.detach(), reduce)
+        else:
+            inner = _quantize_matrices(fmt, weight.detach(), reduce)
     return _wrap(fmt, inner, weight.shape, weight.dtype, full_shape)
+
+
+class _PerMatrix(Reducer):
+    """What ``fmt.quantize`` sees for one ``[out, in]`` matrix of an N-D weight.
+
+    ``full_shape`` is one matrix's (a layout that depends on the width reads
+    it); statistics go to the N-D weight's reducer, whose layout has the
+    leading dims one-to-one, so only the shards of the matrix's own dims
+    (tensor parallelism inside an expert) are reduced over.
+    """
+
+    def __init__(self, parent: Reducer):
+        super().__init__(parent.full_shape[-2:])
+        self.parent = parent
+
+    def __call__(self, stat, op, like):
+        return self.parent(stat, op, like)
+
+
+def _quantize_matrices(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
+    """The format's 2-D math on every matrix of ``[..., out, in]``, stacked.
+
+    Bit-identical to quantizing each expert on its own by construction. An
+    empty leading dim (a rank holding no experts of an uneven split) still
+    needs the inner dtypes and trailing shapes: it quantizes one zero matrix
+    without any reduction and keeps none of its values.
+    """
+    lead, mats = weight.shape[:-2], weight.reshape(-1, *weight.shape[-2:])
+    if mats.shape[0] == 0:
+        template = fmt.quantize(mats.new_zeros(mats.shape[1:]), Reducer(reduce.full_shape[-2:]))
+        return {n: t.new_empty((*lead, *t.shape)) for n, t in template.items()}
+    per = _PerMatrix(reduce)
+    parts = [fmt.quantize(m, per) for m in mats]
+    return {n: torch.stack([p[n] for p in parts]).reshape(*lead, *parts[0][n].shape) for n in parts[0]}
 
 
 def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedTensor:
     """Wrap a (local) shard of logical ``shape`` of a weight of ``full_shape``, checking the layout."""
-    layout = fmt.layout_for(full_shape)
+    layout = weight_layout(fmt, full_shape)
     if tuple(inner) != tuple(layout):
         raise LayoutError(f"{fmt}.quantize returned inner tensors {tuple(inner)}, its layout declares {tuple(layout)}")
     for (name, t), rel_row in zip(inner.items(), layout.values()):
@@ -67,6 +108,14 @@ def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedT
 
 
 def _quantize_dtensor(weight: DTensor, fmt: QuantFormat) -> DTensor:
+    if weight._local_tensor.is_meta:  # no data (a model built on "meta"): only the structure, no collective
+        from .placements import check_placements
+
+        check_placements(tuple(weight.shape), fmt, tuple(weight.device_mesh.shape), list(weight.placements))
+        local = quantize_local(fmt, weight._local_tensor, Reducer(weight.shape), weight.shape)
+        return DTensor.from_local(
+            local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+        )
     # One implementation for both entry points: the custom op, whose sharding
     # strategy keeps the placements and whose kernel reduces the statistics.
     from .custom_ops import quantize as quantize_op
@@ -84,7 +133,7 @@ class MeshReducer(Reducer):
 
     def __init__(self, fmt: QuantFormat, full_shape, axes: list[tuple[int, str]]):
         super().__init__(full_shape)
-        self.layout = fmt.layout_for(full_shape)
+        self.layout = weight_layout(fmt, full_shape)
         self.axes = list(axes)
 
     @classmethod

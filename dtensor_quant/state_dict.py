@@ -41,7 +41,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat
-from .layout import Blocked, Constant, LayoutError, OneToOne, Packed
+from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, inner_slice
 from .ops import canonical_dims, canonical_inner
 from .tensor import QuantizedTensor, contiguous_strides
 
@@ -66,6 +66,10 @@ def relation_name(rel) -> str:
         return f"blocked:{rel.b}"
     if isinstance(rel, Constant):
         return "constant"
+    if isinstance(rel, FlatBlocked):
+        return f"flat-{'packed' if rel.packed else 'blocked'}:{rel.b}:{rel.row}"
+    if isinstance(rel, InFlat):
+        return f"in-flat:{rel.n}"
     raise LayoutError(f"relation {rel} has no checkpoint form")
 
 
@@ -197,8 +201,12 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
                 elif l_shape[dim] == 0:
                     ok = e_shape[dim] == 0
                 else:
-                    f, lo, hi = rel.factor, l_off[dim], l_off[dim] + l_shape[dim]
-                    ok = lo % f == 0 and got == (-(-hi // f) - lo // f, lo // f)
+                    lo, hi = l_off[dim], l_off[dim] + l_shape[dim]
+                    try:
+                        i0, i1, _ = inner_slice(rel, lo, hi, shape[dim])
+                        ok = got == (i1 - i0, i0)
+                    except LayoutError:
+                        ok = False
                 if not ok:
                     raise LayoutError(
                         f"{fmt}: under placements {list(placements)} on mesh {mesh_shape}, the rank at {coord} "

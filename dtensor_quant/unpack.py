@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Blocked, Constant, OneToOne, Packed, dim_factor
+from .layout import Blocked, Constant, FlatBlocked, InFlat, OneToOne, Packed, dim_factor
 from .tensor import QuantizedTensor
 
 CHUNK_ELEMENTS = 1 << 20
@@ -33,8 +33,8 @@ def whole_blocks(q: QuantizedTensor) -> bool:
             if isinstance(rel, (Blocked, Packed)):
                 if n % rel.factor and (dim == 1 or isinstance(rel, Packed)):
                     return False
-            elif not isinstance(rel, (OneToOne, Constant)):
-                return False
+            elif not isinstance(rel, (OneToOne, Constant, FlatBlocked, InFlat)):
+                return False  # blocks over the flat index: the format checks its inner sizes
     return True
 
 

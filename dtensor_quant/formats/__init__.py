@@ -1,8 +1,9 @@
 """Built-in formats. Each file holds one format's layout, math and kernel."""
 
 from .float8 import Float8Rowwise, Float8Tensorwise
+from .float8_block import Float8Blockwise
 from .int4 import Int4Groupwise
 from .int8 import Int8Rowwise
 from .nf4 import NF4
 
-__all__ = ["NF4", "Float8Rowwise", "Float8Tensorwise", "Int4Groupwise", "Int8Rowwise"]
+__all__ = ["NF4", "Float8Blockwise", "Float8Rowwise", "Float8Tensorwise", "Int4Groupwise", "Int8Rowwise"]

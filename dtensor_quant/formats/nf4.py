@@ -1,32 +1,41 @@
-"""NF4: QLoRA's 4-bit NormalFloat with double-quantized block scales.
+"""NF4: QLoRA's 4-bit NormalFloat with double-quantized block scales, on the flattened weight.
 
-The algorithm is the reference one (QLoRA paper, bitsandbytes, torchao's
-NF4Tensor, with torchao's dtype flow). The 16 levels are the paper's values;
-torchao rounds them to 4 decimals, which in bf16 moves a few levels by one
-ulp, so codes agree except within ~1e-4 of a decision boundary:
+The algorithm and its dtype flow are torchao's ``to_nf4`` (QLoRA paper,
+bitsandbytes, torchtune), defined on the row-major *flattened* weight:
 
-* every ``block_size`` consecutive weights of a row share a scale, their
-  absolute maximum; each weight becomes the index of the nearest of the 16
-  NF4 levels of ``w / scale`` (two codes per byte, first in the high nibble);
-* the scales are centred by their global mean, and every
-  ``scaler_block_size`` consecutive scales (row-major) share a factor
-  ``128 / absmax``; the centred scales are stored as ``round(scale * factor)``
-  in int8.
+* every ``block_size`` consecutive weights share a scale, their absolute
+  maximum (in the weight's dtype); each weight becomes the index of the
+  nearest of the 16 NF4 levels of ``w / scale`` (two codes per byte, first in
+  the high nibble; ties go to the lower level);
+* the scales are centred by their mean, and every ``scaler_block_size``
+  consecutive scales share a factor ``256 / (2 * absmax)``; the centred
+  scales are stored as ``round(scale * factor)`` in int8;
+* dequantized: ``level * (scaler / factor + mean)``, in the weight's dtype.
 
-Layout of a ``[out, in]`` weight (``in % block_size == 0``; ``b`` blocks per row):
+What is bit-identical to torchao 0.18's ``to_nf4`` on the same input: the
+codes, the int8 scalers, the factors, the mean and the dequantized weight,
+for bf16, fp16 and fp32 weights. The 16 levels are torchao's table (the
+paper's values rounded to 4 decimals, then to the weight's dtype); bitsandbytes
+keeps the paper's float32 values, which in bf16 and fp16 differ from this
+table in one level (-0.0911 vs -0.09105) by one ulp. The mean is the float64
+sum of the scales divided by their count, rounded once to the dtype -- the
+value torch's CPU ``mean`` gives unless its float32 accumulation rounds across
+a dtype rounding boundary (not seen in the tests); it is the same on every
+sharding because float64 sums of the scales are exact.
 
-* ``qdata``  uint8 ``[out, in/2]``: one-to-one on rows, packed by 2 on columns;
-* ``scaler`` int8 ``[out, b]``: one-to-one on rows, blocked by ``block_size``;
-* ``factor`` ``[ceil(out/r), 1]`` when a scaler block spans ``r = scaler_block_size/b``
-  whole rows (blocked by ``r`` on rows, constant on columns), or ``[out,
-  b/scaler_block_size]`` when a row holds several (blocked by
-  ``block_size*scaler_block_size`` on columns);
-* ``mean``   ``[1, 1]``: constant.
+Layout (:func:`~dtensor_quant.layout.flat_blocked`, from the weight's shape):
+``qdata`` packs 2 codes per byte and ``scaler`` blocks ``block_size`` weights,
+``factor`` blocks ``block_size * scaler_block_size`` weights, all over the flat
+index, and ``mean`` is constant. Where a block fits inside a row (or a factor
+covers whole rows) the relations are the per-dim ones and column shards work
+(row-parallel TP); otherwise the blocks run across rows and only row cuts
+with a multiple of ``block_size * scaler_block_size`` elements before them
+are legal -- torchao's own FSDP2 rule, plus uneven shards.
 
-So row shards must hold whole scaler blocks and column shards whole blocks;
-quantizing a column-sharded weight all-reduces the factor statistics and the
-mean, which is why the mean is summed in float64 (the same value whatever the
-sharding).
+Non-finite and extreme input (torchao's flow, kept): a block whose maximum is
+0 has scale 0 and its weights are 0/0 = NaN before the level search, which
+maps NaN to code 0 (-1.0): an all-zero block dequantizes to ``-1 * scale``
+where ``scale`` is the (tiny) dequantized block scale, not exactly 0.
 """
 
 from __future__ import annotations
@@ -35,15 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks, nibbles_into
+from ..blocks import expand_to, nibbles_into, reduce_to
 from ..format import QuantFormat, Reducer
-from ..layout import Blocked, Constant, OneToOne, Packed
+from ..layout import Constant, flat_blocked
 
+# torchao's table (to_nf4): the QLoRA levels rounded to 4 decimals.
 NF4_LEVELS = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
 )  # fmt: skip
 
 
@@ -58,31 +66,21 @@ class NF4(QuantFormat):
         if self.block_size < 2 or self.block_size % 2 or self.scaler_block_size < 1:
             raise ValueError(f"NF4 needs an even block_size >= 2 and scaler_block_size >= 1, got {self}")
 
-    def _scaler_rows(self, n_in: int) -> int | None:
-        """Rows per scaler block when one spans whole rows, None when a row holds several."""
-        per_row = n_in // self.block_size
-        return self.scaler_block_size // per_row if self.scaler_block_size % per_row == 0 else None
-
     def check_weight(self, shape, dtype):
         super().check_weight(shape, dtype)
-        n_in = shape[1]
-        if n_in % self.block_size:
-            raise ValueError(f"{self}: in_features {n_in} must be a multiple of block_size {self.block_size}")
-        per_row = n_in // self.block_size
-        if self.scaler_block_size % per_row and per_row % self.scaler_block_size:
+        numel = shape[0] * shape[1]
+        if numel % self.block_size:
             raise ValueError(
-                f"{self}: a weight with {per_row} blocks per row ({n_in} / {self.block_size}) cannot keep "
-                f"scaler blocks of {self.scaler_block_size} aligned with its rows; one must divide the other"
+                f"{self}: a {tuple(shape)} weight has {numel} elements, not a multiple of block_size "
+                f"{self.block_size} (the blocks run over the flattened weight)"
             )
 
     def layout_for(self, shape):
         self.check_weight(torch.Size(shape), torch.bfloat16)
-        rows = self._scaler_rows(shape[1])
-        factor = (Blocked(rows), Constant()) if rows else (OneToOne(), Blocked(self.block_size * self.scaler_block_size))
         return {
-            "qdata": (OneToOne(), Packed(2)),
-            "scaler": (OneToOne(), Blocked(self.block_size)),
-            "factor": factor,
+            "qdata": flat_blocked(2, shape, packed=True),
+            "scaler": flat_blocked(self.block_size, shape),
+            "factor": flat_blocked(self.block_size * self.scaler_block_size, shape),
             "mean": (Constant(), Constant()),
         }
 
@@ -91,22 +89,22 @@ class NF4(QuantFormat):
         raise ValueError(f"{self}'s layout depends on the weight's shape: use layout_for(shape)")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        dtype, n_in = weight.dtype, weight.shape[1]
-        absmax = block_reduce(weight.abs(), 1, self.block_size, "max").to(dtype)
+        dtype, shape = weight.dtype, weight.shape
+        layout = self.layout_for(reduce.full_shape)
+        absmax = reduce_to(weight.abs(), layout["scaler"], "max").to(dtype)
         stats = torch.stack([absmax.double().sum(), absmax.new_tensor(absmax.numel(), dtype=torch.float64)])
         total, count = reduce(stats.reshape(1, 1, 2), "sum", "mean").reshape(2)
         mean = (total / count).to(dtype).reshape(1, 1)
         centred = absmax - mean
-        rows = self._scaler_rows(reduce.full_shape[1])
-        if rows:
-            spread = block_reduce(block_reduce(centred.abs(), 0, rows, "max"), 1, None, "max")
-        else:
-            spread = block_reduce(centred.abs(), 1, self.scaler_block_size, "max")
+        # The factors' blocks, and each scale's factor, through the logical grid both follow.
+        spread = reduce_to(expand_to(centred.abs(), layout["scaler"], shape), layout["factor"], "max")
         factor = (256 / (2 * reduce(spread, "max", "factor").to(dtype))).to(dtype)
-        scaler = (centred * self._expand_factor(factor, centred.shape, rows)).round().clamp(-128, 127)
-        codes = self._nearest(weight / expand_blocks(absmax, 1, self.block_size, n_in))
+        per_scale = reduce_to(expand_to(factor, layout["factor"], shape), layout["scaler"], "max").to(dtype)
+        scaler = (centred * per_scale).round().clamp(-128, 127)
+        codes = self._nearest(weight / expand_to(absmax, layout["scaler"], shape))
+        pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
         return {
-            "qdata": (codes[:, ::2] << 4) | codes[:, 1::2],
+            "qdata": (pairs[..., 0] << 4) | pairs[..., 1],
             "scaler": scaler.to(torch.int8),
             "factor": factor,
             "mean": mean,
@@ -116,32 +114,30 @@ class NF4(QuantFormat):
         mean = inner["mean"]
         scale = (inner["scaler"] / inner["factor"]).to(mean.dtype) + mean
         qdata = inner["qdata"]
-        codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).flatten(-2).long()
+        codes = torch.stack([qdata >> 4, qdata & 0xF], dim=-1).long().flatten(-2)  # scale broadcasts over it
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
         return (levels[codes] * scale).to(dtype)
 
     def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
-        """Levels by table lookup (one per byte), times each block's scale, computed on the block grid."""
-        mean, scaler, factor = inner["mean"], inner["scaler"], inner["factor"]
-        rows, cols = out.shape
-        per_row = self._scaler_rows(cols)
-        if per_row:
-            factor = factor.repeat_interleave(per_row, 0).narrow(0, 0, rows)
-        else:
-            factor = factor.repeat_interleave(self.scaler_block_size, 1).narrow(1, 0, scaler.shape[1])
-        scale = ((scaler / factor).to(mean.dtype) + mean).unsqueeze(-1)  # [rows, blocks, 1]
-        values = out if out.dtype == mean.dtype and out.is_contiguous() else torch.empty(out.shape, dtype=mean.dtype, device=out.device)
+        """On the flat index: levels by table lookup (one per byte), times each block's scale.
+
+        Every inner tensor, whatever its relations, stores its blocks in flat
+        row-major order, so the scales are computed once per block (not per
+        element) and broadcast over it. Needs whole scaler blocks.
+        """
+        mean, scaler, factor = inner["mean"], inner["scaler"].reshape(-1), inner["factor"].reshape(-1)
+        numel, bs = out.numel(), self.block_size
+        if numel % bs or scaler.numel() != numel // bs or inner["qdata"].numel() * 2 != numel:
+            return False
+        per_scaler = factor.repeat_interleave(self.scaler_block_size).narrow(0, 0, scaler.numel())
+        scale = ((scaler / per_scaler).to(mean.dtype) + mean.reshape(())).unsqueeze(-1)  # [blocks, 1]
+        fits = out.dtype == mean.dtype and out.is_contiguous()
+        values = out if fits else torch.empty(out.shape, dtype=mean.dtype, device=out.device)
         nibbles_into(inner["qdata"], NF4_LEVELS, values, high_first=True)
-        values.view(rows, -1, self.block_size).mul_(scale)
-        if values is not out:
+        values.view(-1, bs).mul_(scale)
+        if not fits:
             out.copy_(values)
         return True
-
-    def _expand_factor(self, factor: torch.Tensor, shape, rows: int | None) -> torch.Tensor:
-        """The factor of each block scale (quantize works on the small ``[out, blocks]`` grid)."""
-        if rows:
-            return expand_blocks(factor, 0, rows, shape[0]).expand(shape)
-        return expand_blocks(factor, 1, self.scaler_block_size, shape[1])
 
     @staticmethod
     def _nearest(normalized: torch.Tensor) -> torch.Tensor:

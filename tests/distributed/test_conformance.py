@@ -7,7 +7,10 @@ from dtensor_quant.testing import CHECKS, check_format, run_check
 
 from custom_format import Ternary  # examples/custom_format.py, the format docs/custom_format.md writes
 
-FORMATS = [dq.Int8Rowwise(), dq.Int4Groupwise(128), dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), Ternary()]
+FORMATS = [
+    dq.Int8Rowwise(), dq.Int4Groupwise(128), dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(128),
+    Ternary(),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)

@@ -1,0 +1,67 @@
+"""Float8Blockwise: e4m3fn values with one float32 scale per 128x128 block (DeepSeek-V3's FP8 layout).
+
+Layout: ``qdata`` float8_e4m3fn ``[out, in]`` follows both dims one-to-one;
+``scale_inv`` float32 ``[ceil(out/b), ceil(in/b)]`` is blocked by ``b`` on
+both dims, so a shard boundary on either dim must fall on a block boundary.
+Every statistic lies inside one block, so quantizing a legal shard needs no
+collective at all.
+
+This is the layout DeepSeek-V3, Qwen3-FP8 and others publish (safetensors
+``weight`` float8_e4m3fn plus ``weight_scale_inv``, config
+``quantization_config = {"quant_method": "fp8", "weight_block_size": [128,
+128]}``); ``checkpoint_suffixes`` names the two tensors so that
+:mod:`dtensor_quant.hf` reads and writes them as they are.
+
+Math: ``scale_inv = amax(block) / 448``; ``q = e4m3fn(w / scale_inv)``;
+``w ~= float32(q) * scale_inv`` (exactly what torch's
+``QuantizedHuggingFaceStorageReader`` computes when it dequantizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks import block_reduce, expand_blocks
+from ..format import QuantFormat, Reducer
+from ..layout import Blocked, OneToOne
+
+_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+@dataclass(frozen=True)
+class Float8Blockwise(QuantFormat):
+    block_size: int = 128
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"Float8Blockwise needs block_size >= 1, got {self.block_size}")
+
+    @property
+    def layout(self):
+        b = self.block_size
+        return {"qdata": (OneToOne(), OneToOne()), "scale_inv": (Blocked(b), Blocked(b))}
+
+    @property
+    def checkpoint_suffixes(self) -> dict[str, str]:
+        """Hugging Face key of each inner tensor, appended to the weight's key."""
+        return {"qdata": "", "scale_inv": "_scale_inv"}
+
+    @property
+    def hf_quantization_config(self) -> dict:
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [self.block_size] * 2}
+
+    def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
+        b = self.block_size
+        amax = block_reduce(block_reduce(weight.abs(), 1, b, "max"), 0, b, "max")
+        scale = (reduce(amax, "max", "scale_inv") / _E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        full = expand_blocks(expand_blocks(scale, 0, b, weight.shape[0]), 1, b, weight.shape[1])
+        q = (weight.float() / full).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"qdata": q, "scale_inv": scale}
+
+    def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return (inner["qdata"].to(torch.float32) * inner["scale_inv"]).to(dtype)
+
+    def __str__(self) -> str:
+        return f"Float8Blockwise({self.block_size})"

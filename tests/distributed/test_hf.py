@@ -1,0 +1,247 @@
+"""Hugging Face checkpoints into quantized sharded transformers models and back (dq.hf), on gloo ranks.
+
+Each model is built the way a user would for a model that no rank can hold:
+parameters on the meta device, quantized, sharded (torch's TP styles from
+transformers' own plan, FSDP2, or both), materialized, then loaded. Every
+quantized byte is compared with quantizing the full tensor (read with the
+safetensors package) and then sharding it; every rank's bytes read are
+counted and compared with the bytes of its own slices.
+"""
+
+from __future__ import annotations
+
+import hf_cases as hc
+import pytest
+import torch
+from helpers import mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import dtensor_quant as dq
+from dtensor_quant.fsdp import fully_shard
+
+pytest.importorskip("safetensors")
+pytest.importorskip("transformers")
+
+FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(), "fp8b": dq.Float8Blockwise(128)}  # fmt: skip
+WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4}
+
+
+def build(kind: str, layout: str, fmt_name: str):
+    """The transformers model on meta, quantized, placed by ``layout``, then materialized (this rank's shards)."""
+    config_cls, model_cls = hc.model_class(kind)
+    with dq.hf.init_empty():
+        model = model_cls(config_cls(**hc.CONFIG))
+    model.to(torch.bfloat16)
+    dq.quantize_(model, FORMATS[fmt_name], filter_fn=lambda m, fqn: fqn != "lm_head" or fmt_name != "fp8b")
+    if layout == "tp2":
+        parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    elif layout in ("fsdp2", "2d"):
+        m = mesh(2) if layout == "fsdp2" else mesh(2, 2)
+        if layout == "2d":
+            parallelize_module(model, m["tp"], dq.hf.tp_plan(model))
+        dp = m if layout == "fsdp2" else m["dp"]
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return dq.hf.materialize(model, "cpu")
+
+
+def load_and_check(kind, layout, fmt_name, path):
+    model = build(kind, layout, fmt_name)
+    assert all(not p.is_meta for p in model.parameters())
+    result = dq.hf.load(model, path)
+    return hc.check_loaded(model, path, FORMATS[fmt_name], result)
+
+
+def on(ranks, layout, fn, *args):
+    n = WORLD[layout]
+    return [fn(*args)] if n == 1 else ranks(n).run(fn, *args)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in ("llama", "qwen2"):
+        for sharded in (False, True):
+            out[kind, sharded] = hc.write_dense(kind, root / f"{kind}-{sharded}", sharded)
+    return out
+
+
+CASES = [
+    ("llama", False, "tp2", "int8"),  # per-row scales of row-parallel shards: all-reduced
+    ("qwen2", True, "tp2", "int4"),
+    ("llama", True, "fsdp2", "f8t"),  # one scale for the whole tensor from FSDP's row shards
+    ("qwen2", False, "single", "int4"),
+    pytest.param("llama", True, "2d", "int8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kind,sharded,layout,fmt_name", CASES)
+def test_load_dense_checkpoint(ranks, checkpoints, kind, sharded, layout, fmt_name):
+    results = on(ranks, layout, load_and_check, kind, layout, fmt_name, checkpoints[kind, sharded])
+    for r in results:
+        assert r["read"] == r["expected"], r  # each rank read exactly its slices, once
+    if layout == "tp2":  # embeddings, lm_head and every linear are split: about half the file each
+        assert all(r["read"] < 0.55 * r["file"] for r in results), results
+
+
+def _tensors_of(path):
+    return hc.read_all(path)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(tmp_path_factory, checkpoints):
+    """The Llama checkpoint with every decoder Linear in FP8 block-scale form (lm_head and embeddings dense)."""
+    import json
+    from pathlib import Path
+
+    dense = hc.read_all(checkpoints["llama", False])
+    linears = {k for k, v in dense.items() if ".layers." in k and k.endswith("proj.weight")}
+    config = json.loads((Path(checkpoints["llama", False]) / "config.json").read_text())
+    root = tmp_path_factory.mktemp("fp8")
+    return {s: hc.write_fp8(dense, root / f"fp8-{s}", linears, s, config) for s in (False, True)}
+
+
+@pytest.mark.parametrize("sharded,layout", [(True, "tp2"), (False, "fsdp2"), (True, "single")])
+def test_load_fp8_block_checkpoint_as_stored(ranks, fp8_checkpoints, sharded, layout):
+    for r in on(ranks, layout, load_and_check, "llama", layout, "fp8b", fp8_checkpoints[sharded]):
+        assert r["read"] == r["expected"], r
+
+
+def dequantized_full(kind, layout, fmt_name, path):
+    model = build(kind, layout, fmt_name)
+    dq.hf.load(model, path)
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.dequantize() if isinstance(t, dq.QuantizedTensor) else t.detach().clone()
+    return out
+
+
+def test_fp8_dequantization_equals_torch_reader(fp8_checkpoints):
+    """Our dequantization of the stored bytes equals torch's QuantizedHuggingFaceStorageReader's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    path = fp8_checkpoints[True]  # torch's reader needs the index
+    ours = dequantized_full("llama", "single", "fp8b", path)
+    state = {k: torch.empty_like(v) for k, v in ours.items()}
+    with pytest.warns(UserWarning, match="disabled"):
+        dcp.load(
+            state, storage_reader=QuantizedHuggingFaceStorageReader(path, target_dtype=torch.bfloat16), no_dist=True
+        )
+    quantized = [k for k in ours if k + "_scale_inv" in hc.read_all(path)]
+    assert len(quantized) == 14
+    for k in ours:
+        assert torch.equal(ours[k].view(torch.uint8), state[k].view(torch.uint8)), k
+
+
+def save_and_report(kind, layout, fmt_name, src, out):
+    model = build(kind, layout, fmt_name)
+    dq.hf.load(model, src)
+    dq.hf.save(model, out)
+    full = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        full[name] = t.dequantize() if isinstance(t, dq.QuantizedTensor) else t.detach().clone()
+    return full
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
+def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, layout):
+    _, model_cls = hc.model_class("qwen2")
+    out = str(tmp_path / "export")
+    expected = on(ranks, layout, save_and_report, "qwen2", layout, "int4", checkpoints["qwen2", True], out)[0]
+    back = model_cls.from_pretrained(out, dtype=torch.bfloat16)
+    got = dict(back.named_parameters())
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k].detach(), v.to(torch.bfloat16)), k
+    tokens = torch.randint(0, hc.CONFIG["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(back(tokens).logits).all()
+
+
+def test_save_fp8_block_writes_the_stored_bytes(ranks, fp8_checkpoints, tmp_path):
+    out = str(tmp_path / "export")
+    ranks(2).run(save_and_report, "llama", "tp2", "fp8b", fp8_checkpoints[True], out)
+    src, back = hc.read_all(fp8_checkpoints[True]), hc.read_all(out)
+    assert set(src) == set(back)
+    for k, v in src.items():
+        assert v.dtype == back[k].dtype and torch.equal(v.view(torch.uint8), back[k].view(torch.uint8)), k
+    import json
+    from pathlib import Path
+
+    assert json.loads((Path(out) / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+# -- refusals: one process is enough (every check runs before anything is read) -----------
+
+
+def test_quantized_checkpoint_into_another_format_is_refused(fp8_checkpoints):
+    with pytest.raises(ValueError, match=r"stored quantized.*Float8Blockwise"):
+        dq.hf.load(build("llama", "single", "int8"), fp8_checkpoints[False])
+
+
+def test_missing_and_unexpected_tensors_are_refused(tmp_path, checkpoints):
+    from safetensors.torch import save_file
+
+    full = hc.read_all(checkpoints["llama", False])
+    del full["model.norm.weight"]
+    full["extra.weight"] = torch.zeros(2)
+    save_file(full, str(tmp_path / "model.safetensors"))
+    model = build("llama", "single", "int8")
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['model.norm.weight'\]") as e:
+        dq.hf.load(model, tmp_path)
+    assert "extra.weight" in str(e.value)
+    result = dq.hf.load(model, tmp_path, strict=False)
+    assert sorted(result.quantized) == sorted(dq.nn.quantized_fqns(model))
+    assert (result.missing, result.unexpected) == (["model.norm.weight"], ["extra.weight"])
+
+
+def test_reads_only_the_slice(tmp_path):
+    """A column slice reads one run per row; a row slice one run; counted bytes are the slice's."""
+    from safetensors.torch import save_file
+
+    t = torch.arange(6 * 10 * 4, dtype=torch.float32).reshape(6, 10, 4)
+    save_file({"t": t}, str(tmp_path / "model.safetensors"))
+    with dq.hf.Checkpoint(tmp_path) as ck:
+        assert torch.equal(ck.read("t", (1, 3, 0), (2, 5, 4)), t[1:3, 3:8])
+        assert ck.bytes_read == 2 * 5 * 4 * 4
+        assert torch.equal(ck.read("t", (2, 0, 1), (3, 10, 2)), t[2:5, :, 1:3])
+        assert torch.equal(ck.read("t"), t)
+
+
+def qlora_roundtrip(path, out, layout):
+    """QLoRA on a HF checkpoint: load, wrap in adapters, shard with FSDP2, load again (by HF names), save merged."""
+    model = build("qwen2", "single", "int4")
+    dq.hf.load(model, path)
+    dq.lora.add_lora_(model, rank=4, filter_fn=lambda m, fqn: fqn.endswith(("q_proj", "down_proj")))
+    with torch.no_grad():
+        for i, p in enumerate(dq.lora.lora_parameters(model).values()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+    expected = {}
+    for name, m in model.named_modules():
+        if isinstance(m, dq.lora.LoRALinear):
+            delta = m.lora_b.weight.float() @ m.lora_a.weight.float() * m.scaling
+            expected[name + ".weight"] = (m.base.weight.dequantize(torch.float32) + delta).to(torch.bfloat16)
+    if layout == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh(2))
+        fully_shard(model, mesh=mesh(2))
+    result = dq.hf.load(model, path)  # the base weights by the checkpoint's names; adapters untouched
+    assert not result.missing and len(result.quantized) == 15, result
+    dq.hf.save(model, out)
+    return {k: v.detach() for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp2"])
+def test_qlora_model_loads_by_hf_names_and_saves_merged(ranks, checkpoints, tmp_path, layout):
+    _, model_cls = hc.model_class("qwen2")
+    out = str(tmp_path / "merged")
+    expected = on(ranks, layout, qlora_roundtrip, checkpoints["qwen2", False], out, layout)[0]
+    back = dict(model_cls.from_pretrained(out, dtype=torch.bfloat16).named_parameters())
+    assert len(expected) == 4
+    for k, v in expected.items():
+        assert torch.equal(back[k].detach(), v), k

@@ -1,0 +1,134 @@
+"""Expert-parallel and tensor-parallel quantized expert stacks ``[experts, out, in]`` on real gloo ranks.
+
+``Shard(0)`` puts whole experts on each rank (expert parallelism), ``Shard(1)``
+/ ``Shard(2)`` shard inside every expert (tensor parallelism), and a 2-D mesh
+does both. Every move is checked bit-exactly against one process, with
+quantized bytes only on the wire, including uneven expert counts.
+"""
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dtensor_quant as dq
+from dtensor_quant import wire
+
+from helpers import assert_same_bits, mesh, weight
+
+FORMATS = {
+    "int8": dq.Int8Rowwise(),
+    "int4g64": dq.Int4Groupwise(64),
+    "nf4": dq.NF4(64, 8),  # 512 columns = 8 blocks per row: one scaler block per row
+    "f8row": dq.Float8Rowwise(),
+    "f8tensor": dq.Float8Tensorwise(),
+}
+
+
+def parse(specs: str):
+    return [Replicate() if s == "R" else Shard(int(s[1:])) for s in specs.split(",")]
+
+
+def _legal(fmt, shape, mesh_shape, specs) -> bool:
+    try:
+        dq.check_placements(shape, fmt, mesh_shape, parse(specs))
+    except dq.LayoutError:
+        return False
+    return True
+
+
+def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
+    fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
+    w = weight(shape, seed=11)
+    q = dq.quantize(w, fmt)
+    dense = q.dequantize()
+    targets = [t for t in targets if _legal(fmt, shape, mesh_shape, t)]
+    with wire.record() as log:
+        dt = distribute_tensor(q, m, parse(src))
+        local = dt.to_local()
+        expected = distribute_tensor(dense, m, parse(src), src_data_rank=None).to_local()
+        assert isinstance(local, dq.QuantizedTensor) and local.shape == expected.shape, (src, local)
+        assert torch.equal(local.dequantize(), expected), src
+        assert_same_bits(dt.full_tensor(), q, f"full_tensor from {src}")
+        for tgt in targets:
+            moved = dt.redistribute(m, parse(tgt))
+            expected = distribute_tensor(dense, m, parse(tgt), src_data_rank=None).to_local()
+            assert torch.equal(moved.to_local().dequantize(), expected), f"{src} -> {tgt}"
+            assert_same_bits(moved.full_tensor(), q, f"full_tensor after {src} -> {tgt}")
+        # quantizing the sharded dense stack gives the same bytes (EP needs no reduction at all)
+        got = dq.quantize(distribute_tensor(w, m, parse(src), src_data_rank=None), fmt)
+        assert_same_bits(got.to_local(), dt.to_local(), f"quantize on {src}")
+    moved_dense = {t.dtype for t in log.transfers if not t.quantized and t.dtype != torch.uint8}
+    assert {t.dtype for t in log.transfers if t.quantized} <= {torch.uint8}
+    # the only dense traffic allowed: the scale statistics quantize() reduces (float32 maxima/sums)
+    assert moved_dense <= {torch.float32, torch.float64}, moved_dense
+    return len(targets)
+
+
+def _cases_1d():
+    for world in (2, 4):
+        for fmt_name in FORMATS:
+            for experts in (3, 4, 5):  # 3 and 5 experts shard unevenly (3 over 4 ranks: one holds none)
+                quick = experts == 3 and fmt_name in ("int8", "nf4", "int4g64")
+                yield pytest.param(world, fmt_name, experts, marks=() if quick else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("world,fmt_name,experts", list(_cases_1d()))
+def test_expert_parallel_1d(ranks, world, fmt_name, experts):
+    shape = (experts, 32, 512)
+    for src in ("S0", "S1", "S2", "R"):
+        if _legal(FORMATS[fmt_name], shape, (world,), src):
+            assert ranks(world).run(expert_roundtrip, fmt_name, shape, (world,), src, ["R", "S0", "S1", "S2"])
+
+
+@pytest.mark.parametrize(
+    "fmt_name", [n if n in ("int8", "nf4") else pytest.param(n, marks=pytest.mark.slow) for n in FORMATS]
+)
+@pytest.mark.parametrize("src", ["S0,S1", "S0,S2", "S0,R", "R,S1"])
+def test_expert_and_tensor_parallel_2d(ranks, fmt_name, src):
+    """Experts over mesh dim 0 (EP), inside each expert over mesh dim 1 (TP), and every move between them."""
+    shape = (3, 32, 512)
+    if not _legal(FORMATS[fmt_name], shape, (2, 2), src):
+        pytest.skip("illegal for this layout")
+    targets = ["S0,S1", "S0,S2", "S0,R", "R,S1", "R,R", "S1,S0"]
+    assert ranks(4).run(expert_roundtrip, fmt_name, shape, (2, 2), src, targets)
+
+
+def expert_linear(fmt_name, specs):
+    """An expert picked from a sharded stack runs F.linear on its local shard like one process."""
+    fmt, m = FORMATS[fmt_name], mesh(2, 2)
+    w = weight((4, 32, 512), seed=12)
+    q = dq.quantize(w, fmt)
+    dt = distribute_tensor(q, m, parse(specs))
+    x = weight((3, 512), seed=13)
+    local = dt.to_local()
+    ep = dt.placements[0]
+    # this rank's experts: torch.chunk over mesh dim 0
+    first = m.get_local_rank(0) * -(-4 // 2) if isinstance(ep, Shard) else None
+    for i in range(local.shape[0]):
+        e = first + i if first is not None else i
+        full = torch.nn.functional.linear(x, q[e])
+        if dt.placements[1] == Shard(1):  # out features sharded: this rank's columns of the output
+            cols = torch.chunk(full, 2, dim=-1)[m.get_local_rank(1)]
+            assert torch.equal(torch.nn.functional.linear(x, local[i]), cols)
+        else:
+            assert torch.equal(torch.nn.functional.linear(x, local[i]), full)
+    return True
+
+
+@pytest.mark.parametrize("specs", ["S0,S1", "S0,R"])
+def test_selected_local_expert_linear(ranks, specs):
+    assert all(ranks(4).run(expert_linear, "int8", specs))
+
+
+def misaligned():
+    """Int4 g128 on 384 columns over 4 ranks: chunks of 96 cut groups inside every expert."""
+    q = dq.quantize(weight((2, 8, 384)), dq.Int4Groupwise(128))
+    try:
+        distribute_tensor(q, mesh(4), [Shard(2)])
+    except dq.LayoutError as e:
+        return "LayoutError" if "not a multiple of 128" in str(e) else str(e)
+    return "no error"
+
+
+def test_misaligned_tp_inside_experts_raises_on_every_rank(ranks):
+    assert ranks(4).run(misaligned) == ["LayoutError"] * 4

@@ -1,0 +1,182 @@
+"""NF4 at the real widths of open models, sharded: DTensor, FSDP2 and DCP, bit-exact vs one process.
+
+At most of these widths a factor's 256 block scales run across rows
+(``FlatBlocked``): a row cut is legal when the elements before it are a
+multiple of 64 * 256 (8 rows at 14336 columns, 32 at 3584, 128 at 29568),
+column cuts never. Rows are chosen small, the columns real.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dtensor_quant as dq
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.state_dict import register
+
+from helpers import assert_same_bits, mesh, rank, weight
+
+WIDTHS = [768, 3584, 5632, 11008, 14336, 18944, 29568]
+
+
+def rows_per_cut(cols: int) -> int:
+    return 16384 // math.gcd(16384, cols)
+
+
+@pytest.mark.parametrize("cols", WIDTHS)
+def test_matches_torchao_at_real_widths(cols):
+    """Codes, scalers, factors, mean and dequantized values: byte for byte torchao's to_nf4 (bf16 and fp16)."""
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    for dtype in (torch.bfloat16, torch.float16):
+        w = weight((rows_per_cut(cols), cols), seed=cols, dtype=dtype)
+        ours, theirs = dq.quantize(w, dq.NF4()), nf4_tensor.to_nf4(w)
+        assert torch.equal(ours.qdata.flatten(), theirs.quantized_data.flatten())
+        assert torch.equal(ours.scaler.flatten(), theirs.quantized_scalers.flatten())
+        assert torch.equal(ours.factor.flatten(), theirs.quantization_factor.flatten())
+        assert torch.equal(ours.mean.flatten(), theirs.scaler_mean.reshape(1))
+        assert torch.equal(ours.dequantize(), theirs.get_original_weight())
+
+
+def test_fp32_differs_only_by_torchs_float32_mean():
+    """fp32: torch's mean accumulates in float32, ours is the exactly rounded one; given the same mean, all agree."""
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    w = weight((64, 11008), seed=3, dtype=torch.float32)
+    ours, theirs = dq.quantize(w, dq.NF4()), nf4_tensor.to_nf4(w)
+    absmax = w.reshape(-1, 64).abs().amax(1)
+    assert ours.mean.item() == (absmax.double().sum() / absmax.numel()).float().item()
+    assert abs(ours.mean.item() - theirs.scaler_mean.item()) <= 2 * torch.finfo(torch.float32).eps * ours.mean.item()
+    assert torch.equal(ours.qdata.flatten(), theirs.quantized_data.flatten())  # codes do not use the mean
+
+
+def test_column_cut_refused_with_legal_alternatives():
+    q = dq.quantize(weight((8, 14336)), dq.NF4())
+    with pytest.raises(dq.LayoutError, match="'factor' is blocked over the flattened weight.*cannot be sharded at all"):
+        torch.chunk(q, 2, dim=1)
+    with pytest.raises(dq.LayoutError, match=r"multiple of 8.*n = 1, 2, 4"):
+        torch.split(dq.quantize(weight((32, 14336)), dq.NF4()), 11)
+    with pytest.raises(dq.LayoutError, match="mesh dim 0 .* legal with size 1, 2, 4"):
+        dq.check_placements((32, 14336), dq.NF4(), (3,), [Shard(0)])
+    # where the blocks fit the rows, column shards (row-parallel TP) stay legal
+    dq.check_placements((8, 32768), dq.NF4(), (2,), [Shard(1)])
+
+
+# -- on the ranks ----------------------------------------------------------------
+
+
+def dtensor_roundtrip(shape):
+    """distribute (Shard(0)), full_tensor, redistribute, and quantize of a sharded dense DTensor."""
+    world = dist.get_world_size()
+    w = weight(shape, seed=shape[1])
+    q = dq.quantize(w, dq.NF4())
+    m = mesh(world)
+    dt = distribute_tensor(q, m, [Shard(0)])
+    expected = torch.chunk(q.dequantize(), world)
+    local = dt.to_local()
+    if rank() < len(expected):
+        assert torch.equal(local.dequantize(), expected[rank()])
+    assert_same_bits(dt.full_tensor(), q, "full_tensor")
+    assert_same_bits(dt.redistribute(m, [Replicate()]).to_local(), q, "S0 -> R")
+    back = dt.redistribute(m, [Replicate()]).redistribute(m, [Shard(0)])
+    assert_same_bits(back.full_tensor(), q, "R -> S0")
+    sharded = dq.quantize(distribute_tensor(w, m, [Shard(0)]), dq.NF4())  # each rank quantizes its rows
+    assert_same_bits(sharded.full_tensor(), q, "quantized shard by shard")
+    try:
+        dt.redistribute(m, [Shard(1)])
+    except dq.LayoutError as e:
+        return str(e)
+    raise AssertionError("Shard(1) of a flat-blocked NF4 weight was not refused")
+
+
+DTENSOR_CASES = [(2, (16, 14336)), (3, (46, 14336)), (4, (30, 14336)), (2, (64, 3584)), (4, (256, 768))]
+
+
+@pytest.mark.parametrize("world,shape", DTENSOR_CASES)
+def test_dtensor_bit_exact(ranks, world, shape):
+    errors = ranks(world).run(dtensor_roundtrip, shape)
+    assert len(set(errors)) == 1 and "blocked over the flattened weight" in errors[0], errors  # the same error on every rank
+
+
+def fsdp_gather(shape):
+    world = dist.get_world_size()
+    q = dq.quantize(weight(shape, seed=shape[1]), dq.NF4())
+    lin = nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
+    lin.weight = nn.Parameter(q, requires_grad=False)
+    model = nn.Sequential(lin)
+    x = weight((2, shape[1]), seed=5)
+    y_ref = model(x)
+    fully_shard(model, mesh=mesh(world))
+    chunks = torch.chunk(q.dequantize(), world)
+    local = model[0].weight.to_local()
+    if rank() < len(chunks):
+        assert torch.equal(local.dequantize(), chunks[rank()])
+    model.unshard()
+    assert_same_bits(model[0].weight, q, "unsharded")
+    model.reshard()
+    assert torch.equal(model(x), y_ref)
+    return True
+
+
+FSDP_CASES = [(2, (16, 14336)), (3, (46, 14336)), (4, (30, 14336)), (4, (128, 3584)), (2, (128, 11008)), (3, (96, 18944))]
+
+
+@pytest.mark.parametrize("world,shape", FSDP_CASES)
+def test_fsdp2_bit_exact(ranks, world, shape):
+    assert all(ranks(world).run(fsdp_gather, shape))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,cols", [(2, 29568), (2, 5632)])
+def test_fsdp2_widest(ranks, world, cols):
+    assert all(ranks(world).run(fsdp_gather, (2 * rows_per_cut(cols), cols)))
+
+
+def fsdp_refused(shape):
+    model = nn.Sequential(nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16))
+    dq.quantize_(model, dq.NF4())
+    try:
+        fully_shard(model, mesh=mesh(dist.get_world_size()))
+    except dq.LayoutError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_fsdp2_illegal_degree_names_legal_ones(ranks):
+    errors = ranks(3).run(fsdp_refused, (32, 14336))  # chunks of 11 rows: not whole factors (8 rows)
+    assert len(set(errors)) == 1 and "Legal FSDP2 sizes: 1, 2, 4" in errors[0], errors
+
+
+def dcp_save(shape, path, world_src):
+    q = dq.quantize(weight(shape, seed=shape[1]), dq.NF4())
+    model = nn.Sequential(nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16))
+    model[0].weight = nn.Parameter(distribute_tensor(q, mesh(world_src), [Shard(0)]), requires_grad=False)
+    register(model)
+    dq.checkpoint.save(model, path)
+    return True
+
+
+def dcp_load(shape, path):
+    world = dist.get_world_size()
+    q = dq.quantize(weight(shape, seed=shape[1]), dq.NF4())
+    other = dq.quantize(weight(shape, seed=99), dq.NF4())
+    model = nn.Sequential(nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16))
+    model[0].weight = nn.Parameter(distribute_tensor(other, mesh(world), [Shard(0)]), requires_grad=False)
+    register(model)
+    dq.checkpoint.load(model, path)
+    assert_same_bits(model[0].weight.full_tensor(), q, "loaded")
+    expected = torch.chunk(q.dequantize(), world)
+    if rank() < len(expected):
+        assert torch.equal(model[0].weight.to_local().dequantize(), expected[rank()])
+    return True
+
+
+@pytest.mark.parametrize("src,dst", [(2, 3), (4, 2)])
+def test_dcp_reshard_bit_exact(ranks, tmp_path, src, dst):
+    shape = (128, 3584) if 4 in (src, dst) else (48, 14336)  # whole factors per shard at both degrees
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(src).run(dcp_save, shape, path, src))
+    assert all(ranks(dst).run(dcp_load, shape, path))

@@ -1,0 +1,206 @@
+"""Single-process checks of N-D (mixture-of-experts) weights: quantize, slice, select, forward.
+
+Every built-in format and a user format quantize ``[experts, out, in]`` with
+their 2-D math per expert; the derived ops work along all three dims; a tiny
+transformers Mixtral and Qwen3-MoE run their own forward (eager per-expert
+loop and the grouped_mm path) on quantized experts.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtensor_quant as dq
+from dtensor_quant.ops import same_bits
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
+
+FORMATS = [
+    dq.Int8Rowwise(),
+    dq.Float8Rowwise(),
+    dq.Float8Tensorwise(),
+    dq.Int4Groupwise(64),
+    dq.NF4(64, 256),
+    PerTensorInt8(),
+    ColumnInt8(),
+    RowBlockInt8(),
+]
+
+
+def _w(shape, seed=0, dtype=torch.bfloat16):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _same(a: dq.QuantizedTensor, b: dq.QuantizedTensor) -> bool:
+    return a.shape == b.shape and all(same_bits(getattr(a, n), getattr(b, n)) for n in a.fmt.inner_names)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_experts_quantize_like_each_expert_alone(fmt):
+    w = _w((3, 64, 512))
+    q = dq.quantize(w, fmt)
+    assert q.shape == w.shape and q.dtype == w.dtype
+    for e in range(3):
+        alone = dq.quantize(w[e].clone(), fmt)
+        assert _same(q[e], alone), e  # select of one expert: the same bytes as quantizing it alone
+        assert torch.equal(q[e].dequantize(), alone.dequantize())
+    assert torch.equal(q.dequantize(), torch.stack([dq.quantize(w[e], fmt).dequantize() for e in range(3)]))
+    # 4-D: two leading dims
+    q4 = dq.quantize(w.reshape(3, 1, 64, 512), fmt)
+    assert _same(q4[2][0], dq.quantize(w[2], fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_expert_ops_along_every_dim(fmt):
+    w = _w((4, 64, 512), seed=1)
+    q = dq.quantize(w, fmt)
+    dense = q.dequantize()
+    for dim, size in ((0, 1), (0, 3), (1, 32), (1, 64 // 2), (2, 256)):
+        try:
+            parts = torch.split(q, size, dim)
+        except dq.LayoutError:
+            assert dim > 0  # a block along a matrix dim may forbid the cut; experts never do
+            continue
+        assert [p.shape[dim] for p in parts] == [p.shape[dim] for p in torch.split(dense, size, dim)]
+        for p, d in zip(parts, torch.split(dense, size, dim)):
+            assert torch.equal(p.dequantize(), d)
+        assert torch.equal(torch.cat(parts, dim).dequantize(), dense)
+    # narrow of experts, transpose of the matrix dims, index with a tensor, unbind
+    assert torch.equal(q[1:3].dequantize(), dense[1:3])
+    assert torch.equal(q.transpose(-2, -1).dequantize(), dense.transpose(-2, -1))
+    assert torch.equal(q.transpose(1, 2)[3].dequantize(), dense[3].t())
+    assert torch.equal(q[torch.tensor([3, 0, 3])].dequantize(), dense[[3, 0, 3]])
+    assert [torch.equal(a.dequantize(), b) for a, b in zip(q.unbind(0), dense.unbind(0))] == [True] * 4
+    with pytest.raises(dq.UnsupportedOpError, match="leading"):
+        q.select(1, 0)
+
+
+@pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 256), dq.Float8Rowwise()], ids=str)
+def test_selected_expert_takes_the_linear_kernels(fmt):
+    w = _w((3, 64, 512), seed=2)
+    q = dq.quantize(w, fmt)
+    x = _w((5, 512), seed=3)
+    for e in range(3):
+        expected = F.linear(x, dq.quantize(w[e], fmt))
+        assert torch.equal(F.linear(x, q[e]), expected)  # same kernel, same bits
+        assert torch.equal(F.linear(x, q.transpose(1, 2)[e].t()), expected)
+
+
+@pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.NF4(64, 256)], ids=str)
+def test_grouped_mm_matches_a_loop_over_experts(fmt):
+    w = _w((4, 64, 512), seed=4)
+    q = dq.quantize(w, fmt)
+    x = _w((10, 512), seed=5)
+    offs = torch.tensor([3, 3, 7, 9], dtype=torch.int32)  # expert 1 gets no rows; row 9 is past the end
+    out = torch._grouped_mm(x, q.transpose(-2, -1), offs=offs)
+    starts = [0, 3, 3, 7]
+    for g in range(4):
+        s, e = starts[g], int(offs[g])
+        assert torch.equal(out[s:e], F.linear(x[s:e], q[g]))
+    assert torch.equal(out[9:], torch.zeros_like(out[9:]))
+    x3 = _w((4, 2, 512), seed=6)
+    out3 = torch._grouped_mm(x3, q.transpose(-2, -1))
+    assert all(torch.equal(out3[g], F.linear(x3[g], q[g])) for g in range(4))
+
+
+def test_empty_expert_stack():
+    w = _w((0, 64, 512))
+    for fmt in (dq.Int8Rowwise(), dq.NF4(64, 256), dq.Int4Groupwise(64)):
+        q = dq.quantize(w, fmt)
+        assert q.shape == (0, 64, 512) and q.dequantize().shape == (0, 64, 512)
+        full = dq.quantize(_w((2, 64, 512)), fmt)
+        assert torch.equal(torch.cat([full, q]).dequantize(), full.dequantize())
+
+
+def test_bad_expert_shape_names_the_matrix():
+    with pytest.raises(ValueError, match=r"each \[out, in\] matrix"):
+        dq.quantize(_w((2, 8, 100)), dq.NF4(64, 256))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        dq.quantize(_w((64,)), dq.Int8Rowwise())
+
+
+# -- transformers MoE models --------------------------------------------------------
+
+
+def tiny_moe(kind: str, dtype=torch.float32, seed=0):
+    """A 2-layer transformers Mixtral or Qwen3-MoE with 4 experts (real model classes, tiny widths)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_experts_per_tok": 2, "max_position_embeddings": 64}  # fmt: skip
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=128, num_local_experts=4, **common))
+    else:
+        cfg = Qwen3MoeConfig(moe_intermediate_size=128, intermediate_size=256, num_experts=4, head_dim=16,
+                             decoder_sparse_step=1, mlp_only_layers=[], **common)  # fmt: skip
+        model = Qwen3MoeForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def set_experts_impl(model, impl: str) -> None:
+    model.config._experts_implementation = impl
+    for m in model.modules():
+        if hasattr(m, "gate_up_proj"):
+            m.config._experts_implementation = impl
+
+
+def dequantized_copy(model):
+    out = copy.deepcopy(model)
+    for m in out.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if isinstance(p, dq.QuantizedTensor):
+                setattr(m, name, torch.nn.Parameter(p.dequantize(), requires_grad=False))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 64), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str)
+def test_quantize_moe_model_covers_every_expert(kind, fmt):
+    model = tiny_moe(kind)
+    dense = []
+    dq.quantize_(model, fmt, left_dense=dense)
+    experts = [n for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert len(experts) == 4  # two layers, two fused stacks each
+    quantized = set(dq.nn.quantized_fqns(model))
+    assert set(experts) <= quantized
+    # every parameter is either quantized or listed with a reason; the routers stay dense (listed)
+    assert quantized | {n for n, _ in dense} == {n for n, _ in model.named_parameters()}
+    assert {n for n, _ in dense if n.endswith("mlp.gate.weight")} == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    reference = dequantized_copy(model)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
+    for impl in ("eager", "grouped_mm"):
+        set_experts_impl(model, impl)
+        set_experts_impl(reference, impl)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits), impl
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_bf16_moe_kernels_close_to_dequantized(kind):
+    """bf16 activations take the int8/int4 weight-only kernels, which round differently from dequantize + mm."""
+    for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(64)):
+        model = dq.quantize_(tiny_moe(kind, torch.bfloat16), fmt)
+        reference = dequantized_copy(model)
+        ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(8))
+        for impl in ("eager", "grouped_mm", "batched_mm"):
+            set_experts_impl(model, impl)
+            set_experts_impl(reference, impl)
+            with torch.no_grad():
+                torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0.05, atol=0.05)
+
+
+def test_quantize_never_skips_silently():
+    model = tiny_moe("mixtral")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*multiple of block_size"):
+        dq.quantize_(model, dq.NF4(96, 256))  # 64 x 64 = 4096 elements are not a multiple of 96: an error, not a skip
+    dense = []
+    dq.quantize_(tiny_moe("mixtral"), dq.Int8Rowwise(), lambda m, fqn: "experts" not in fqn, left_dense=dense)
+    assert sum(why == "excluded by filter_fn" for _, why in dense) == 4
+    with pytest.raises(ValueError, match="no nn.Linear weight and no fused expert"):
+        dq.quantize_(torch.nn.Sequential(torch.nn.LayerNorm(8)), dq.Int8Rowwise())
