@@ -23,6 +23,7 @@ within 1.3x of bf16, peak memory at or below bf16's.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -120,7 +121,8 @@ def measure(dim: int, layers: int, tokens: int, repeat: int, variants: list[str]
         step(model, opt, x)  # lazy init, kernels
         with wire.record() as log:
             step(model, opt, x)
-        rows[v] = dict(bytes=log.all_gathers().nbytes, peak=resident_bytes(model, opt) + peak_bytes(lambda: step(model, opt, x)), times=[])
+        peak = resident_bytes(model, opt) + peak_bytes(functools.partial(step, model, opt, x))
+        rows[v] = {"bytes": log.all_gathers().nbytes, "peak": peak, "times": []}
     for _ in range(repeat):
         for v, (model, opt) in built.items():
             torch.distributed.barrier()

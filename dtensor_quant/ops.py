@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import writes
+from . import unpack, writes
 from .layout import (
     Blocked,
     Constant,
@@ -32,7 +32,6 @@ from .layout import (
     inner_slice,
     legal_chunk_counts,
 )
-from . import unpack
 from .tensor import QuantizedTensor, contiguous_strides
 
 aten = torch.ops.aten

@@ -20,7 +20,6 @@ from ..blocks import block_reduce, expand_blocks, nibbles_into
 from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne, Packed
 
-
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 
 

@@ -10,6 +10,8 @@ them -- on even, uneven and empty shards, for every relation along dim 0.
 import pytest
 import torch
 import torch.nn.functional as F
+from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
+from helpers import assert_same_bits, mesh, rank, weight
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -20,9 +22,6 @@ from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.layout import Constant
 from dtensor_quant.ops import same_bits
-
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-from helpers import assert_same_bits, mesh, rank, weight
 
 FORMATS = {
     "int8": dq.Int8Rowwise(),

@@ -9,17 +9,16 @@ hand the master the dense straight-through gradient.
 import pytest
 import torch
 import torch.nn.functional as F
+from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
+from helpers import assert_same_bits, floor_bytes, mesh, rank, weight
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from training import batches, gather_quantized_model, gather_quantized_reference, train
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.gather_quantized import GatherQuantized
-
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-from helpers import assert_same_bits, floor_bytes, mesh, rank, weight
-from training import batches, gather_quantized_model, gather_quantized_reference, train
 
 FORMATS = {
     "int8": dq.Int8Rowwise(),
@@ -150,9 +149,8 @@ def test_50_step_loss_curve_stays_close_to_bf16(ranks):
 
 def tp_fsdp_train(fmt_name, steps):
     """ColwiseParallel/RowwiseParallel over tp, FSDP2 over dp on a 2x2 mesh; block all-gathers at the floor."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     from test_qlora import TP_PLAN
+    from torch.distributed.tensor.parallel import parallelize_module
 
     model = gather_quantized_model(fmt_name, "even")
     m = mesh(2, 2)
