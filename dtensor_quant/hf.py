@@ -14,11 +14,13 @@
 Every rank reads the safetensors headers itself, then, for each tensor of the
 model in turn, only the byte ranges of its own slice (``os.preadv`` at the
 offsets the header gives: whole rows are one read, a column slice one read per
-row). A dense weight that the model holds quantized is then quantized by the
-same path a dense DCP checkpoint takes (:func:`~dtensor_quant.state_dict.quantize_like`):
-statistics that span shards are all-reduced, so the bytes equal quantizing the
-full tensor and then sharding it. A rank holds its shards plus one slice at a
-time. A weight stored quantized in a layout a format declares
+row). A dense weight that the model holds quantized is then quantized as a
+dense DCP checkpoint is (:func:`~dtensor_quant.state_dict.quantize_like`: the
+slice placed like the parameter, through the quantize op): statistics that
+span shards are all-reduced, so the bytes equal quantizing the full tensor and
+then sharding it. Where no statistic spans rows (the layout says so) the slice
+is read and quantized in runs of rows, so a rank holds its shards plus one
+run at a time. A weight stored quantized in a layout a format declares
 (``QuantFormat.checkpoint_suffixes``: FP8 block scales) is read as its inner
 tensors and placed by :func:`~dtensor_quant.state_dict.from_entries`, without
 dequantizing.
@@ -34,9 +36,11 @@ its DTensor), so nothing is gained from DCP's planning here.
 (no collective); rank 0 writes the headers and the index, then each rank
 writes the bytes of its own slices at their offsets (one replica of each
 slice writes). torch's ``HuggingFaceStorageWriter`` with consolidation was not
-used: its consolidation maps safetensors dtypes through a table without
-float8 (``F8_E4M3`` would be consolidated as float32) and re-reads every
-rank's files on one rank.
+used: it writes every rank's shards to files of their own and then, on the
+coordinator alone, reads them all back and writes the consolidated files (the
+model is written twice, the second time by one process), and its
+consolidation sizes elements with ``torch.finfo``, which fails for integer
+tensors. Here every byte is written once, in parallel, at its final place.
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized, quantize_like
+from .format import Reducer, weight_layout
+from .layout import Blocked, OneToOne, Packed, inner_slice
+from .ops import canonical_dims
+from .quantize import MeshReducer, quantize, quantize_local
+from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized
 from .tensor import QuantizedTensor, contiguous_strides
 
 __all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save", "tp_plan"]
@@ -81,6 +89,19 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     start: int  # absolute byte offset of the tensor's data in ``file``
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A model tensor that a checkpoint stores in pieces (transformers' per-expert keys of a fused expert stack).
+
+    ``parts`` holds ``(checkpoint key, offset in the assembled tensor)``; a
+    piece with fewer dims than the whole fills its leading dims with 1.
+    """
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 class Checkpoint:
@@ -129,8 +150,16 @@ class Checkpoint:
                 raise ValueError(f"{self.path}: tensor {key} is in both {self.tensors[key].file.name} and {file.name}")
             self.tensors[key] = TensorInfo(file, dtype, shape, 8 + n + begin)
 
-    def read(self, key: str, offsets=None, lengths=None) -> torch.Tensor:
-        """The slice ``[offsets, offsets + lengths)`` of tensor ``key`` (default: all of it)."""
+    def info(self, src) -> TensorInfo | Pieces:
+        return src if isinstance(src, Pieces) else self.tensors[src]
+
+    def read(self, key, offsets=None, lengths=None) -> torch.Tensor:
+        """The slice ``[offsets, offsets + lengths)`` of tensor ``key`` (default: all of it).
+
+        ``key`` is a checkpoint key or :class:`Pieces` (a tensor assembled from several).
+        """
+        if isinstance(key, Pieces):
+            return self._read_pieces(key, offsets, lengths)
         info = self.tensors[key]
         shape = info.shape
         offsets = tuple(offsets) if offsets is not None else (0,) * len(shape)
@@ -142,6 +171,24 @@ class Checkpoint:
         fd = self._fd(info.file)
         for pos, start, n in _runs(shape, offsets, lengths, info.dtype.itemsize):
             self._pread(fd, buf[pos : pos + n], info.start + start, key)
+        return out
+
+    def _read_pieces(self, pieces: Pieces, offsets, lengths) -> torch.Tensor:
+        """Read the part of every piece that falls in the slice, straight into its place."""
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(pieces.shape)
+        lengths = tuple(lengths) if lengths is not None else pieces.shape
+        out = torch.empty(lengths, dtype=pieces.dtype)
+        for key, at in pieces.parts:
+            shape = (1,) * (len(at) - len(self.tensors[key].shape)) + self.tensors[key].shape
+            lo = [max(a, o) for a, o in zip(at, offsets)]
+            hi = [min(a + n, o + m) for a, n, o, m in zip(at, shape, offsets, lengths)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            k = len(at) - len(self.tensors[key].shape)  # leading dims the piece adds (its expert index)
+            part = self.read(key, [l - a for l, a in zip(lo[k:], at[k:])], [h - l for l, h in zip(lo[k:], hi[k:])])
+            out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))] = part.reshape(
+                [h - l for l, h in zip(lo, hi)]
+            )
         return out
 
     def _pread(self, fd: int, buf: memoryview, offset: int, key: str) -> None:
@@ -225,6 +272,62 @@ def _tied(model: nn.Module) -> dict[str, str]:
         return {}
 
 
+def _converters(model: nn.Module) -> list[tuple[list[str], str, bool]]:
+    """transformers' rules that fuse per-expert checkpoint tensors into one model tensor.
+
+    ``(source patterns, target pattern, concatenated)`` for each
+    ``WeightConverter`` whose operations are ``MergeModulelist(dim=0)``
+    (stack the experts), optionally followed by ``Concatenate(dim=1)`` (join
+    the sources along the rows, as gate and up make ``gate_up_proj``); other
+    conversions are not read.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        return []
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return []
+    out = []
+    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(conv, "operations", [])]
+        targets = list(getattr(conv, "target_patterns", []))
+        if len(targets) == 1 and ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+            out.append((list(conv.source_patterns), targets[0], len(ops) == 2))
+    return out
+
+
+def _pieces(key: str, shape, ckpt: Checkpoint, converters) -> Pieces | str | None:
+    """The pieces of fused tensor ``key`` in the checkpoint, an error message if they do not fit, or None."""
+    for sources, target, concatenated in converters:
+        if not key.endswith(target) or len(shape) != 3:
+            continue
+        prefix = key[: -len(target)]
+        parts, row = [], 0
+        for pattern in sources:
+            first = prefix + pattern.replace("*", "0")
+            if first not in ckpt.tensors:
+                break
+            rows = ckpt.tensors[first].shape[0]
+            for e in range(shape[0]):
+                parts.append((prefix + pattern.replace("*", str(e)), (e, row, 0)))
+            row += rows
+        else:
+            found = [ckpt.tensors.get(k) for k, _ in parts]
+            want = [(shape[1] if not concatenated else ckpt.tensors[k].shape[0], shape[2]) for k, _ in parts]
+            dtypes = {f.dtype for f in found if f is not None}
+            if (
+                None in found
+                or len(dtypes) != 1
+                or [f.shape for f in found] != [tuple(w) for w in want]
+                or (row != shape[1])
+            ):
+                return (f"{key}: the checkpoint's per-expert tensors {[k for k, _ in parts[:3]]}... do not add up to "
+                        f"the model's {list(shape)} (expected {len(parts)} tensors of one dtype)")  # fmt: skip
+            return Pieces(tuple(parts), dtypes.pop(), tuple(shape))
+    return None
+
+
 def _local_slice(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's ``(shape, offset)`` in ``t``'s global tensor (the same arithmetic DCP uses)."""
     if not isinstance(t, DTensor):
@@ -270,19 +373,30 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     Checks only, no collective: every rank reaches the same verdict before anything is read.
     """
     tied, tasks, used, missing, errors = _tied(model), [], set(), [], []
+    converters = _converters(model)
     for key, _, t in _tensors(model):
         if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
             continue
         src = key if key in ckpt.tensors else tied.get(key, key)
         if src not in ckpt.tensors:
-            missing.append(key)
-            continue
+            src = _pieces(key, tuple(t.shape), ckpt, converters)
+            if src is None:
+                missing.append(key)
+                continue
+            if isinstance(src, str):  # the pieces do not add up
+                errors.append(src)
+                continue
         try:
             _local_slice(t)
         except ValueError as e:
             errors.append(f"{key}: {e}")
-        info, suffixes = ckpt.tensors[src], _suffixes(t)
-        companions = [src + s for s in ("_scale_inv", "_scale", "_scales", "_blocks") if src + s in ckpt.tensors]
+        info, suffixes = ckpt.info(src), _suffixes(t)
+        names = [k for k, _ in src.parts] if isinstance(src, Pieces) else [src]
+        companions = [
+            k + s for k in names for s in ("_scale_inv", "_scale", "_scales", "_blocks") if k + s in ckpt.tensors
+        ]
+        if isinstance(src, Pieces):
+            suffixes = None  # stored layouts are read from 2-D tensors only
         dense_float = info.dtype.is_floating_point and info.dtype.itemsize >= 2
         if suffixes is not None and not dense_float:
             kind = "prequantized"
@@ -290,18 +404,21 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             used.update(src + s for s in suffixes.values())
         elif is_quantized(t) and not dense_float or companions and not dense_float:
             kind = "error"
-            errors.append(f"{key}: the checkpoint holds it stored quantized ({src} is {info.dtype}"
+            errors.append(f"{key}: the checkpoint holds it stored quantized ({names[0]} is {info.dtype}"
                           f"{', with ' + ', '.join(companions) if companions else ''}), the model's weight is "
                           f"{_describe(t)}; quantize the model's weight in the checkpoint's format (FP8 block "
                           "scales: dq.Float8Blockwise(128)) before loading: quantized bytes are never silently "
                           "dequantized or requantized")  # fmt: skip
         else:
             kind = "quantized" if is_quantized(t) else "dense"
+            why = _plain_weight(t) if kind == "quantized" else None
+            if why:
+                errors.append(f"{key}: {why}")
             if info.shape != tuple(t.shape):
                 errors.append(
-                    f"{key}: the checkpoint's {src} has shape {list(info.shape)}, the model's is {list(t.shape)}"
+                    f"{key}: the checkpoint's {names[0]} has shape {list(info.shape)}, the model's is {list(t.shape)}"
                 )
-        used.add(src)
+        used.update(names)
         tasks.append((kind, key, src, t))
     unexpected = sorted(set(ckpt.tensors) - used)
     if strict and missing:
@@ -323,6 +440,9 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
+    if t.ndim != 2:
+        return [(f"{key}: {_describe(t)} weights are read as stored only as 2-D [out, in] tensors; this one is "
+                 f"{list(t.shape)}")]  # fmt: skip
     q, inner, _, shape = _canonical(t, key)
     out = []
     for name, rels in q.fmt.layout_for(shape).items():
@@ -335,7 +455,7 @@ def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
     return out
 
 
-def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
+def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 << 20) -> LoadResult:
     """Load the Hugging Face checkpoint directory ``path`` into ``model``, each rank reading its own slices.
 
     Every rank calls it, with the model in any layout the library supports
@@ -346,6 +466,10 @@ def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
     (``strict``), a shape or a format that does not fit raises ``ValueError``
     on every rank before anything is read. Tied weights a checkpoint leaves out
     (transformers' ``tie_word_embeddings``) are read from their source.
+
+    A slice is read and quantized in runs of rows of about ``chunk_bytes``
+    when the format's statistics never span rows (its layout is not constant
+    along dim 0); so a rank holds its shards plus one such run at a time.
     """
     with Checkpoint(path) as ckpt:
         tasks, missing, unexpected = _plan(model, ckpt, strict)
@@ -355,19 +479,75 @@ def load(model: nn.Module, path, *, strict: bool = True) -> LoadResult:
                 if kind == "prequantized":
                     t.copy_(_read_prequantized(ckpt, key, src, t))
                     result.prequantized.append(key)
-                    continue
-                shape, offset = _local_slice(t)
-                local = ckpt.read(src, offset, shape)
-                if kind == "quantized":
-                    dense = _dtensor_like(local, t) if isinstance(t, DTensor) else local
-                    t.copy_(quantize_like(dense, t, key))
+                elif kind == "quantized":
+                    _load_quantized(ckpt, key, src, t, chunk_bytes)
                     result.quantized.append(key)
                 else:
-                    (t._local_tensor if isinstance(t, DTensor) else t).copy_(local)
+                    _load_dense(ckpt, src, t, chunk_bytes)
                     result.dense.append(key)
-                del local
         result.bytes_read = ckpt.bytes_read
     return result
+
+
+def _row_runs(rows: int, row_bytes: int, align: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[r0, r1)`` runs of about ``chunk_bytes`` covering ``rows``, each starting at a multiple of ``align``."""
+    step = max(align, chunk_bytes // max(row_bytes, 1) // align * align)
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _load_dense(ckpt: Checkpoint, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
+    shape, offset = _local_slice(t)
+    local = _local(t)
+    if local.ndim == 0:
+        local.copy_(ckpt.read(src, offset, shape))
+        return
+    row_bytes = math.prod(shape[1:]) * ckpt.info(src).dtype.itemsize
+    for r0, r1 in _row_runs(shape[0], row_bytes, 1, chunk_bytes):
+        local[r0:r1].copy_(ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])))
+
+
+def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
+    """Quantize this rank's slice of ``src`` into ``t``: in runs of dim-0 indices, or whole.
+
+    Runs along dim 0 (rows of a matrix, experts of a fused ``[E, out, in]``
+    stack) are exactly as independent as Shard(0) pieces when the layout says
+    so: every inner tensor is one-to-one, packed or blocked along dim 0 (never
+    constant: no statistic spans them), and a run starts on a multiple of
+    every dim-0 block. Statistics shared across shards of the other dims are
+    all-reduced by the reducer the quantize op uses; the ranks of such a group
+    hold the same dim-0 range, so they run the same collectives. Otherwise the
+    slice is quantized whole, placed like ``t``, by :func:`~dtensor_quant.quantize`
+    (the path :func:`~dtensor_quant.state_dict.quantize_like` takes).
+    """
+    shape, offset = _local_slice(t)
+    q = _local(t)
+    full = tuple(t.shape)
+    layout = weight_layout(q.fmt, full)
+    if not all(isinstance(rels[0], (OneToOne, Packed, Blocked)) for rels in layout.values()):
+        dense = ckpt.read(src, offset, shape).to(t.dtype)
+        t.copy_(quantize(_dtensor_like(dense, t) if isinstance(t, DTensor) else dense, q.fmt))
+        return
+    if isinstance(t, DTensor):
+        reducer = MeshReducer.for_mesh(q.fmt, full, t.device_mesh, t.placements)
+    else:
+        reducer = Reducer(full)
+    align = math.lcm(*(rels[0].factor for rels in layout.values()))
+    row_bytes = math.prod(shape[1:]) * ckpt.info(src).dtype.itemsize
+    for r0, r1 in _row_runs(shape[0], row_bytes, align, chunk_bytes):
+        run = ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])).to(t.dtype)
+        part = quantize_local(q.fmt, run, reducer, full)
+        for name, rels in layout.items():
+            i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
+            q.inner[name][i0:i1].copy_(part.inner[name])
+
+
+def _plain_weight(t: torch.Tensor) -> str | None:
+    """Why quantized ``t`` cannot be loaded in place (a transposed or gathered view), or None."""
+    q = _local(t)
+    layout = weight_layout(q.fmt, tuple(t.shape))
+    if q.dims != canonical_dims(q.ndim) or any(rels != layout[n] for n, rels in zip(q.fmt.inner_names, q.rels)):
+        return f"{q!r} is not a plain quantized weight (a transposed or gathered view); load into the parameter"
+    return None
 
 
 def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:
@@ -556,6 +736,9 @@ def save(
     files = _layout(items, max_shard_bytes)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
+        # A previous export's files would otherwise stay, and a stale index would point readers at them.
+        for stale in [*path.glob("*.safetensors"), path / INDEX]:
+            stale.unlink(missing_ok=True)
         for name, (header, size) in files.items():
             with open(path / name, "wb") as f:
                 f.write(header)

@@ -152,7 +152,9 @@ def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, noise: float
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
     """One optimizer step on this rank's ``tokens``; returns the next-token loss averaged over ranks."""
-    loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    out = model(tokens[:, :-1])
+    logits = getattr(out, "logits", out)  # a transformers model returns an output object
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

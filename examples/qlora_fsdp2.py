@@ -1,6 +1,7 @@
 """QLoRA fine-tuning of the small LLaMA-style model with FSDP2 across N local ranks.
 
     python examples/qlora_fsdp2.py [--ranks 2] [--format int4] [--steps 30] [--out /tmp/qlora_fsdp2]
+    python examples/qlora_fsdp2.py --hf path/to/hf_model     # a transformers model from its HF directory
 
 Builds the model of examples/llama.py in bf16, quantizes every Linear of its
 blocks (frozen; Int4Groupwise(128) or Int8Rowwise), adds rank-16 LoRA
@@ -17,6 +18,12 @@ adapters -- as a sharded torch.distributed.checkpoint in ``OUT/checkpoint``
 (dtensor_quant.checkpoint: atomic, reshardable, see docs/checkpoint.md),
 then loads it into a fresh model whose every weight differs and checks that
 every byte came back.
+
+With ``--hf DIR`` the base is a transformers model read from a local Hugging
+Face directory: built on the meta device, quantized, then each rank reads its
+checkpoint slices with ``dq.hf.load`` (docs/huggingface.md); at the end the
+fine-tuned model is also exported with the adapters merged, as a Hugging Face
+directory in ``OUT/hf`` that ``from_pretrained`` reads (``dq.hf.save``).
 """
 
 from __future__ import annotations
@@ -44,13 +51,28 @@ FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise()}
 
 
 def in_blocks(module, fqn: str) -> bool:
-    return fqn.startswith("layers.")
+    return fqn.startswith(("layers.", "model.layers."))  # examples/llama.py's blocks, or a transformers model's
 
 
-def build(fmt: dq.QuantFormat, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """The pretrained-stand-in base (``seed``), quantized and frozen, with fresh adapters (``seed + 1``)."""
-    model = llama.build(CFG, seed=seed, dtype=torch.bfloat16).to(device)
-    dq.quantize_(model, fmt, filter_fn=in_blocks)
+def build(fmt: dq.QuantFormat, device: torch.device, seed: int = 0, hf: str | None = None) -> torch.nn.Module:
+    """The pretrained-stand-in base (``seed``, or the HF model in ``hf``), quantized and frozen, with fresh adapters.
+
+    The adapters come from ``seed + 1``. A Hugging Face base is built on the meta device and quantized there,
+    then every rank reads the checkpoint (each weight quantized with the statistics of the whole tensor).
+    """
+    if hf is None:
+        model = llama.build(CFG, seed=seed, dtype=torch.bfloat16).to(device)
+        dq.quantize_(model, fmt, filter_fn=in_blocks)
+    else:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(hf)
+        with dq.hf.init_empty():
+            model = getattr(transformers, config.architectures[0])(config)
+        model.to(torch.bfloat16)
+        dq.quantize_(model, fmt, filter_fn=in_blocks)
+        dq.hf.materialize(model, device)
+        dq.hf.load(model, hf)
     return add_lora_(model, rank=16, alpha=32, filter_fn=in_blocks, seed=seed + 1)
 
 
@@ -64,13 +86,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
+    for layer in model.layers if hasattr(model, "layers") else model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def synthetic_batches(steps: int, batch: int, seq: int, seed: int = 0):
-    return llama.synthetic_batches(steps, batch, seq, CFG.vocab_size, noise=0.1, seed=seed)
+def synthetic_batches(steps: int, batch: int, seq: int, seed: int = 0, vocab: int = CFG.vocab_size):
+    return llama.synthetic_batches(steps, batch, seq, vocab, noise=0.1, seed=seed)
 
 
 def progress(step: int, steps: int, loss: float, seconds: float) -> None:
@@ -80,11 +102,12 @@ def progress(step: int, steps: int, loss: float, seconds: float) -> None:
     print(f"\r[{bar}] step {step}/{steps}  loss {loss:.4f}  {seconds / step:.2f} s/step", end=end, flush=True)
 
 
-def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: str) -> list[float]:
+def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: str, hf: str | None = None) -> list[float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if launch.device_type(world) == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))
-    model = shard(build(FORMATS[fmt_name], device), mesh)
+    model = shard(build(FORMATS[fmt_name], device, hf=hf), mesh)
+    vocab = model.config.vocab_size if hf else CFG.vocab_size
     opt = torch.optim.AdamW(lora_parameters(model).values(), lr=lr)
     if rank == 0:
         n_lora = sum(p.numel() for p in lora_parameters(model).values())
@@ -93,7 +116,7 @@ def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: st
         log = open(os.path.join(out, "loss.csv"), "w")
         log.write("step,loss\n")
     losses, start = [], time.perf_counter()
-    for step, tokens in enumerate(synthetic_batches(steps, batch, seq), start=1):
+    for step, tokens in enumerate(synthetic_batches(steps, batch, seq, vocab=vocab), start=1):
         losses.append(llama.train_step(model, opt, tokens.chunk(world)[rank].to(device)))
         if rank == 0:
             log.write(f"{step},{losses[-1]:.6f}\n")
@@ -105,7 +128,7 @@ def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: st
     # into a fresh model built from another seed (every weight differs) and compare every byte.
     path = os.path.join(out, "checkpoint")
     dq.checkpoint.save(model, path)
-    fresh = shard(build(FORMATS[fmt_name], device, seed=1000), mesh)
+    fresh = shard(build(FORMATS[fmt_name], device, seed=1000, hf=hf), mesh)
     dq.checkpoint.load(fresh, path)
     trained, reloaded = dict(model.named_parameters()), dict(fresh.named_parameters())
     same = all(same_bytes(p, reloaded[k]) for k, p in trained.items())
@@ -115,6 +138,10 @@ def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: st
               f"{'every byte identical' if same else 'DIFFERENT'}")
         print(f"loss log: {os.path.join(out, 'loss.csv')}")
     assert same, "the reloaded model differs from the saved one"
+    if hf:  # the fine-tuned model for any consumer: adapters merged, dense bf16, each rank writing its slices
+        dq.hf.save(model, os.path.join(out, "hf"))
+        if rank == 0:
+            print(f"exported the fine-tuned model (adapters merged) to {os.path.join(out, 'hf')} (Hugging Face)")
     return losses
 
 
@@ -127,10 +154,12 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--out", default="/tmp/qlora_fsdp2")
+    ap.add_argument("--hf", default=None, help="a local Hugging Face model directory to fine-tune instead")
     args = ap.parse_args(argv)
     if args.batch % args.ranks:
         ap.error(f"--batch {args.batch} must split evenly over --ranks {args.ranks}")
-    losses = launch.run(finetune, args.ranks, args.format, args.steps, args.batch, args.seq, args.lr, args.out, timeout=3600)[0]
+    losses = launch.run(finetune, args.ranks, args.format, args.steps, args.batch, args.seq, args.lr, args.out, args.hf,
+                        timeout=3600)[0]
     print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     return losses
 

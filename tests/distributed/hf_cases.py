@@ -19,21 +19,30 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import dtensor_quant as dq
 
 # Real width where it matters (768 = an intermediate size of real models); few rows.
-CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)  # fmt: skip
+CONFIG = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": False}  # fmt: skip
 
 
 def model_class(kind: str):
     import transformers
 
     return {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]  # fmt: skip
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[kind]  # fmt: skip
+
+
+# Four experts, fused in the model ([E, 2I, H] and [E, H, I]), one key per expert and projection in the file.
+MOE = dict(CONFIG, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2)
+
+
+def config_of(kind: str) -> dict:
+    return MOE if kind == "qwen3moe" else CONFIG
 
 
 def write_dense(kind: str, path, sharded: bool, seed: int = 0) -> str:
     config_cls, model_cls = model_class(kind)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**CONFIG)).to(torch.bfloat16)
+    model = model_cls(config_cls(**config_of(kind))).to(torch.bfloat16)
     model.save_pretrained(path, max_shard_size="300KB" if sharded else "1GB")
     return str(path)
 
@@ -97,7 +106,7 @@ def check_loaded(model, path, fmt, result) -> dict:
     full = read_all(path)
     expected_bytes = 0
     for name, p in model.named_parameters():
-        src = full[name]
+        src = full[name] if name in full else fused(full, name)
         local = p._local_tensor if isinstance(p, DTensor) else p
         if isinstance(local, dq.QuantizedTensor):
             stored = name + "_scale_inv" in full
@@ -126,3 +135,13 @@ def _stored(full, name, fmt, dtype):
     q, s = full[name], full[name + "_scale_inv"]
     rels = tuple(fmt.layout.values())
     return dq.QuantizedTensor({"qdata": q, "scale_inv": s}, fmt, rels, canonical_dims(2), tuple(q.shape), dtype)
+
+
+def fused(full: dict, name: str) -> torch.Tensor:
+    """A fused expert stack assembled from the per-expert tensors, the way transformers documents it."""
+    prefix, _, proj = name.rpartition(".")
+    count = sum(1 for k in full if k.startswith(prefix + ".") and k.endswith(".down_proj.weight"))
+    if proj == "gate_up_proj":
+        return torch.stack([torch.cat([full[f"{prefix}.{e}.gate_proj.weight"], full[f"{prefix}.{e}.up_proj.weight"]])
+                            for e in range(count)])  # fmt: skip
+    return torch.stack([full[f"{prefix}.{e}.{proj}.weight"] for e in range(count)])

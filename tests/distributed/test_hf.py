@@ -14,7 +14,7 @@ import hf_cases as hc
 import pytest
 import torch
 from helpers import mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
@@ -23,19 +23,26 @@ from dtensor_quant.fsdp import fully_shard
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 
-FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(), "fp8b": dq.Float8Blockwise(128)}  # fmt: skip
-WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4}
+FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(),
+           "fp8b": dq.Float8Blockwise(128), "nf4": dq.NF4()}  # fmt: skip
+WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4, "ep2": 2}
 
 
 def build(kind: str, layout: str, fmt_name: str):
     """The transformers model on meta, quantized, placed by ``layout``, then materialized (this rank's shards)."""
     config_cls, model_cls = hc.model_class(kind)
     with dq.hf.init_empty():
-        model = model_cls(config_cls(**hc.CONFIG))
+        model = model_cls(config_cls(**hc.config_of(kind)))
     model.to(torch.bfloat16)
     dq.quantize_(model, FORMATS[fmt_name], filter_fn=lambda m, fqn: fqn != "lm_head" or fmt_name != "fp8b")
     if layout == "tp2":
         parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    elif layout == "ep2":  # expert parallelism: each rank holds half of every fused expert stack
+        for fqn, module in model.named_modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.ndim == 3:
+                    dt = distribute_tensor(p.detach(), mesh(2), [Shard(0)], src_data_rank=None)
+                    setattr(module, name, torch.nn.Parameter(dt, requires_grad=False))
     elif layout in ("fsdp2", "2d"):
         m = mesh(2) if layout == "fsdp2" else mesh(2, 2)
         if layout == "2d":
@@ -50,7 +57,8 @@ def build(kind: str, layout: str, fmt_name: str):
 def load_and_check(kind, layout, fmt_name, path):
     model = build(kind, layout, fmt_name)
     assert all(not p.is_meta for p in model.parameters())
-    result = dq.hf.load(model, path)
+    # Sharded models read and quantize in runs of a few rows (many runs per weight); one process, whole slices.
+    result = dq.hf.load(model, path, chunk_bytes=16 << 10 if layout != "single" else 16 << 20)
     return hc.check_loaded(model, path, FORMATS[fmt_name], result)
 
 
@@ -63,7 +71,7 @@ def on(ranks, layout, fn, *args):
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "qwen3moe"):
         for sharded in (False, True):
             out[kind, sharded] = hc.write_dense(kind, root / f"{kind}-{sharded}", sharded)
     return out
@@ -74,7 +82,11 @@ CASES = [
     ("qwen2", True, "tp2", "int4"),
     ("llama", True, "fsdp2", "f8t"),  # one scale for the whole tensor from FSDP's row shards
     ("qwen2", False, "single", "int4"),
+    ("llama", False, "single", "nf4"),  # statistics span rows: quantized whole
     pytest.param("llama", True, "2d", "int8", marks=pytest.mark.slow),
+    # MoE: fused [E, out, in] experts read from the file's per-expert tensors; FSDP2 shards the experts
+    ("qwen3moe", True, "ep2", "int8"),
+    pytest.param("qwen3moe", False, "single", "int4", marks=pytest.mark.slow),
 ]
 
 
@@ -141,7 +153,7 @@ def test_fp8_dequantization_equals_torch_reader(fp8_checkpoints):
 def save_and_report(kind, layout, fmt_name, src, out):
     model = build(kind, layout, fmt_name)
     dq.hf.load(model, src)
-    dq.hf.save(model, out)
+    dq.hf.save(model, out, max_shard_bytes=400_000 if layout == "tp2" else 5 << 30)  # TP-2: an index of files
     full = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p
@@ -149,11 +161,15 @@ def save_and_report(kind, layout, fmt_name, src, out):
     return full
 
 
-@pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
-def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, layout):
-    _, model_cls = hc.model_class("qwen2")
+@pytest.mark.parametrize("kind,layout", [("qwen2", "tp2"), ("qwen2", "fsdp2"), ("qwen3moe", "ep2")])
+def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, kind, layout):
+    _, model_cls = hc.model_class(kind)
     out = str(tmp_path / "export")
-    expected = on(ranks, layout, save_and_report, "qwen2", layout, "int4", checkpoints["qwen2", True], out)[0]
+    fmt_name = "int8" if kind == "qwen3moe" else "int4"
+    expected = on(ranks, layout, save_and_report, kind, layout, fmt_name, checkpoints[kind, True], out)[0]
+    from pathlib import Path
+
+    assert (Path(out) / "model.safetensors.index.json").exists() == (layout == "tp2")
     back = model_cls.from_pretrained(out, dtype=torch.bfloat16)
     got = dict(back.named_parameters())
     assert set(got) == set(expected)
@@ -245,3 +261,35 @@ def test_qlora_model_loads_by_hf_names_and_saves_merged(ranks, checkpoints, tmp_
     assert len(expected) == 4
     for k, v in expected.items():
         assert torch.equal(back[k].detach(), v), k
+
+
+def quantize_meta_dtensors():
+    """quantize_ after parallelize_module on the meta device: quantized meta shards, no collective, no data."""
+    config_cls, model_cls = hc.model_class("llama")
+    with dq.hf.init_empty():
+        model = model_cls(config_cls(**hc.CONFIG))
+    parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    dq.quantize_(model, dq.Int8Rowwise())
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert isinstance(w.to_local(), dq.QuantizedTensor) and w.to_local().is_meta, w
+    assert w.to_local().qdata.shape == (256, 384)
+    with dq.hf.init_empty():
+        other = model_cls(config_cls(**hc.CONFIG))
+    parallelize_module(other, mesh(2), dq.hf.tp_plan(other))
+    with pytest.raises(dq.LayoutError, match="o_proj.*not a multiple of 256"):  # 128 columns per rank
+        dq.quantize_(other, dq.Int4Groupwise(256))
+    return True
+
+
+def test_quantize_after_parallelize_on_meta(ranks):
+    assert ranks(2).run(quantize_meta_dtensors) == [True, True]
+
+
+def test_save_replaces_a_previous_export(checkpoints, tmp_path):
+    """A single-file export over a sharded one leaves no stale index or shard behind."""
+    model = build("llama", "single", "int8")
+    dq.hf.load(model, checkpoints["llama", False])
+    dq.hf.save(model, tmp_path, max_shard_bytes=200_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    dq.hf.save(model, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == ["model.safetensors"]

@@ -22,3 +22,40 @@ def test_hf_tp_inference_example(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens equal to the one-process quantized model on every rank: True" in out.stdout
     assert out.stdout.count("(0.500x the files)") == 2, out.stdout  # every tensor is split in two
+
+
+@pytest.mark.slow
+def test_qlora_example_from_hf(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_tp_inference
+    import qlora_fsdp2
+    import transformers
+
+    hf_tp_inference.write_tiny(tmp_path / "tiny", "qwen2")
+    out = tmp_path / "out"
+    losses = qlora_fsdp2.main(["--steps", "3", "--ranks", "2", "--format", "int8", "--out", str(out), "--hf",
+                               str(tmp_path / "tiny")])  # fmt: skip
+    assert len(losses) == 3
+    back = transformers.Qwen2ForCausalLM.from_pretrained(out / "hf")
+    assert back.model.layers[0].mlp.down_proj.weight.shape == (256, 768)
+
+
+@pytest.mark.slow
+def test_hf_tp_inference_example_serves_fp8_block_checkpoint(tmp_path):
+    """An FP8 block-scale checkpoint (the tests' own writer) served TP-2 as stored, tokens equal to one process."""
+    import json
+
+    import hf_cases as hc
+
+    dense = hc.read_all(hc.write_dense("llama", tmp_path / "dense", False))
+    linears = {k for k in dense if ".layers." in k and k.endswith("proj.weight")}
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    path = hc.write_fp8(dense, tmp_path / "fp8", linears, True, config)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_tp_inference.py"), path, "--world", "2",
+         "--format", "Float8Blockwise"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "14 quantized weights" in out.stdout and "every rank: True" in out.stdout, out.stdout
