@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .format import weight_layout
 from .layout import Blocked, Constant, FlatBlocked, InFlat, OneToOne, Packed, dim_factor
 from .tensor import QuantizedTensor
 
@@ -25,8 +26,21 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 def whole_blocks(q: QuantizedTensor) -> bool:
-    """Whether ``q`` is a canonical 2-D weight whose packs and column blocks are whole (a last row block may be partial)."""
+    """Whether ``q`` is laid out as a fresh canonical 2-D weight of its shape, packs and column blocks whole.
+
+    The relations must be the ones the format gives a weight of ``q``'s shape
+    (a slice through a block, or a gather whose blocks do not continue, has
+    others): then every inner tensor holds its blocks in the order quantizing
+    would, which is what a format's ``unpack`` assumes. A last row block may
+    be partial.
+    """
     if q.ndim != 2 or q.dims != ((0,), (1,)):
+        return False
+    try:
+        fresh = weight_layout(q.fmt, q.shape)
+    except ValueError:
+        return False
+    if q.rels != tuple(fresh[name] for name in q.fmt.inner_names):
         return False
     for rels in q.rels:
         for dim, (rel, n) in enumerate(zip(rels, q.shape)):
@@ -70,9 +84,24 @@ def dense(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def dense_inner(fmt, inner: dict[str, torch.Tensor], blocks, shape, dtype: torch.dtype) -> torch.Tensor | None:
-    """:func:`dense` for canonical inner tensors and their block sizes (the matmul kernels' view), or None."""
-    cols = shape[1]
-    if any(b and cols % b for b in blocks[1::2]):  # a partial column block
+    """:func:`dense` for canonical inner tensors and their block sizes (the matmul kernels' view), or None.
+
+    The same precondition as :func:`whole_blocks`, from what the kernel op
+    carries: the block sizes and inner shapes of a fresh weight of ``shape``
+    (slices start on block boundaries, so equal blocks and lengths mean the
+    same blocks in the same order), and whole column blocks.
+    """
+    from .ops import block_sizes
+
+    try:
+        fresh = weight_layout(fmt, shape)
+    except ValueError:
         return None
+    rels = [fresh[name] for name in fmt.inner_names]
+    if block_sizes(rels) != list(blocks) or any(b > 0 and shape[1] % b for b in blocks[1::2]):
+        return None
+    for (name, t), row in zip(inner.items(), rels):
+        if tuple(t.shape) != tuple(rel.inner_len(n) for rel, n in zip(row, shape)):
+            return None
     out = torch.empty(tuple(shape), dtype=dtype, device=next(iter(inner.values())).device)
     return out if fmt.unpack(inner, out) else None

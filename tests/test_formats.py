@@ -235,3 +235,18 @@ def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, s
             got = unpack.dense(q, dtype)
             assert got is not None and same_bits(got, expected), (dtype, chunk)
         assert same_bits(q.t().dequantize(dtype), expected.t())
+
+
+def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
+    """A column slice of NF4 keeps a factor per row cut short: the flat fast path must not read it in flat order."""
+    from dtensor_quant import unpack
+    from dtensor_quant.ops import _broadcastable, same_bits
+
+    q = dq.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)), dq.NF4())
+    for piece in (q[:, :1024], q[:, 1024:], q[:32]):
+        expected = piece.fmt.dequantize(_broadcastable(piece.inner, piece.rels, piece.shape), torch.float32)
+        assert same_bits(piece.dequantize(), expected)
+        x = torch.randn(3, piece.shape[1], generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(torch.nn.functional.linear(x, piece), x @ expected.t(), atol=1e-5)
+    assert unpack.dense(q[:, :1024], torch.float32) is None  # per-row factors cut short: not a fresh layout
+    assert unpack.dense(q[:32], torch.float32) is not None  # whole row blocks: the fast path
