@@ -64,6 +64,8 @@ def unpack_into(q: QuantizedTensor, out: torch.Tensor) -> bool:
     if out.shape != q.shape or not whole_blocks(q) or any(t.device != out.device for t in q.inner.values()):
         return False
     rows, cols = q.shape
+    if rows * cols == 0:
+        return True  # nothing to write
     factor = dim_factor([rels[0] for rels in q.rels])
     step = max(factor, (CHUNK_ELEMENTS // max(cols, 1)) // factor * factor)
     for start in range(0, rows, step):
@@ -104,4 +106,4 @@ def dense_inner(fmt, inner: dict[str, torch.Tensor], blocks, shape, dtype: torch
         if tuple(t.shape) != tuple(rel.inner_len(n) for rel, n in zip(row, shape)):
             return None
     out = torch.empty(tuple(shape), dtype=dtype, device=next(iter(inner.values())).device)
-    return out if fmt.unpack(inner, out) else None
+    return out if out.numel() == 0 or fmt.unpack(inner, out) else None
