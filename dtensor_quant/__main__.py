@@ -32,16 +32,18 @@ def _load(target: str):
 
 
 def _shape(text: str) -> list[Layer]:
-    """``[NAME=]OUTxIN[:colwise|rowwise]``."""
+    """``[NAME=][EXPERTSx]OUTxIN[:colwise|rowwise]``."""
     name, _, rest = text.rpartition("=")
     dims, _, style = rest.partition(":")
     try:
-        out_f, in_f = (int(v) for v in dims.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"bad --shape {text!r}: expected [NAME=]OUTxIN[:colwise|rowwise], e.g. wo=4096x4096:rowwise")
+        shape = tuple(int(v) for v in dims.lower().split("x"))
+        assert len(shape) in (2, 3)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"bad --shape {text!r}: expected [NAME=][EXPERTSx]OUTxIN[:colwise|rowwise], "
+                         "e.g. wo=4096x4096:rowwise or experts=8x28672x4096") from None
     if style and style not in STYLES:
         raise SystemExit(f"bad --shape {text!r}: style must be colwise or rowwise")
-    return [Layer(name or dims, (out_f, in_f), s) for s in ([style] if style else STYLES)]
+    return [Layer(name or dims, shape, s) for s in ([style] if style else STYLES)]
 
 
 def main(argv=None) -> int:
@@ -55,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp-plan", metavar="MODULE:FN", help="a function model -> {fqn: ParallelStyle} (the TP styles)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="tensor-parallel degrees")
     p.add_argument("--dp", type=int, nargs="+", default=[1], help="FSDP degrees (FSDP2 shards dim 0)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the [EXPERTSxOUTxIN] stacks")
     args = ap.parse_args(argv)
 
     fmt = parse_format(args.format)
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
         layers += layers_of(model, tp_plan)
     if not layers:
         ap.error("give --model or at least one --shape")
-    result = plan(layers, fmt, tp=args.tp, dp=args.dp)
+    result = plan(layers, fmt, tp=args.tp, dp=args.dp, ep=args.ep)
     print(result)
     return 0
 

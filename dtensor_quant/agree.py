@@ -12,19 +12,22 @@ others' descriptions and raises :class:`~dtensor_quant.LayoutError` naming
 what each rank holds -- on every rank, before the real collective.
 
 Cost: one all-gather of 8 bytes per rank the first time a (process group,
-layout) pair is seen; afterwards a set lookup of the layout key (measured in
-``bench/agree.py``). Under ``torch.compile`` tracing no check is made.
+layout) pair is seen; afterwards building the layout key and a set lookup,
+about 10 us (measured in ``bench/agree.py``). Under ``torch.compile`` tracing no check is made.
 
 What it cannot catch: ranks that disagree on a layout which each of them
 already used successfully with the others on the same group (both layouts
 are in the agreed set) skip the exchange. With equal byte counts those still
 mix; with unequal ones gloo still fails. That takes two ranks whose configs
 agree on one weight of a shape and disagree on another of the same shape.
+``DTENSOR_QUANT_AGREE_EVERY_CALL=1`` checks every collective instead (one
+8-byte all-gather each), which closes that gap.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -36,18 +39,23 @@ from . import wire
 from .layout import LayoutError
 
 _AGREED: set = set()
+# Check every collective, not only the first per layout (one 8-byte all-gather each): closes the gap
+# described above, for debugging configs. Set DTENSOR_QUANT_AGREE_EVERY_CALL=1, or this attribute.
+EVERY_CALL = os.environ.get("DTENSOR_QUANT_AGREE_EVERY_CALL", "") not in ("", "0")
 
 
 def layout_key(q) -> tuple:
     """What must be the same on every rank for ``q``'s bytes to mean the same (hashable, cheap)."""
     inner = tuple((t.dtype, tuple(t.shape)) for t in q.inner.values())
-    return (q.fmt, tuple(tuple(map(str, row)) for row in q.rels), q.dims, q.dtype, tuple(q.shape), inner)
+    # Relations are frozen dataclasses: hashable, and printed the same on every rank for the fingerprint.
+    return (q.fmt, q.rels, q.dims, q.dtype, tuple(q.shape), inner)
 
 
 def describe_key(key: tuple) -> str:
     fmt, rels, dims, dtype, shape, inner = key[0], key[1], key[2], key[3], key[4], key[5]
     parts = ", ".join(
-        f"{n}={s}:{str(d).removeprefix('torch.')} {list(r)}" for n, (d, s), r in zip(fmt.inner_names, inner, rels)
+        f"{n}={s}:{str(d).removeprefix('torch.')} {[str(x) for x in r]}"
+        for n, (d, s), r in zip(fmt.inner_names, inner, rels)
     )
     orient = "" if dims == tuple((i,) for i in range(len(dims))) else f", dims={dims}"
     return f"{fmt!r} of shape {shape}, {str(dtype).removeprefix('torch.')}{orient} ({parts})"
@@ -62,7 +70,7 @@ def check_same(
     collective the first time a key is seen). ``what`` names the operation;
     ``sample`` is a tensor on the group's device.
     """
-    if (group_name, key) in _AGREED:
+    if not EVERY_CALL and (group_name, key) in _AGREED:
         return
     from .ops import _tracing
 

@@ -34,10 +34,77 @@ def block_reduce(x: torch.Tensor, dim: int, block: int | None, op: str) -> torch
         x = torch.nn.functional.pad(x, widths, value=_IDENTITY[op])
     x = x.unflatten(dim, (n_blocks, size))
     if op == "max":
-        return x.amax(dim + 1)
+        return canonical_nan(x.amax(dim + 1))
     if op == "min":
-        return x.amin(dim + 1)
-    return x.sum(dim + 1)
+        return canonical_nan(x.amin(dim + 1))
+    return canonical_nan(x.sum(dim + 1))
+
+
+def canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every NaN as the one canonical NaN (the input's sign and payload would depend on which shard held it)."""
+    return torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
+
+
+def canonical_nans(t: torch.Tensor) -> torch.Tensor:
+    """A stored inner tensor with every NaN as one bit pattern.
+
+    Vectorized and scalar loops (a shard's length decides which runs) leave
+    different NaN payloads and signs; canonical NaNs keep quantizing a shard
+    bit-identical to quantizing the full tensor. Integer tensors pass through.
+    """
+    if t.dtype == torch.float8_e4m3fn:  # NaN is S.1111.111: drop the sign
+        b = t.view(torch.uint8)
+        return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b).view(t.dtype)
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        return canonical_nan(t)
+    return t
+
+
+def reduce_nan_aware(stat: torch.Tensor, op: str, all_reduce) -> torch.Tensor:
+    """``all_reduce(stat, op)`` that is NaN wherever any rank's ``stat`` is (gloo's MAX/MIN may drop NaN).
+
+    Same bytes, one collective: a float32 max/min travels as int32 keys in
+    IEEE total order, where the canonical (positive) NaN sorts above +inf, so
+    an integer MAX keeps it (a min is the max of the negation).
+    """
+    if op == "sum" or stat.dtype != torch.float32:
+        return canonical_nan(all_reduce(stat, op))
+    sign = 1.0 if op == "max" else -1.0
+    key = _ordered(canonical_nan(stat * sign))
+    return canonical_nan(_unordered(all_reduce(key, "max")) * sign)
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 whose signed order is the floats' order (NaN, positive, above +inf)."""
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _unordered(key: torch.Tensor) -> torch.Tensor:
+    return torch.where(key < 0, key ^ 0x7FFFFFFF, key).view(torch.float32)
+
+
+def safe_scale(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
+    """``amax / qmax`` in ``dtype``: never zero, and ``qmax * scale`` never overflows ``dtype``.
+
+    The floor is ``dtype``'s smallest subnormal, not its smallest normal, so
+    tiny fp16 rows keep their precision, and it is rounded up, so no code is
+    clipped: the error stays within half a (rounded) scale, for fp16 at most
+    ``amax / (2 * qmax)`` plus half a scale ulp. Where rounding to ``dtype`` pushes
+    ``qmax * scale`` (computed in float32, as dequantize does) past ``dtype``'s
+    maximum, the scale steps down one ulp, so finite weights near the dtype's
+    range never dequantize to Inf. A non-finite ``amax`` (NaN or Inf in the
+    block) stays non-finite: that block dequantizes to NaN rather than to
+    silently wrong finite values.
+    """
+    info = torch.finfo(dtype)
+    finite = amax.isfinite()
+    scale = (amax / qmax).clamp(min=info.smallest_normal * info.eps).to(dtype)
+    # Rounded up where rounding went down, so |w| / scale <= qmax and no code is clipped.
+    under = finite & (scale.float() * qmax < amax)
+    scale = torch.where(under, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    over = finite & (scale.float() * qmax > info.max)
+    return torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
 
 
 def expand_blocks(s: torch.Tensor, dim: int, block: int, length: int) -> torch.Tensor:

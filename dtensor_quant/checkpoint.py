@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import json
 import os
+import pickle
 import shutil
 import warnings
 import zlib
@@ -52,6 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .layout import LayoutError
 from .state_dict import (
     SPEC_KEY,
     CheckpointFormatError,
@@ -63,7 +65,6 @@ from .state_dict import (
     register,
     to_entries,
 )
-from .layout import LayoutError
 from .tensor import contiguous_strides
 
 __all__ = [
@@ -361,6 +362,8 @@ def _read_metadata(path) -> Metadata:
         partial = staging_path(path)
         hint = f"; {partial} holds the files of a save that did not complete" if partial.exists() else ""
         raise FileNotFoundError(f"no complete checkpoint at {path} (its .metadata is missing){hint}") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointCorruptError(f"{Path(path) / '.metadata'} is damaged ({type(e).__name__}: {e})") from None
 
 
 def _leaves(state: dict, prefix: str = ""):
@@ -476,6 +479,12 @@ def load(state, path, *, process_group=None, strict: bool = True):
     return None
 
 
+_MIRRORED = {
+    t.__name__: t
+    for t in (CheckpointFormatError, CheckpointCorruptError, CheckpointLoadError, FileNotFoundError, LayoutError)
+}
+
+
 def _on_every_rank(check, process_group):
     """``check()``, whose failure on any rank is raised on every rank (one small all-gather per load).
 
@@ -485,16 +494,16 @@ def _on_every_rank(check, process_group):
     error = None
     try:
         result = check()
-    except (CheckpointFormatError, CheckpointLoadError, FileNotFoundError, LayoutError) as e:
+    except Exception as e:  # noqa: BLE001  (any failure: the other ranks must hear of it)
         error, result = e, None
     if dist.is_initialized():
         errors: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(errors, None if error is None else (type(error), str(error)), group=process_group)
+        dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=process_group)
         if error is None:
             failed = [(r, e) for r, e in enumerate(errors) if e is not None]
             if failed:
                 rank, (kind, msg) = failed[0]
-                raise kind(f"rank {rank}: {msg}")
+                raise _MIRRORED.get(kind, CheckpointLoadError)(f"rank {rank}: {kind}: {msg}")
     if error is not None:
         raise error
     return result

@@ -173,7 +173,7 @@ def _agree(q: QuantizedTensor, group, what: str, shape: bool = True) -> None:
 
 def _describe_key(key) -> str:
     if key[4] is None:
-        return f"{key[0]!r}, {key[3]}, inner dtypes {[str(d) for d in key[5]]}, relations {list(key[1])}"
+        return f"{key[0]!r}, {key[3]}, inner dtypes {[str(d) for d in key[5]]}, relations {[[str(r) for r in row] for row in key[1]]}"
     return agree.describe_key(key)
 
 

@@ -39,14 +39,14 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from . import agree, matmul
-from .format import QuantFormat, check_weight
+from . import matmul
+from .format import QuantFormat, Reducer, check_weight
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
 from .ops import _describe, implements
 from .ops import dequantize as dequantize_local
 from .placements import _shard_like, check_placements
-from .quantize import MeshReducer, quantize_local
+from .quantize import MeshReducer, agree_before_reducing, quantize_local
 from .tensor import QuantizedTensor
 
 # -- quantize -------------------------------------------------------------------
@@ -67,22 +67,9 @@ def _quantize(
     whole weight's shape (a layout may depend on it).
     """
     fmt = format_from_id(fmt_id)
-    _agree_quantize(fmt, weight, shard_dims, groups, full_shape)
+    agree_before_reducing(fmt, weight, shard_dims, groups, full_shape)
     reduce = MeshReducer(fmt, full_shape, [(d, g) for d, g in zip(shard_dims, groups) if d >= 0])
     return quantize_local(fmt, weight, reduce, full_shape)
-
-
-def _agree_quantize(fmt, weight, shard_dims, groups, full_shape) -> None:
-    """Every rank of every sharded mesh dim must quantize with the same format (else the reductions mix)."""
-    key = ("quantize", fmt, tuple(full_shape), weight.dtype, tuple(shard_dims))
-    for d, g in zip(shard_dims, groups):
-        if d >= 0:
-            agree.check_same(g, key, weight, f"quantize into {fmt}", _describe_quantize)
-
-
-def _describe_quantize(key) -> str:
-    _, fmt, shape, dtype, dims = key
-    return f"quantize a {str(dtype).removeprefix('torch.')} {shape} weight sharded on dims {list(dims)} into {fmt!r}"
 
 
 @_quantize.register_fake
@@ -122,11 +109,17 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     mesh, placements = weight.device_mesh, weight.placements
     check_weight(fmt, weight.shape, weight.dtype)
     check_placements(weight.shape, fmt, mesh.shape, placements)
+    if weight._local_tensor.is_meta:
+        # Meta init (build, quantize_, shard, to_empty, load): no values, so nothing to reduce, and the
+        # op's Meta kernel is its dense fake; quantize the meta shard itself to get the layout.
+        local = quantize_local(fmt, weight._local_tensor, Reducer(weight.shape), weight.shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     dims = _shard_dims(placements, weight.ndim)
     if _fewer_than_shards(weight.shape, mesh.shape, dims):
         # DTensor's propagation calls a dim shorter than its shard count unshardable and would
         # replicate the input (gathering the dense weight) before the op: run the kernel on the
         # local shard directly, with the same reductions (3 experts over 4 ranks, say).
+        agree_before_reducing(fmt, weight.to_local(), dims, _groups(mesh, dims), list(weight.shape))
         reduce = MeshReducer.for_mesh(fmt, weight.shape, mesh, placements)
         local = quantize_local(fmt, weight.to_local(), reduce, weight.shape)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
@@ -175,6 +168,12 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     local = weight._local_tensor if isinstance(weight, DTensor) else weight
     if not isinstance(local, QuantizedTensor):
         raise TypeError(f"dequantize expects a quantized tensor (or a DTensor of one), got {type(local).__name__}")
+    if isinstance(weight, DTensor):
+        mesh, placements = weight.device_mesh, weight.placements
+        if _fewer_than_shards(weight.shape, mesh.shape, _shard_dims(placements, weight.ndim)):
+            # As in quantize(): DTensor would replicate (gather) a dim shorter than its shard count.
+            dense = dequantize_local(local, dtype or weight.dtype)
+            return DTensor.from_local(dense, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
     return torch.ops.dtensor_quant.dequantize(weight, format_id(local.fmt), dtype or weight.dtype)
 
 

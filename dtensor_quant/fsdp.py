@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import agree
 from .collectives import _pack, _unpack, _varies
+from .format import weight_layout
 from .layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .matmul import invalidate, never_cache
 from .ops import PADDED_ROWS, _describe, _pad_end, canonical_dims, cat_dim, slice_dim
@@ -97,7 +98,7 @@ def _agreed(result, mesh):
     """Every rank must send its bytes in the same layout: a clear error on all of them if not."""
     inputs, meta = result
     if meta.world > 1:
-        key = ("fsdp", meta.fmt, tuple(tuple(map(str, r)) for r in meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
+        key = ("fsdp", meta.fmt, tuple(meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
         group = mesh.get_group(mesh.ndim - 1).group_name
         agree.check_same(group, key, inputs[0], f"FSDP2 all-gather of a {meta.fmt} shard of {tuple(meta.shape)}", _describe_key)
     return result
@@ -116,8 +117,8 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True
     shard is not a dim-0 shard or its padded length cuts a pack or a block.
     """
     world = mesh.size()
-    if q.dims != canonical_dims(2) or not q.is_contiguous():
-        raise LayoutError(f"FSDP2 all-gathers whole [out, in] weights; got a view {q!r}")
+    if q.ndim < 2 or q.dims != canonical_dims(q.ndim) or not q.is_contiguous():
+        raise LayoutError(f"FSDP2 all-gathers whole [..., out, in] weights; got a view {q!r}")
     if outer_size is not None and tuple(outer_size)[1:] != tuple(q.shape)[1:]:
         raise LayoutError(
             f"FSDP2 sharded a {_describe(q)} along dim 1 (full shape {tuple(outer_size)}): dtensor_quant's "
@@ -172,12 +173,14 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
         outputs = _unpack(buffers[0].view(-1), like) if meta.sent else []
     for buf in buffers:
         never_cache(buf)  # FSDP2 frees and refills it: no kernel may cache a copy
-    joined = {n: buf.view(dtype) for n, dtype, buf in zip(meta.sent, meta.dtypes, outputs)}  # [world * rows, cols]
+    joined = {  # [world * rows, ...] in each inner tensor's own trailing shape (N-D expert stacks)
+        n: buf.view(dtype).view(-1, *shape[1:]) for n, dtype, buf, shape in zip(meta.sent, meta.dtypes, outputs, meta.shapes)
+    }
     rows = {n: shape[0] for n, shape in zip(meta.sent, meta.shapes)}
     pieces = []
     for r in range(world):
         inner = {n: joined[n].narrow(0, r * rows[n], rows[n]) if n in joined else meta.kept[n] for n in names}
-        pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(2), meta.shape, param_dtype))
+        pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(len(meta.shape)), meta.shape, param_dtype))
     full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
     if meta.dense:
         return _dequantize_gathered(full, buffers, out)
@@ -296,14 +299,21 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
         if shard_placement_fn is not None:
             placement = shard_placement_fn(param)
             placement = getattr(placement, "placement", placement)
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim % 2 == 0):
+            if placement is not None and not (isinstance(placement, Shard) and placement.dim % local.ndim == 0):
                 raise ValueError(
                     f"{where}: shard_placement_fn gives {placement}; quantized weights are all-gathered "
-                    "along dim 0 only (FSDP2 regroups other dims as if the bytes were dense). Return "
-                    "None or Shard(0) for them."
+                    "along dim 0 only (FSDP2 views the gathered bytes of another dim with the dense "
+                    "shape to regroup them). Return None or Shard(0) for them; an expert stack with "
+                    "fewer experts than ranks shards unevenly along dim 0 (some ranks hold no expert)."
                 )
         if not local.is_contiguous():
             raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
+        if param.requires_grad and isinstance(local, QuantizedTensor):
+            raise ValueError(
+                f"{where} has requires_grad=True: FSDP2 would compute and reduce a dense gradient that no "
+                "optimizer can apply to quantized bytes. Freeze it (requires_grad_(False)) and train adapters "
+                "(dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+            )
         if world is not None and world > 1:
             factor = _row_factor(local)
             if not legal_chunk(local.shape[0], world, factor):
@@ -343,7 +353,7 @@ def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, 
 def _row_factor(local) -> int:
     if isinstance(local, QuantizedTensor):
         return dim_factor([rels[0] for rels in local.rels])
-    return dim_factor([rels[0] for rels in local.fmt.layout_for(local.full_shape).values()])
+    return dim_factor([rels[0] for rels in weight_layout(local.fmt, local.full_shape).values()])
 
 
 def _shard_size(mesh, kwargs) -> int | None:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard
 
 from .format import QuantFormat, Reducer
 from .ops import PADDED_ROWS, _flat
-from .quantize import MeshReducer, quantize_local
+from .quantize import MeshReducer, agree_before_reducing, quantize_local
 from .tensor import QuantizedTensor
 
 aten = torch.ops.aten
@@ -145,6 +145,9 @@ class GatherQuantized(torch.Tensor):
         return hook_for(self, self._quantized_shard, dense=False)
 
     def _quantized_shard(self, mesh) -> QuantizedTensor:
+        if mesh.size() > 1:
+            group = mesh.get_group(mesh.ndim - 1).group_name
+            agree_before_reducing(self.fmt, self._data, [0], [group], list(self.full_shape))
         reduce = MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)])
         reduce.axes += list(self.tp_axes)  # a tensor-parallel shard: its statistics span the TP group too
         q = self.quantized(reduce)

@@ -17,8 +17,10 @@ definition.
 Kernels often want the weight in a layout of their own (torch's CPU int4 mm
 repacks it, 86 ms for 4096x4096). ``QuantFormat.prepare`` builds that once per
 weight; the result is cached on the weight's first inner tensor (its base,
-for a view) keyed by every inner tensor's address, version, shape and
-strides, so an in-place update (``copy_``, a checkpoint load) rebuilds it.
+for a view; one entry per view, so every expert of a stack keeps its own)
+keyed by every inner tensor's address, shape and strides and checked
+against their versions, so an in-place update (``copy_``, a checkpoint
+load) rebuilds it.
 Under ``torch.compile`` the kernel call is one opaque custom op,
 ``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
 the compiled graph then finds the same cache at run time instead of
@@ -35,6 +37,7 @@ from .format import QuantFormat
 from .format_ids import format_from_id, format_id
 from .layout import Constant
 from .ops import (
+    VIEW_OF,
     _describe,
     _tracing,
     block_sizes,
@@ -55,6 +58,9 @@ _NO_CACHE_ATTR = "_dtensor_quant_never_cache"
 
 
 def _anchor(t: torch.Tensor) -> torch.Tensor:
+    owner = t.__dict__.get(VIEW_OF)  # an expert selected from a stack: the stack's tensor
+    if owner is not None:
+        return owner
     return t._base if t._base is not None else t
 
 
@@ -79,15 +85,18 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
     tensors = list(inner.values())
     if any(_tracing(t) for t in tensors):
         return fmt.prepare(inner)
-    key = (fmt, tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors))
     anchor = _anchor(tensors[0])
     if anchor.__dict__.get(_NO_CACHE_ATTR):
         return fmt.prepare(inner)
-    cached = anchor.__dict__.get(_CACHE_ATTR)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    # One entry per view of the anchor: the experts of a stack are views of one base tensor.
+    cache = anchor.__dict__.setdefault(_CACHE_ATTR, {})
+    where = (fmt, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
+    versions = tuple(t._version for t in tensors)
+    hit = cache.get(where)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
     result = fmt.prepare(inner)
-    anchor.__dict__[_CACHE_ATTR] = (key, result)
+    cache[where] = (versions, result)
     return result
 
 

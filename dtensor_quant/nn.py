@@ -10,7 +10,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from .format import QuantFormat
 from .quantize import quantize
-from .state_dict import register
+from .state_dict import is_quantized, register
 
 
 def is_matmul_weight(module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -67,12 +67,37 @@ def quantize_(
                 raise type(e)(f"{full}: {e}") from None
             setattr(module, name, nn.Parameter(weight, requires_grad=False))
             done += 1
+            if not getattr(module, "_dtensor_quant_frozen_check", False):
+                module.register_forward_pre_hook(_refuse_trainable(fqn))
+                module._dtensor_quant_frozen_check = True
     if done == 0 and filter_fn is None:
         raise ValueError(
             f"quantize_: {type(model).__name__} has no nn.Linear weight and no fused expert parameter "
             f"[experts, out, in] to quantize into {fmt}"
         )
     return register(model)
+
+
+def _refuse_trainable(fqn: str):
+    """A forward pre-hook: a quantized weight with ``requires_grad=True`` is refused before any gradient.
+
+    Its gradient would be dense (under FSDP2 also reduced), and the update
+    could not be applied to quantized bytes: without this the first error
+    comes from ``optimizer.step()``, after a wasted backward, naming no parameter.
+    """
+
+    def hook(module, args):
+        if not torch.is_grad_enabled():
+            return
+        for name, p in module._parameters.items():
+            if p is not None and p.requires_grad and is_quantized(p):
+                raise ValueError(
+                    f"{fqn + '.' if fqn else ''}{name} is quantized and has requires_grad=True: its gradient would be "
+                    "dense and no optimizer can update quantized bytes. Freeze it (requires_grad_(False)) and train "
+                    "adapters (dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+                )
+
+    return hook
 
 
 def _note(out: list | None, name: str, why: str) -> None:
@@ -105,4 +130,3 @@ def weight_bytes(model: nn.Module) -> int:
         local = p._local_tensor if isinstance(p, DTensor) else p
         total += local.nbytes_stored if isinstance(local, QuantizedTensor) else local.numel() * local.element_size()
     return total
-

@@ -131,6 +131,19 @@ def matrix_dims(q: QuantizedTensor) -> int:
 PADDED_ROWS = "fsdp_padded_rows"
 
 
+# "_dtensor_quant_view_of": the tensor an inner view was taken from. Views made inside
+# __torch_dispatch__ have no ``_base`` (autograd's view tracking is below us), and a kernel
+# caches its prepared weight on the viewed tensor (dtensor_quant.matmul), so the experts
+# selected from a stack record the stack's inner tensor here.
+VIEW_OF = "_dtensor_quant_view_of"
+
+
+def _view_of(view: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    owner = t.__dict__.get(VIEW_OF)
+    view.__dict__[VIEW_OF] = owner if owner is not None else (t._base if t._base is not None else t)
+    return view
+
+
 def _keep_padded_rows(src: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
     if PADDED_ROWS in src.__dict__ and out.shape == src.shape:
         out.__dict__[PADDED_ROWS] = src.__dict__[PADDED_ROWS]
@@ -410,7 +423,7 @@ def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
     for name, row in zip(q.fmt.inner_names, q.rels):
         if not isinstance(row[dim], OneToOne):
             raise LayoutError(f"{_describe(q)}: inner '{name}' is {row[dim]} along leading dim {dim}, not one-to-one")
-    inner = _map_inner(q, lambda t: t.select(dim, index))
+    inner = _map_inner(q, lambda t: _view_of(t.select(dim, index), t))
     rels = tuple(row[:dim] + row[dim + 1 :] for row in q.rels)
     shape = tuple(q.shape[:dim]) + tuple(q.shape[dim + 1 :])
     dims = (canonical_dims if q.dims == canonical_dims(q.ndim) else transposed_dims)(q.ndim - 1)
@@ -497,13 +510,13 @@ def _view(func, q, size):
         out = rebatch(q, tuple(size))
         if out is not None:
             return out
-    if len(size) == 1 and q.ndim == 2 and q.dims == canonical_dims(2):
+    if len(size) == 1 and q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
         return _flatten(q)
     g = _gathered_dim(tuple(q.shape), tuple(size))
     if g is not None:
         # funcol's all-gather along dim g views [world, ..., n, ...] as [1, ..., world * n, ...].
         return cat_dim([slice_dim(q, 0, i, i + 1) for i in range(q.shape[0])], g)
-    if q.ndim == 1 and q.dims == ((0, 1),) and len(size) == 2:
+    if q.ndim == 1 and len(q.dims[0]) == len(size) >= 2 and q.dims == (tuple(range(len(size))),):
         return _unflatten(q, tuple(size))
     raise UnsupportedOpError(
         f"{_describe(q)}: view/reshape to {tuple(size)} is not expressible in the quantized layout "
@@ -531,22 +544,31 @@ def _gathered_dim(shape: tuple, size: tuple) -> int | None:
 
 
 def _flatten(q: QuantizedTensor) -> QuantizedTensor:
-    """``view(-1)`` (FSDP2 calls it on every sharded parameter)."""
-    n_cols = q.shape[1]
-    rels = tuple((can_flatten(r[0], r[1], n_cols) or _Opaque(),) for r in q.rels)
+    """``view(-1)`` (FSDP2 calls it on every sharded parameter); N dims fold from the last."""
+
+    def flat(row):
+        rel, length = row[-1], q.shape[-1]
+        for dim in range(q.ndim - 2, -1, -1):
+            rel = can_flatten(row[dim], rel, length) if not isinstance(rel, _Opaque) else None
+            rel, length = rel or _Opaque(), length * q.shape[dim]
+        return (rel,)
+
+    rels = tuple(flat(r) for r in q.rels)
     inner = _map_inner(q, lambda t: t.reshape(-1))
-    return rebuild(q, inner, (q.numel(),), rels=rels, dims=((0, 1),), stride=(1,))
+    return rebuild(q, inner, (q.numel(),), rels=rels, dims=(tuple(range(q.ndim)),), stride=(1,))
 
 
-def _unflatten(q: QuantizedTensor, size: tuple[int, int]) -> QuantizedTensor:
-    rows = tuple(q.fmt.layout_for(size).values())
+def _unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
+    from .format import weight_layout
+
+    rows = tuple(weight_layout(q.fmt, size).values())
     inner = {}
     for (name, t), rel_row in zip(q.inner.items(), rows):
         shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
-        if t.numel() != shape[0] * shape[1]:
+        if t.numel() != torch.Size(shape).numel():
             raise UnsupportedOpError(f"{_describe(q)}: cannot view as {size}: inner '{name}' does not match")
         inner[name] = t.reshape(shape)
-    return rebuild(q, inner, size, rels=rows, dims=canonical_dims(2), stride=contiguous_strides(size))
+    return rebuild(q, inner, size, rels=rows, dims=canonical_dims(len(size)), stride=contiguous_strides(size))
 
 
 class _Opaque:
@@ -600,7 +622,7 @@ def _transpose(func, q, dim0, dim1):
         seq[dim0], seq[dim1] = seq[dim1], seq[dim0]
         return tuple(seq)
 
-    inner = _map_inner(q, lambda t: t.transpose(dim0, dim1))
+    inner = _map_inner(q, lambda t: _view_of(t.transpose(dim0, dim1), t))
     rels = tuple(swap(r) for r in q.rels)
     out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
     writes.keep_shared(q, out)
@@ -650,9 +672,9 @@ def _factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
     disagree with the other ranks.
     """
     size = tuple(size)
-    if size == (0,) and q.ndim == 2 and q.dims == canonical_dims(2):
+    if size == (0,) and q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
         # FSDP2's placeholder for the ranks past torch.chunk's last piece.
-        return _flatten(_factory(q, (0, q.shape[1]), fill, dtype, device))
+        return _flatten(_factory(q, (0, *q.shape[1:]), fill, dtype, device))
     if len(size) != q.ndim:
         raise UnsupportedOpError(f"{_describe(q)}: cannot create a quantized tensor of shape {size}")
     inner = {}
@@ -826,5 +848,5 @@ def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:
     if q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
         return q.inner
     if is_transposed(q):
-        return _map_inner(q, lambda t: t.transpose(-2, -1))
+        return _map_inner(q, lambda t: _view_of(t.transpose(-2, -1), t))
     return None

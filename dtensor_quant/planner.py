@@ -19,6 +19,12 @@ A refused degree is explained: where the cut falls, the alignment the
 layout needs and which inner tensor needs it, the nearest legal degrees, and,
 for a format with a block size, the largest block size that would be legal.
 Legal cells show the bytes the largest shard holds on one rank.
+
+Fused expert stacks ``[E, out, in]`` (mixture-of-experts layers) are planned
+too: with ``ep`` > 1 a leading mesh dim of that size shards their experts
+(``Shard(0)``, expert parallelism; 2-D weights are replicated over it), tensor
+parallelism shards inside every expert (``colwise``: its out dim, ``rowwise``:
+its in dim) and FSDP2 shards the experts within each expert-parallel group.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .format import QuantFormat, Reducer
+from .format import QuantFormat, Reducer, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE, LayoutError
 from .placements import _first_bad_cut, check_placements
 
@@ -43,8 +49,8 @@ STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 @dataclass(frozen=True)
 class Layer:
     name: str
-    shape: tuple[int, int]
-    style: str  # "colwise" or "rowwise"
+    shape: tuple[int, ...]  # [out, in], or [experts, out, in] for a fused expert stack
+    style: str  # "colwise" or "rowwise" (of each [out, in] matrix)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Plan:
     fmt: QuantFormat
     meshes: list[tuple[int, int]]
     rows: list[tuple[Layer, list[Cell]]]
+    ep: int = 1  # expert-parallel degree of the expert stacks
 
     @property
     def refusals(self) -> list[tuple[Layer, Cell]]:
@@ -83,12 +90,21 @@ class Plan:
         return render(self)
 
 
-def _placements(style: str, dp: int, tp: int) -> tuple[Placement, Placement]:
-    tp_p = STYLES[style] if tp > 1 else Replicate()
+def _placements(style: str, dp: int, tp: int, ndim: int = 2) -> tuple[Placement, Placement]:
+    lead = ndim - 2  # expert dims in front of the matrix
+    tp_p = Shard(STYLES[style].dim + lead) if tp > 1 else Replicate()
     if dp == 1:
         return Replicate(), tp_p
-    fsdp = _StridedShard(0, split_factor=tp) if tp > 1 and style == "colwise" else Shard(0)
+    fsdp = _StridedShard(0, split_factor=tp) if tp > 1 and style == "colwise" and not lead else Shard(0)
     return fsdp, tp_p
+
+
+def _mesh_and_placements(layer: Layer, dp: int, tp: int, ep: int):
+    """The mesh and placements of ``layer``; with ``ep`` > 1 a leading expert-parallel mesh dim."""
+    placements = _placements(layer.style, dp, tp, len(layer.shape))
+    if ep == 1:
+        return (dp, tp), placements
+    return (ep, dp, tp), (Shard(0) if len(layer.shape) > 2 else Replicate(), *placements)
 
 
 def _local_shape(shape, mesh, placements) -> tuple[int, ...]:
@@ -104,19 +120,23 @@ def stored_bytes(fmt: QuantFormat, shape: Sequence[int], dtype=torch.bfloat16, f
     """Bytes ``fmt`` stores for a shard of ``shape`` of a ``full_shape`` weight: its quantize, on a meta tensor."""
     if 0 in shape:
         return 0
-    inner = fmt.quantize(torch.empty(tuple(shape), dtype=dtype, device="meta"), Reducer(full_shape or shape))
-    return sum(t.numel() * t.element_size() for t in inner.values())
+    experts = 1
+    for n in shape[:-2]:  # an expert stack stores each matrix as the 2-D format does
+        experts *= n
+    full = tuple(full_shape or shape)[-2:]
+    inner = fmt.quantize(torch.empty(tuple(shape[-2:]), dtype=dtype, device="meta"), Reducer(full))
+    return experts * sum(t.numel() * t.element_size() for t in inner.values())
 
 
-def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int) -> Cell:
-    return _check(layer.shape, layer.style, fmt, dp, tp)
+def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
+    return _check(tuple(layer.shape), layer.style, fmt, dp, tp, ep)
 
 
 @functools.lru_cache(maxsize=65536)
-def _check(shape: tuple[int, int], style: str, fmt: QuantFormat, dp: int, tp: int) -> Cell:
+def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
     """One verdict per (shape, style, format, mesh): a model repeats a few shapes many times."""
     layer = Layer("", shape, style)
-    mesh, placements = (dp, tp), _placements(style, dp, tp)
+    mesh, placements = _mesh_and_placements(layer, dp, tp, ep)
     try:
         check_placements(shape, fmt, mesh, placements)
     except LayoutError:
@@ -131,14 +151,14 @@ def _check(shape: tuple[int, int], style: str, fmt: QuantFormat, dp: int, tp: in
 
 def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
     dim, bad, factor = _first_bad_cut(layer.shape, fmt, mesh, placements)
-    layout = fmt.layout_for(layer.shape)
+    layout = weight_layout(fmt, layer.shape)
     needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in layout.items() if rels[dim].factor > 1)
-    what = "rows" if dim == 0 else "columns"
+    what = {len(layer.shape) - 2: "rows", len(layer.shape) - 1: "columns"}.get(dim, "experts")
     return (f"the {layer.shape[dim]} {what} are cut at {what[:-1]} {bad}, not a multiple of {factor} "
             f"({needs}; dim {dim})")
 
 
-def legal_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int) -> list[int]:
+def legal_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int, ep: int = 1) -> list[int]:
     """The sizes (up to ``limit``) of the ``which`` ("tp" or "dp") mesh dim at which ``layer`` is legal.
 
     Each size is checked with the placements the planner would give that mesh
@@ -148,22 +168,23 @@ def legal_degrees(layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, 
     out = []
     for n in range(1, limit + 1):
         d, t = (dp, n) if which == "tp" else (n, tp)
-        if _first_bad_cut(layer.shape, fmt, (d, t), _placements(layer.style, d, t)) is None:
+        if _first_bad_cut(layer.shape, fmt, *_mesh_and_placements(layer, d, t, ep)) is None:
             out.append(n)
     return out
 
 
 def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
     dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
-    dp, tp = mesh
+    dp, tp = mesh[-2:]
+    ep = mesh[0] if len(mesh) == 3 else 1
     out = []
-    for mesh_dim, name in ((1, "tp"), (0, "dp")):
+    for mesh_dim, name in ((len(mesh) - 1, "tp"), (len(mesh) - 2, "dp")):
         p = placements[mesh_dim]
         if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
             continue
         now = mesh[mesh_dim]
         limit = max(MAX_LISTED_MESH_SIZE, 2 * now)
-        legal = [n for n in legal_degrees(layer, fmt, dp, tp, name, limit) if n != now]
+        legal = [n for n in legal_degrees(layer, fmt, dp, tp, name, limit, ep) if n != now]
         below = [n for n in legal if n < now]
         above = [n for n in legal if n > now]
         near = [str(x) for x in (below[-1:] + above[:1])]
@@ -181,6 +202,8 @@ def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int
     """The smallest zero-padding of the refused dim that makes this mesh legal: (dim, length, extra bytes)."""
     from .padding import legal_length, padding_cost
 
+    if len(layer.shape) > 2:  # padding is planned for 2-D SwiGLU weights, not expert stacks
+        return None
     dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
     length = legal_length(tuple(layer.shape), dim, fmt, tuple(mesh), tuple(placements))
     if length is None:
@@ -220,11 +243,18 @@ def layers_of(model: nn.Module, tp_plan: dict | None = None, styles: dict[str, s
             styles[fqn] = "colwise"
         elif isinstance(style, RowwiseParallel):
             styles[fqn] = "rowwise"
+    from .nn import is_matmul_weight
+
     out = []
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear):
             shape = (module.out_features, module.in_features)
             out += [Layer(fqn, shape, s) for s in ([styles[fqn]] if fqn in styles else STYLES)]
+            continue
+        for name, p in module.named_parameters(recurse=False):  # fused expert stacks [E, out, in]
+            if is_matmul_weight(module, name, p):
+                key = f"{fqn}.{name}" if fqn else name
+                out += [Layer(key, tuple(p.shape), s) for s in ([styles[key]] if key in styles else STYLES)]
     return out
 
 
@@ -235,7 +265,7 @@ def _as_layers(source) -> list[Layer]:
     for i, item in enumerate(source):
         if isinstance(item, Layer):
             out.append(item)
-        elif len(item) == 2 and all(isinstance(v, int) for v in item):  # a bare (out, in)
+        elif len(item) in (2, 3) and all(isinstance(v, int) for v in item):  # a bare (out, in) or (E, out, in)
             out += [Layer(f"layer{i}", tuple(item), s) for s in STYLES]
         else:
             name, shape, *style = item
@@ -249,21 +279,26 @@ def plan(
     tp: Sequence[int] = (1, 2, 4, 8),
     dp: Sequence[int] = (1,),
     tp_plan: dict | None = None,
+    ep: int = 1,
 ) -> Plan:
     """Check every layer of ``source`` on every mesh ``(dp, tp)``.
 
     ``source``: a model (its ``nn.Linear`` layers; build it on the meta device
     to avoid allocating), or a list of ``(out, in)``, ``(name, (out, in))`` or
-    ``(name, (out, in), "colwise"|"rowwise")``. Layers without a style are
-    planned both ways; ``tp_plan`` (torch ParallelStyles by module name)
-    gives a model's styles.
+    ``(name, (out, in), "colwise"|"rowwise")``; a shape ``(experts, out,
+    in)`` is a fused expert stack. Layers without a style are planned both
+    ways; ``tp_plan`` (torch ParallelStyles by module name) gives a model's
+    styles. ``ep`` > 1 shards every expert stack's experts over a leading
+    mesh dim of that size (expert parallelism) and replicates 2-D weights over it.
     """
+    if ep < 1:
+        raise ValueError(f"ep must be >= 1, got {ep}")
     layers = layers_of(source, tp_plan) if isinstance(source, nn.Module) else _as_layers(source)
     for layer in layers:
         if layer.style not in STYLES:
             raise ValueError(f"{layer.name}: style must be one of {list(STYLES)}, got {layer.style!r}")
     meshes = [(d, t) for d in dp for t in tp]
-    return Plan(fmt, meshes, [(layer, [check(layer, fmt, d, t) for d, t in meshes]) for layer in layers])
+    return Plan(fmt, meshes, [(layer, [check(layer, fmt, d, t, ep) for d, t in meshes]) for layer in layers], ep)
 
 
 def _size(n: int) -> str:
@@ -287,18 +322,20 @@ def render(p: Plan) -> str:
         entry[2] += [_label(c.dp, c.tp)] if _label(c.dp, c.tp) not in entry[2] else []
     table = [["layer", "shape", "style", *(_label(d, t) for d, t in p.meshes)]]
     for layer, cells in p.rows:
-        row = [layer.name, f"{layer.shape[0]}x{layer.shape[1]}", layer.style]
+        row = [layer.name, "x".join(map(str, layer.shape)), layer.style]
         for c in cells:
             note = None if c.legal else notes[(layer.shape, layer.style, c.why, c.alternatives, c.padding)][0]
             row.append(_size(c.nbytes) if c.legal else f"NO ({note})")
         table.append(row)
     if len({layer.name for layer, _ in p.rows}) == len(p.rows):  # one style per layer: totals make sense
         totals = [p.total_bytes(d, t) for d, t in p.meshes]
-        bf16 = [sum(2 * layer.shape[0] * layer.shape[1] for layer, _ in p.rows) // (d * t) for d, t in p.meshes]
+        bf16 = [sum(2 * _numel(layer.shape) // (d * t * (p.ep if len(layer.shape) > 2 else 1)) for layer, _ in p.rows)
+                for d, t in p.meshes]
         table.append(["total per rank", "", "", *("--" if t is None else _size(t) for t in totals)])
         table.append(["bf16 per rank", "", "", *(_size(b) for b in bf16)])
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    lines = [f"{p.fmt}: bytes each rank stores per weight (largest shard); NO = refused, see notes"]
+    lines = [f"{p.fmt}: bytes each rank stores per weight (largest shard); NO = refused, see notes"
+             + (f"; expert stacks over ep={p.ep}" if p.ep > 1 else "")]
     lines += ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
               for r in table]
     lines += [""] if notes else []
@@ -306,7 +343,7 @@ def render(p: Plan) -> str:
         who = names[0] + (f" (and {len(names) - 1} more like it)" if len(names) > 1 else "")
         kind = "row-parallel" if style == "rowwise" else "column-parallel"
         where = "every mesh" if len(meshes) == len(p.meshes) > 1 else "; ".join(meshes)
-        lines.append(f"({number}) {who} [{shape[0]}x{shape[1]}, {kind}] at {where}: {why}. {alternatives}.")
+        lines.append(f"({number}) {who} [{'x'.join(map(str, shape))}, {kind}] at {where}: {why}. {alternatives}.")
         if padding:
             lines.append("    " + padding_hint(shape, padding))
     return "\n".join(lines)
@@ -318,3 +355,10 @@ def padding_hint(shape, padding: tuple[int, int, int]) -> str:
     return (f"Or zero-pad its {what} from {shape[dim]} to {length} (+{_size(extra)} for the whole weight): "
             f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
             f"together, which changes no output.")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

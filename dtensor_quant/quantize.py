@@ -14,7 +14,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from . import wire
+from . import agree, wire
+from .blocks import canonical_nans, reduce_nan_aware
 from .format import QuantFormat, Reducer, check_weight, weight_layout
 from .layout import Constant, LayoutError
 from .ops import canonical_dims
@@ -55,6 +56,8 @@ def quantize_local(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer, full
             inner = fmt.quantize(weight.detach(), reduce)
         else:
             inner = _quantize_matrices(fmt, weight.detach(), reduce)
+        if not weight.is_meta:
+            inner = {name: canonical_nans(t) for name, t in inner.items()}
     return _wrap(fmt, inner, weight.shape, weight.dtype, full_shape)
 
 
@@ -146,7 +149,28 @@ class MeshReducer(Reducer):
         rels = self.layout[like]
         for dim, group in self.axes:
             if isinstance(rels[dim], Constant):
-                stat = funcol.all_reduce(stat.contiguous(), op, group)
-                wire.note_hidden("_c10d_functional::all_reduce", stat)
-                stat = funcol.wait_tensor(stat) if isinstance(stat, funcol.AsyncCollectiveTensor) else stat
+                stat = reduce_nan_aware(stat, op, lambda t, o, g=group: _all_reduce(t, o, g))
         return stat
+
+
+def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    out = funcol.all_reduce(t.contiguous(), op, group)
+    wire.note_hidden("_c10d_functional::all_reduce", out)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def agree_before_reducing(fmt, weight, shard_dims, groups, full_shape) -> None:
+    """Every rank of every sharded mesh dim must quantize with the same format (else the reductions mix).
+
+    Called before the first reduction, on every sharded group whatever the
+    format reduces, so every rank makes the same collectives (dtensor_quant.agree).
+    """
+    key = ("quantize", fmt, tuple(full_shape), weight.dtype, tuple(shard_dims))
+    for d, g in zip(shard_dims, groups):
+        if d >= 0:
+            agree.check_same(g, key, weight, f"quantize into {fmt}", _describe_quantize)
+
+
+def _describe_quantize(key) -> str:
+    _, fmt, shape, dtype, dims = key
+    return f"quantize a {str(dtype).removeprefix('torch.')} {shape} weight sharded on dims {list(dims)} into {fmt!r}"

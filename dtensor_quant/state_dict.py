@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .format import QuantFormat
+from .format import QuantFormat, weight_layout
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, inner_slice
 from .ops import canonical_dims, canonical_inner
 from .tensor import QuantizedTensor, contiguous_strides
@@ -85,7 +85,7 @@ def format_spec(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mappi
         "dtype": str(dtype).removeprefix("torch."),
         "inner": {
             name: {"dtype": str(inner_dtypes[name]).removeprefix("torch."), "layout": [relation_name(r) for r in rels]}
-            for name, rels in fmt.layout_for(shape).items()
+            for name, rels in weight_layout(fmt, shape).items()
         },
     }
 
@@ -133,13 +133,13 @@ def is_quantized(value) -> bool:
 def _canonical(value, key: str) -> tuple[QuantizedTensor, dict[str, torch.Tensor], tuple[int, ...], tuple[int, ...]]:
     """The local weight, its canonical inner tensors, and the logical->canonical dim map and canonical shape."""
     q = _quantized_local(value)
-    inner = canonical_inner(q) if q.ndim == 2 else None
+    inner = canonical_inner(q) if q.ndim >= 2 else None
     if inner is not None:
         to_canonical = tuple(d[0] for d in q.dims)
-        shape = [0, 0]
+        shape = [0] * q.ndim
         for d, c in enumerate(to_canonical):
             shape[c] = value.shape[d]
-        layout = q.fmt.layout_for(shape)
+        layout = weight_layout(q.fmt, shape)
     if inner is None or any(rels != layout[n] for n, rels in zip(q.fmt.inner_names, _canonical_rels(q))):
         raise CheckpointFormatError(
             f"{key}: a {q!r} is not a plain quantized weight (it was flattened, or gathered from "
@@ -190,8 +190,8 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
     sharding = [n if isinstance(p, (Shard, _StridedShard)) else 1 for n, p in zip(mesh_shape, placements)]
     for coord in itertools.product(*(range(n) for n in sharding)):  # replicated mesh dims change nothing
         l_shape, l_off = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
-        for name, rels in fmt.layout_for(shape).items():
-            e_place = entry_placements(placements, rels, (0, 1))
+        for name, rels in weight_layout(fmt, shape).items():
+            e_place = entry_placements(placements, rels, tuple(range(len(shape))))
             g_shape = entry_shape(rels, shape)
             e_shape, e_off = _compute_local_shape_and_global_offset(g_shape, mesh_shape, list(coord), e_place)
             for dim, rel in enumerate(rels):
@@ -226,9 +226,9 @@ def to_entries(value, key: str = "weight") -> dict:
     out: dict = {}
     if isinstance(value, DTensor):
         mesh = value.device_mesh
-        canon = entry_placements(value.placements, (OneToOne(), OneToOne()), to_canonical)
+        canon = entry_placements(value.placements, (OneToOne(),) * len(shape), to_canonical)
         check_entry_chunks(q.fmt, shape, tuple(mesh.shape), canon)
-        layout = q.fmt.layout_for(shape)
+        layout = weight_layout(q.fmt, shape)
         for name, t in inner.items():
             rels = layout[name]
             placements = entry_placements(value.placements, rels, to_canonical)
@@ -275,7 +275,7 @@ def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
         raise CheckpointFormatError(
             f"{key}: entries {missing} of {expected['description']} are missing (found {sorted(entries)})"
         )
-    local, layout = {}, q.fmt.layout_for(shape)
+    local, layout = {}, weight_layout(q.fmt, shape)
     for name in q.fmt.inner_names:
         e = entries[name]
         rels = layout[name]
@@ -287,9 +287,9 @@ def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
             )
         local[name] = _local_chunk(e, like, rels, to_canonical) if isinstance(like, DTensor) else _full(e)
     rels = tuple(layout.values())
-    rebuilt = QuantizedTensor(local, q.fmt, rels, canonical_dims(2), _local_shape(like, to_canonical), like.dtype)
-    if to_canonical != (0, 1):
-        rebuilt = rebuilt.t()
+    rebuilt = QuantizedTensor(local, q.fmt, rels, canonical_dims(len(shape)), _local_shape(like, to_canonical), like.dtype)
+    if to_canonical != tuple(range(len(shape))):
+        rebuilt = rebuilt.transpose(-2, -1)
     if not isinstance(like, DTensor):
         return rebuilt
     mesh, placements = like.device_mesh, like.placements
@@ -300,9 +300,9 @@ def _full(e: torch.Tensor) -> torch.Tensor:
     return e.full_tensor() if isinstance(e, DTensor) else e
 
 
-def _local_shape(like, to_canonical) -> tuple[int, int]:
+def _local_shape(like, to_canonical) -> tuple[int, ...]:
     local = like._local_tensor if isinstance(like, DTensor) else like
-    shape = [0, 0]
+    shape = [0] * local.ndim
     for d, c in enumerate(to_canonical):
         shape[c] = local.shape[d]
     return tuple(shape)
@@ -328,7 +328,7 @@ def quantize_like(dense: torch.Tensor, like, key: str = "weight") -> torch.Tenso
     from .quantize import quantize
 
     q = _quantized_local(like)
-    if q.dims != canonical_dims(2):
+    if q.dims != canonical_dims(q.ndim):
         raise CheckpointFormatError(f"{key}: cannot quantize a dense checkpoint into a transposed quantized view")
     if tuple(dense.shape) != tuple(like.shape):
         raise CheckpointFormatError(

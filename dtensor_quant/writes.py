@@ -29,18 +29,18 @@ import torch
 
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, Stacked
 
-SHARED = "_dq_shared_outside"  # on a view: {inner name: why it covers elements outside the view}
+SHARED = "_dq_shared_outside"  # on a view: {inner index: (relation, dim, start, stop) of the cut}
 FACTORY = "_dq_factory"  # on a factory's output: rows past a leading narrow of it are padding
 
 
-def _index(rel, x: torch.Tensor) -> torch.Tensor:
-    """The inner index of each logical index ``x`` along a dim laid out by ``rel``."""
+def _index(rel, x):
+    """The inner index of logical index ``x`` (an int, or a tensor of them) along a dim laid out by ``rel``."""
     if isinstance(rel, OneToOne):
         return x
     if isinstance(rel, (Packed, Blocked)):
         return x // rel.factor
     if isinstance(rel, Constant):
-        return torch.zeros_like(x)
+        return x * 0
     if isinstance(rel, Stacked):
         return (x // rel.n) * rel.rel.inner_len(rel.n) + _index(rel.rel, x % rel.n)
     raise LayoutError(f"{rel}: this view cannot be written into (it has no per-element grid)")
@@ -59,27 +59,30 @@ def same_grid(a, b, length: int) -> bool:
 
 def note_slice(q, out, dim: int, start: int, stop: int) -> None:
     """Record on view ``out = q[start:stop]`` (along ``dim``) the inner tensors it shares with elements outside."""
-    shared = dict(q.__dict__.get(SHARED, ()))
+    d = q.__dict__
+    shared = d.get(SHARED)
     length = q.shape[dim]
-    end = stop if (FACTORY in q.__dict__ and dim == 0 and start == 0) else length
+    end = stop if (dim == 0 and start == 0 and FACTORY in d) else length
     if start > 0 or stop < end:
-        x = torch.tensor([start - 1, stop]) if start < stop else None
-        for name, rels in zip(q.fmt.inner_names, q.rels):
+        for i, rels in enumerate(q.rels):
             rel = rels[dim]
             if isinstance(rel, Constant):
                 hit = end > 0
-            elif x is None:
+            elif start == stop or isinstance(rel, (OneToOne, Packed)):  # slices cut whole packs only
                 hit = False
             elif isinstance(rel, FlatBlocked):  # a block of the flat index straddles a cut row boundary
                 hit = (start > 0 and start * rel.row % rel.b != 0) or (stop < end and stop * rel.row % rel.b != 0)
             elif isinstance(rel, InFlat):  # blocks run across the whole dim: any cut shares them
                 hit = True
-            else:
-                before, after = _index(rel, x).tolist()
-                first, last = _index(rel, torch.tensor([start, stop - 1])).tolist()
-                hit = (start > 0 and before >= first) or (stop < end and after <= last)
+            elif isinstance(rel, Blocked):  # the start is on a block boundary (slice_dim checked it)
+                hit = stop < end and stop % rel.b != 0
+            else:  # the element just outside on either side maps into the view's inner range
+                hit = (start > 0 and _index(rel, start - 1) >= _index(rel, start)) or (
+                    stop < end and _index(rel, stop) <= _index(rel, stop - 1)
+                )
             if hit:
-                shared[name] = f"'{name}' ({rel} along dim {dim}) also covers elements outside [{start}:{stop}]"
+                shared = dict(shared or ())
+                shared[i] = (rel, dim, start, stop)  # described only if a write is refused
     if shared:
         out.__dict__[SHARED] = shared
 
@@ -109,10 +112,12 @@ def check_copy(dst, src, describe) -> set[str]:
     from .ops import same_bits
 
     keep = set()
-    for name, why in dst.__dict__.get(SHARED, {}).items():
+    for i, (rel, dim, start, stop) in dst.__dict__.get(SHARED, {}).items():
+        name = dst.fmt.inner_names[i]
         if dst.numel() == 0 or same_bits(getattr(dst, name), getattr(src, name)):
             keep.add(name)
             continue
+        why = f"'{name}' ({rel} along dim {dim}) also covers elements outside [{start}:{stop}]"
         raise LayoutError(
             f"cannot write into this view of a {describe(dst)}: {why}, and the source's differ, so the write "
             "would change elements outside the view. Write the whole weight (or slices on the layout's block "

@@ -64,12 +64,18 @@ def test_nf4_layout_follows_weight_width():
         fmt.layout_for((8, 100))
 
 
+def round_up(x: torch.Tensor, dtype) -> torch.Tensor:
+    """The smallest ``dtype`` value >= ``x``: scales round up so that no code is clipped."""
+    y = x.to(dtype)
+    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
 @pytest.mark.parametrize("fmt", [dq.Float8Rowwise(), dq.Float8Tensorwise()])
 def test_float8_matches_reference(fmt):
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     q = dq.quantize(w, fmt)
     amax = w.float().abs().amax(dim=1, keepdim=True) if isinstance(fmt, dq.Float8Rowwise) else w.float().abs().max()
-    scale = (amax / 448).to(torch.bfloat16).float()
+    scale = round_up(amax / 448, torch.bfloat16).float()
     expected = ((w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
     assert q.qdata.dtype == torch.float8_e4m3fn and q.scale.numel() == (16 if isinstance(fmt, dq.Float8Rowwise) else 1)
     assert torch.equal(q.dequantize(), expected)
@@ -95,7 +101,7 @@ def test_float8_blockwise_matches_reference_with_partial_blocks():
 def test_int8_and_int4_match_reference():
     w = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     q8 = dq.quantize(w, dq.Int8Rowwise())
-    scale = (w.float().abs().amax(1, keepdim=True) / 127).to(torch.bfloat16).float()
+    scale = round_up(w.float().abs().amax(1, keepdim=True) / 127, torch.bfloat16).float()
     assert torch.equal(q8.dequantize(), ((w.float() / scale).round().clamp(-127, 127) * scale).to(torch.bfloat16))
     q4 = dq.quantize(w, dq.Int4Groupwise(64))
     g = w.float().view(8, 4, 64)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 import dtensor_quant as dq
 from dtensor_quant.ops import same_bits
@@ -24,6 +25,7 @@ FORMATS = [
     dq.Int8Rowwise(),
     dq.Float8Rowwise(),
     dq.Float8Tensorwise(),
+    dq.Float8Blockwise(32),
     dq.Int4Groupwise(64),
     dq.NF4(64, 256),
     PerTensorInt8(),
@@ -160,7 +162,11 @@ def dequantized_copy(model):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 64), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str)
+@pytest.mark.parametrize(
+    "fmt",
+    [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 64), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(32)],
+    ids=str,
+)
 def test_quantize_moe_model_covers_every_expert(kind, fmt):
     model = tiny_moe(kind)
     dense = []
@@ -204,3 +210,43 @@ def test_quantize_never_skips_silently():
     assert sum(why == "excluded by filter_fn" for _, why in dense) == 4
     with pytest.raises(ValueError, match="no nn.Linear weight and no fused expert"):
         dq.quantize_(torch.nn.Sequential(torch.nn.LayerNorm(8)), dq.Int8Rowwise())
+
+
+# -- planner --------------------------------------------------------------------------
+
+
+def test_planner_takes_expert_stacks_and_ep():
+    from dtensor_quant.planner import plan, stored_bytes
+
+    fmt = dq.Int4Groupwise(128)
+    layers = [("experts.gate_up", (8, 2 * 1536, 2048), "colwise"), ("experts.down", (8, 2048, 1536), "rowwise"),
+              ("wo", (2048, 2048), "rowwise")]  # fmt: skip
+    result = plan(layers, fmt, tp=[1, 2, 3, 4], dp=[1, 2], ep=2)
+    for layer, cells in result.rows:
+        for c in cells:
+            mesh_shape = (2, c.dp, c.tp)
+            assert c.placements[0] == (Shard(0) if len(layer.shape) == 3 else Replicate())
+            try:
+                dq.check_placements(layer.shape, fmt, mesh_shape, c.placements)
+                legal = True
+            except dq.LayoutError:
+                legal = False
+            assert c.legal == legal, (layer, c)
+    cells = {(layer.name, c.dp, c.tp): c for layer, cs in result.rows for c in cs}
+    # down's 1536 inputs over tp=3: 512-column shards, a multiple of 128: legal; over tp=4: 384, legal
+    assert cells[("experts.down", 1, 3)].legal and cells[("experts.down", 1, 4)].legal
+    assert not cells[("wo", 1, 3)].legal and "nearest legal tp" in cells[("wo", 1, 3)].alternatives
+    # bytes: 8 experts over ep=2 and dp=2 -> 2 experts per rank, each its 2-D format's bytes
+    one = dq.quantize(_w((2 * 1536, 2048)), fmt).nbytes_stored
+    assert cells[("experts.gate_up", 2, 1)].nbytes == 2 * one == stored_bytes(fmt, (2, 2 * 1536, 2048))
+    text = str(result)
+    assert "8x3072x2048" in text and "ep=2" in text
+
+
+def test_planner_lists_a_models_expert_stacks():
+    from dtensor_quant.planner import layers_of
+
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    names = {layer.name for layer in layers_of(model)}
+    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= names

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, scaled_into
+from ..blocks import block_reduce, safe_scale, scaled_into
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
@@ -24,7 +24,7 @@ _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def _quantize(weight: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tensor]:
-    scale = (amax / _E4M3_MAX).clamp(min=torch.finfo(weight.dtype).tiny).to(weight.dtype)
+    scale = safe_scale(amax, _E4M3_MAX, weight.dtype)
     q = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return {"qdata": q, "scale": scale}
 

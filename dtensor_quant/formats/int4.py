@@ -23,6 +23,37 @@ from ..layout import Blocked, OneToOne, Packed
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 
 
+# torch's int4 mm kernels (CPU and CUDA) take only these; other group sizes dequantize.
+_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def _fit_range(scale, zero, lo, hi, dtype):
+    """Step ``scale`` down (and ``zero`` with it) where code 0 or 15 would dequantize to Inf in ``dtype``.
+
+    Dequantize computes ``(q - 8) * scale + zero`` in float32; a group whose
+    range touches the dtype's maximum can round one ulp past it. Groups with
+    NaN or Inf stay as they are (they dequantize to NaN).
+    """
+    finite = lo.isfinite() & hi.isfinite()
+    # (q - 8) * scale must not overflow float32 itself: a group wider than 15/8 of float32's maximum
+    # (bf16/fp32 values of both signs near 3.4e38) gets the widest scale that fits and clips its top.
+    cap = torch.tensor(torch.finfo(torch.float32).max / 8, dtype=torch.float64).to(dtype)
+    if not torch.isfinite(cap.float() * 8):
+        cap = torch.nextafter(cap, torch.zeros_like(cap))
+    wide = finite & (scale > cap)
+    scale = torch.where(wide, cap, scale)
+    zero = torch.where(wide, (lo + scale.to(lo.dtype) * 8).to(dtype), zero)
+    for _ in range(8):
+        s, z = scale.float(), zero.float()
+        ends = torch.stack([(7 * s + z).to(dtype), (-8 * s + z).to(dtype)])
+        bad = finite & ~ends.isfinite().all(0)
+        if not bool(bad.any()):
+            break
+        scale = torch.where(bad, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+        zero = torch.where(bad, (lo + scale.to(lo.dtype) * 8).to(dtype), zero)
+    return scale, zero
+
+
 def _has_kernel(op: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 
@@ -49,14 +80,30 @@ class Int4Groupwise(QuantFormat):
             raise ValueError(f"{self} packs two values per byte along dim 1, which must be even; got {tuple(shape)}")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        g, n_in = self.group_size, weight.shape[1]
+        g, n_in, dtype = self.group_size, weight.shape[1], weight.dtype
         lo = reduce(block_reduce(weight, 1, g, "min"), "min", "scale")
         hi = reduce(block_reduce(weight, 1, g, "max"), "max", "scale")
-        scale = ((hi - lo).clamp(min=1e-6) / 15).to(weight.dtype)
-        zero = (lo + scale.float() * 8).to(weight.dtype)
+        finite = lo.isfinite() & hi.isfinite()
+        scale = ((hi - lo).clamp(min=1e-6) / 15).to(dtype)
+        zero = (lo + scale.float() * 8).to(dtype)
+        # A group whose range overflows float32 (bf16/fp32 values near +-3.4e38) is computed in
+        # float64, that group only; every other group keeps the float32 math bit for bit.
+        wide = (hi - lo).isinf() & finite
+        any_wide = not weight.is_meta and bool(wide.any())
+        if any_wide:
+            lo64, hi64 = lo.double(), hi.double()
+            scale = torch.where(wide, ((hi64 - lo64) / 15).to(dtype), scale)
+            zero = torch.where(wide, (lo64 + scale.double() * 8).to(dtype), zero)
+        if not weight.is_meta:
+            scale, zero = _fit_range(scale, zero, lo.double(), hi.double(), dtype)
         lo_q = zero.float() - scale.float() * 8
         w = weight.float()
         q = ((w - expand_blocks(lo_q, 1, g, n_in)) / expand_blocks(scale.float(), 1, g, n_in)).round().clamp(0, 15)
+        if any_wide:
+            rows = wide.any(1).nonzero().squeeze(1)
+            s64, lo_q64 = scale[rows].double(), zero[rows].double() - scale[rows].double() * 8
+            q64 = (weight[rows].double() - expand_blocks(lo_q64, 1, g, n_in)) / expand_blocks(s64, 1, g, n_in)
+            q[rows] = torch.where(expand_blocks(wide[rows], 1, g, n_in), q64.round().clamp(0, 15).float(), q[rows])
         q = q.to(torch.uint8)
         return {"qdata": q[:, ::2] | (q[:, 1::2] << 4), "scale": scale, "zero": zero}
 
@@ -79,6 +126,7 @@ class Int4Groupwise(QuantFormat):
     def prepare(self, inner):
         """Repack for torch's int4 mm on this device where its shape rules allow it, else None.
 
+        Both kernels take group sizes 32, 64, 128 and 256 only.
         CPU: ``aten._convert_weight_to_int4pack_for_cpu`` (int32 codes, out % 16 == 0).
         CUDA (untested here: no GPU in CI): ``aten._convert_weight_to_int4pack``, which wants
         the even code in the high nibble, out % 8 == 0 and in % (16 * inner_k_tiles) == 0.
@@ -86,7 +134,7 @@ class Int4Groupwise(QuantFormat):
         """
         qdata = inner["qdata"]
         n_out, n_in = qdata.shape[0], qdata.shape[1] * 2
-        if not n_out or n_in % self.group_size:
+        if not n_out or n_in % self.group_size or self.group_size not in _KERNEL_GROUP_SIZES:
             return None
         scale_zeros = torch.stack([inner["scale"], inner["zero"]], dim=-1).transpose(0, 1).contiguous()
         if qdata.device.type == "cpu":
@@ -98,7 +146,6 @@ class Int4Groupwise(QuantFormat):
         if (
             qdata.device.type != "cuda"
             or not _has_kernel("aten::_weight_int4pack_mm", "CUDA")
-            or self.group_size not in (32, 64, 128, 256)
             or n_out % 8
             or tiles is None
         ):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, scaled_into
+from ..blocks import block_reduce, safe_scale, scaled_into
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
@@ -38,7 +38,7 @@ class Int8Rowwise(QuantFormat):
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
-        scale = (amax / _QMAX).clamp(min=torch.finfo(weight.dtype).tiny).to(weight.dtype)
+        scale = safe_scale(amax, _QMAX, weight.dtype)
         q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
         return {"qdata": q, "scale": scale}
 

@@ -363,6 +363,40 @@ def fsdp2_quantized_allgather(fmt: QuantFormat, shape) -> str:
     return "forward bit-identical to quantize(master); gradient reaches the master; uint8 on the wire"
 
 
+def expert_stacks(fmt: QuantFormat, shape) -> str:
+    """A fused mixture-of-experts stack ``[3, out, in]``: per-expert math, expert and tensor parallelism.
+
+    Three experts shard unevenly over 2 ranks and leave one rank empty over 4.
+    """
+    world, experts = dist.get_world_size(), 3
+    m, w = mesh(world), weight((experts, *shape), seed=21)
+    q = quantize(w, fmt)
+    for e in range(experts):
+        assert_same_bits(q[e], quantize(w[e].clone(), fmt), f"expert {e} of the stack vs quantized alone")
+    dense = q.dequantize()
+    assert torch.equal(dense, torch.stack([quantize(w[e], fmt).dequantize() for e in range(experts)])), "dequantize"
+    x = weight((3, shape[1]), seed=22)
+    assert torch.equal(torch.nn.functional.linear(x, q[1]), torch.nn.functional.linear(x, quantize(w[1], fmt))), (
+        "F.linear on a selected expert differs from the 2-D weight's"
+    )
+    done = []
+    with wire.record() as log:
+        for p in ([Shard(0)], [Shard(1)], [Shard(2)]):
+            if not legal(fmt, q.shape, (world,), p):
+                continue
+            dt = distribute_tensor(q, m, p)
+            assert_local_matches(dt, dense, f"distribute_tensor {p}")
+            assert_same_bits(dt.full_tensor(), q, f"full_tensor from {p}")
+            if p != [Shard(0)]:
+                assert_same_bits(dt.redistribute(m, [Shard(0)]).full_tensor(), q, f"{p} -> Shard(0)")
+            done.append(f"S{p[0].dim}")
+    dense_moved = {t.dtype for t in log.transfers if not t.quantized and t.dtype != torch.uint8}
+    assert not dense_moved, f"dense {dense_moved} on the wire while moving the quantized stack"
+    got = quantize(distribute_tensor(w, m, [Shard(0)], src_data_rank=None), fmt)
+    assert_same_bits(got.to_local(), distribute_tensor(q, m, [Shard(0)]).to_local(), "quantize(DTensor Shard(0))")
+    return f"each of {experts} experts as alone; {', '.join(done)} over {world} ranks bit-exact, quantized bytes only"
+
+
 CHECKS = [
     Check("quantize/dequantize", quantize_dequantize, distributed=False),
     Check("distribute_tensor/full_tensor", distribute_and_gather),
@@ -376,4 +410,5 @@ CHECKS = [
     Check("FSDP2 quantized all-gather", fsdp2_quantized_allgather),
     Check("DCP reshard", checkpoint_reshard),
     Check("torch.compile", compile_linear, distributed=False),
+    Check("expert stacks [E, out, in]", expert_stacks),
 ]

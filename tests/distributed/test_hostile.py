@@ -17,7 +17,7 @@ FORMATS = {
     "int8": dq.Int8Rowwise(),
     "int4g32": dq.Int4Groupwise(32),
     "int4g128": dq.Int4Groupwise(128),
-    "nf4": dq.NF4(64, 4),
+    "nf4": dq.NF4(32, 4),
     "f8row": dq.Float8Rowwise(),
     "f8tensor": dq.Float8Tensorwise(),
 }
@@ -154,6 +154,11 @@ def disagreeing(kind, op):
         DTensor.from_local(local, m, [Shard(1)], run_check=False).redistribute(m, [Shard(0)])
     elif op == "quantize":
         dq.quantize(distribute_tensor(w, m, [Shard(1)]), fmt)
+    elif op == "gather_quantized":  # trainable masters quantized before FSDP2's all-gather
+        net = torch.nn.Sequential(torch.nn.Linear(256, 24, bias=False))
+        dq.gather_quantized_(net, fmt)
+        dq.fsdp.fully_shard(net, mesh=m)
+        net(torch.randn(2, 256))
     elif op == "fsdp":
         net = torch.nn.Sequential(torch.nn.Linear(256, 24, bias=False))
         dq.quantize_(net, fmt)
@@ -162,7 +167,7 @@ def disagreeing(kind, op):
     return True
 
 
-@pytest.mark.parametrize("op", ["gather", "distribute", "redistribute", "quantize", "fsdp"])
+@pytest.mark.parametrize("op", ["gather", "distribute", "redistribute", "quantize", "fsdp", "gather_quantized"])
 @pytest.mark.parametrize("kind", list(MIXED))
 def test_ranks_that_disagree_all_raise(ranks, kind, op):
     """A clear error on every rank -- never a gloo abort, a hang (the 60 s timeout) or mixed bytes."""
@@ -284,3 +289,282 @@ def test_save_errors_have_the_documented_type(tmp_path):
     future = ckpt.async_save(net, str(blocker / "ckpt"))
     with pytest.raises(ckpt.CheckpointSaveError):
         future.result(timeout=60)  # completes: DCP's CheckpointException is a BaseException
+
+
+# -- non-finite values and dtype extremes -----------------------------------------------------
+
+EXTREME_FORMATS = ["int8", "int4g32", "f8row", "f8tensor"]  # NF4's extremes belong to its rewrite (issue 12)
+
+
+def poisoned(shape, dtype, seed, kinds):
+    """A weight with NaN/+-Inf at a few seeded positions (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g).to(dtype)
+    values = {"nan": float("nan"), "-nan": -float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+    for i, kind in enumerate(kinds):
+        r = int(torch.randint(shape[0], (1,), generator=g))
+        c = int(torch.randint(shape[1], (1,), generator=g))
+        w[r, c] = values[kind]
+    return w
+
+
+def quantize_poisoned_sharded(fmt_name, shape, dtype, seed, kinds, placement, world=2):
+    from helpers import assert_same_bits, mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    fmt = {**FORMATS, "nf4": dq.NF4(32, 4)}[fmt_name]
+    w = poisoned(shape, dtype, seed, kinds)
+    m = mesh(world)
+    from test_placements import parse
+
+    got = dq.quantize(distribute_tensor(w, m, [parse(placement)]), fmt)
+    want = distribute_tensor(dq.quantize(w, fmt), m, [parse(placement)])
+    full = got.full_tensor()  # every collective first: a failed assertion must not leave a rank waiting
+    assert_same_bits(got.to_local(), want.to_local(), f"{fmt_name} {kinds} {placement}")
+    assert_same_bits(full, dq.quantize(w, fmt), "full")
+    return True
+
+
+@pytest.mark.parametrize("fmt_name", [*EXTREME_FORMATS, "nf4"])
+@pytest.mark.parametrize("placement", ["S0", "S1"])
+def test_non_finite_quantize_sharded_is_bit_identical(ranks, fmt_name, placement):
+    """gloo's MAX/MIN drop NaN depending on rank order; the reductions carry NaN on their own."""
+    cases = [(["nan"], 0), (["-nan", "inf"], 1), (["-inf", "nan", "inf"], 2)]
+    for kinds, seed in cases:
+        args = (fmt_name, (8, 256), torch.bfloat16, seed, kinds, placement)
+        assert all(ranks(2).run(quantize_poisoned_sharded, *args))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    fmt_name=st.sampled_from(EXTREME_FORMATS),
+    placement=st.sampled_from(["S0", "S1"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    kinds=st.lists(st.sampled_from(["nan", "-nan", "inf", "-inf"]), min_size=1, max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_non_finite_sweep_on_three_ranks(ranks, fmt_name, placement, dtype, kinds, seed):
+    """Three ranks give gloo's MAX more orders to drop a NaN in; any positions, kinds and dtypes."""
+    args = (fmt_name, (6, 192), dtype, seed, kinds, placement, 3)
+    assert all(ranks(3).run(quantize_poisoned_sharded, *args))
+
+
+@pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_values_at_the_dtype_max_stay_finite(fmt_name, dtype):
+    m = torch.finfo(dtype).max
+    w = torch.randn(8, 64).to(dtype)
+    w[0, 0], w[1, 3], w[2] = m, -m, m
+    w[3, ::2], w[3, 1::2] = -m, m  # max - min overflows float32 for bf16/fp32
+    w[4, :32] = (torch.linspace(-1, 1, 32, dtype=torch.float64) * m).to(dtype)
+    assert w.isfinite().all()
+    d = dq.quantize(w, FORMATS[fmt_name]).dequantize()
+    assert d.isfinite().all(), (~d.isfinite()).nonzero().tolist()
+    # the rows that are not extreme are untouched by the others
+    ref = dq.quantize(w[5:], FORMATS[fmt_name]).dequantize()
+    if fmt_name != "f8tensor":  # one scale for the whole tensor: its extremes set everyone's precision
+        assert torch.equal(d[5:], ref)
+
+
+@pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
+def test_one_poisoned_value_poisons_at_most_its_block(fmt_name):
+    fmt = FORMATS[fmt_name]
+    w = torch.randn(8, 128, dtype=torch.bfloat16)
+    clean = dq.quantize(w, fmt).dequantize()
+    for value in (float("nan"), float("inf")):
+        bad = w.clone()
+        bad[3, 70] = value
+        d = dq.quantize(bad, fmt).dequantize()
+        if fmt_name == "f8tensor":  # one scale: the whole tensor is the block (documented)
+            assert d.isnan().all()
+            continue
+        block = torch.zeros_like(d, dtype=torch.bool)
+        if fmt_name == "int4g32":
+            block[3, 64:96] = True
+        else:
+            block[3] = True
+        assert torch.equal(d[~block], clean[~block]), "a value outside the poisoned block changed"
+        assert d[block].isnan().all(), "the poisoned block must say so (NaN), not hold finite wrong values"
+
+
+@pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
+def test_fp16_error_is_within_the_stated_bound_of_fp32(fmt_name):
+    """docs/hostile_input.md: fp16's max error <= 1.25 x fp32's + 8 ulps of the largest scale + 1 ulp of the largest value.
+
+    (8: Int4's largest code offset multiplies the scale's rounding; 1.25: float8's code rounding moves
+    with the scale's; fp16 scales may be subnormal, whose ulp is 2**-24, so tiny weights keep fp32's
+    precision instead of hitting a floor at 6.1e-5.)
+    """
+    fmt = FORMATS[fmt_name]
+    for magnitude in (1e-6, 1e-4, 1e-2, 1.0, 1e3):
+        w16 = (torch.randn(16, 256, generator=torch.Generator().manual_seed(5)) * magnitude).half()
+        q16 = dq.quantize(w16, fmt)
+        e16 = (q16.dequantize().float() - w16.float()).abs().amax().item()
+        e32 = (dq.quantize(w16.float(), fmt).dequantize() - w16.float()).abs().amax().item()
+
+        def ulp(x):
+            return max(2**-24, torch.finfo(torch.float16).eps * x)
+
+        bound = 1.25 * e32 + 8 * ulp(q16.scale.float().abs().max().item()) + ulp(w16.float().abs().max().item())
+        assert e16 <= bound, (magnitude, e16, e32, bound)
+        assert e16 <= 4 * e32 + 2**-20, (magnitude, e16, e32)  # and never the old 17x at 1e-4
+
+
+def test_empty_weights():
+    for fmt in (*FORMATS.values(), dq.NF4()):
+        q = dq.quantize(torch.zeros(0, 64), fmt)
+        assert q.dequantize().shape == (0, 64)
+    for fmt in (*FORMATS.values(), dq.NF4()):  # no in_features: works, or a ValueError (never ZeroDivisionError)
+        try:
+            q = dq.quantize(torch.zeros(64, 0), fmt)
+        except ValueError:
+            continue
+        assert q.dequantize().shape == (64, 0)
+
+
+# -- paths users take -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [2, 16, 512])
+def test_int4_matmul_falls_back_where_the_kernel_refuses_the_group_size(group_size):
+    w = torch.randn(32, 1024).bfloat16()
+    q = dq.quantize(w, dq.Int4Groupwise(group_size))
+    x = torch.randn(3, 1024).bfloat16()
+    assert torch.equal(torch.nn.functional.linear(x, q), torch.nn.functional.linear(x, q.dequantize()))
+
+
+def build_on_meta_and_load(path, fmt_name, how):
+    """The large-model workflow: meta init -> quantize_ -> shard -> to_empty -> load (docs/checkpoint.md)."""
+    from helpers import mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dtensor_quant import checkpoint as ckpt
+
+    fmt = {**FORMATS, "nf4": dq.NF4(32, 4)}[fmt_name]
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Linear(128, 64, bias=False))
+
+    torch.manual_seed(4)
+    ref = dq.quantize_(net().bfloat16(), fmt)
+    ckpt.save(ref, path)
+    with torch.device("meta"):
+        model = net().bfloat16()
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    if how == "tp_after":
+        dq.quantize_(model, fmt)
+        parallelize_module(model, mesh(2), plan)
+    elif how == "tp_before":
+        parallelize_module(model, mesh(2), plan)
+        dq.quantize_(model, fmt)
+    else:
+        dq.quantize_(model, fmt)
+        dq.fsdp.fully_shard(model, mesh=mesh(2))
+    model.to_empty(device="cpu")
+    ckpt.load(model, path)
+    from helpers import assert_same_bits
+
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert_same_bits(got.full_tensor(), want.detach(), name)
+    model(torch.randn(3, 256).bfloat16())  # and it runs
+    return True
+
+
+@pytest.mark.parametrize("how", ["tp_after", "tp_before", "fsdp"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "f8tensor"])
+def test_meta_init_quantize_to_empty_load(ranks, tmp_path, fmt_name, how):
+    path = str(tmp_path / "ckpt")
+    assert all(ranks(2).run(build_on_meta_and_load, path, fmt_name, how, timeout=120))
+
+
+def trainable_quantized(how):
+    from helpers import mesh
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    dq.quantize_(net, dq.Int8Rowwise())
+    net[1].weight.requires_grad_(True)
+    try:
+        if how == "fully_shard":
+            dq.fsdp.fully_shard(net, mesh=mesh(2))
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(net, mesh=mesh(2))
+            net(torch.randn(2, 64)).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("how", ["fully_shard", "plain_fully_shard"])
+def test_trainable_quantized_parameter_is_refused_by_name(ranks, how):
+    for msg in ranks(2).run(trainable_quantized, how, timeout=60):
+        assert "1.weight" in msg and "requires_grad=True" in msg, msg
+
+
+def test_trainable_quantized_parameter_is_refused_before_backward_single_process():
+    net = dq.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32)), dq.Int4Groupwise(32))
+    net[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"0\.weight is quantized and has requires_grad=True"):
+        net(torch.randn(2, 64))
+    with torch.no_grad():  # inference is fine
+        net(torch.randn(2, 64))
+
+
+def disagree_after_agreeing(every_call):
+    """Both ranks agreed on Int8 and Int4 layouts of this shape; then they disagree (the cached check's gap)."""
+    from helpers import mesh, rank, weight
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dtensor_quant import agree
+
+    w, m = weight((20, 256), seed=12), mesh(2)
+    for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(64)):  # both layouts agreed on this group
+        DTensor.from_local(dq.quantize(w, fmt)[rank() * 10 : (rank() + 1) * 10].clone(), m, [Shard(0)]).full_tensor()
+    fmt = (dq.Int8Rowwise(), dq.Int4Groupwise(64))[rank()]
+    agree.EVERY_CALL = every_call
+    try:
+        DTensor.from_local(dq.quantize(w, fmt)[rank() * 10 : (rank() + 1) * 10].clone(), m, [Shard(0)]).full_tensor()
+    finally:
+        agree.EVERY_CALL = False
+    return True
+
+
+def test_checking_every_call_closes_the_cached_gap(ranks):
+    from dtensor_quant.launch import RankError
+
+    with pytest.raises(RankError) as info:
+        ranks(2).run(disagree_after_agreeing, True, timeout=60)
+    assert all("different layouts" in str(e) for e, _ in info.value.errors.values()) and len(info.value.errors) == 2
+
+
+def test_damaged_metadata_is_a_corrupt_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    save_placed(str(path), "single")
+    meta = path / ".metadata"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    kind, msg, same = load_damaged(str(path), "single")
+    assert kind == "CheckpointCorruptError" and ".metadata" in msg and same, (kind, msg)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    fmt_name=st.sampled_from(["int8", "int4g32", "f8row"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    kinds=st.lists(st.sampled_from(["nan", "-nan", "inf", "-inf"]), min_size=1, max_size=8),
+    seed=st.integers(0, 10_000),
+    cut=st.integers(1, 16),
+)
+def test_row_pieces_quantize_to_the_same_bits_as_the_whole(fmt_name, dtype, kinds, seed, cut):
+    """Row-blocked formats need no reduction under Shard(0): a piece's bytes must be the whole's, NaN bits included.
+
+    (Vectorized and scalar loops leave different NaN payloads; the library canonicalizes them.)
+    """
+    fmt = FORMATS[fmt_name]
+    w = poisoned((17, 96), dtype, seed, kinds)
+    whole = dq.quantize(w, fmt)
+    for a, b in ((0, cut), (cut, 17)):
+        piece = dq.quantize(w[a:b], fmt)
+        for name in fmt.inner_names:
+            x, y = getattr(piece, name).contiguous(), getattr(whole, name)[a:b].contiguous()
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (name, a, b)

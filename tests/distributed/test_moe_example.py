@@ -29,7 +29,7 @@ def test_expert_parallel_logits_bit_identical(ranks, world, argv):
 
 
 def test_expert_and_tensor_parallel_tokens_equal(ranks):
-    args, results = _run(ranks, 4, ["--tp", "2", "--format", "int4:64"])
+    _, results = _run(ranks, 4, ["--tp", "2", "--format", "int4:64"])
     assert all(r["tokens_equal"] for r in results), results
     assert max(r["max_logit_diff"] for r in results) < 0.05  # partial sums added in another order
 

@@ -8,7 +8,7 @@ quantized bytes only on the wire, including uneven expert counts.
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
@@ -21,6 +21,7 @@ FORMATS = {
     "nf4": dq.NF4(64, 8),  # 512 columns = 8 blocks per row: one scaler block per row
     "f8row": dq.Float8Rowwise(),
     "f8tensor": dq.Float8Tensorwise(),
+    "f8block": dq.Float8Blockwise(32),
 }
 
 
@@ -59,8 +60,9 @@ def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
         assert_same_bits(got.to_local(), dt.to_local(), f"quantize on {src}")
     moved_dense = {t.dtype for t in log.transfers if not t.quantized and t.dtype != torch.uint8}
     assert {t.dtype for t in log.transfers if t.quantized} <= {torch.uint8}
-    # the only dense traffic allowed: the scale statistics quantize() reduces (float32 maxima/sums)
-    assert moved_dense <= {torch.float32, torch.float64}, moved_dense
+    # the only dense traffic allowed: the scale statistics quantize() reduces (float32 maxima travel as
+    # int32 keys in IEEE total order so NaN survives the all-reduce; sums as float64)
+    assert moved_dense <= {torch.float32, torch.int32, torch.float64}, moved_dense
     return len(targets)
 
 
@@ -132,3 +134,21 @@ def misaligned():
 
 def test_misaligned_tp_inside_experts_raises_on_every_rank(ranks):
     assert ranks(4).run(misaligned) == ["LayoutError"] * 4
+
+
+def fewer_experts_than_ranks():
+    """3 experts over 4 ranks: quantize and dequantize of the DTensor keep Shard(0) and move nothing."""
+    m, w = mesh(4), weight((3, 8, 256), seed=14)
+    dense = distribute_tensor(w, m, [Shard(0)], src_data_rank=None)
+    with wire.record() as log:
+        q = dq.quantize(dense, dq.Int8Rowwise())
+        back = dq.custom_ops.dequantize(q)
+    moved = [t for t in log.transfers if t.op != "dtensor_quant::agree"]  # the ranks' one-time format check
+    assert q.placements == back.placements == (Shard(0),) and not moved, (q.placements, back.placements, moved)
+    expected = dq.quantize(w, dq.Int8Rowwise()).dequantize()
+    assert torch.equal(back.full_tensor(), expected)
+    return back.to_local().shape[0]
+
+
+def test_fewer_experts_than_ranks_stay_sharded(ranks):
+    assert ranks(4).run(fewer_experts_than_ranks) == [1, 1, 1, 0]

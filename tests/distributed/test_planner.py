@@ -132,7 +132,7 @@ def test_command_line_errors(capsys):
     from dtensor_quant.__main__ import main
 
     with pytest.raises(SystemExit, match="OUTxIN"):
-        main(["plan", "--format", "int4", "--shape", "4096x4096x2"])
+        main(["plan", "--format", "int4", "--shape", "4096x4096x2x2"])  # 3 parts: an expert stack
     with pytest.raises(ValueError, match="unknown format"):
         main(["plan", "--format", "int3", "--shape", "8x8"])
     assert main(["plan", "--format", "int8", "--shape", "wo=64x96:rowwise", "--tp", "2", "3"]) == 0
