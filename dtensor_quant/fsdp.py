@@ -41,6 +41,7 @@ them when sharding; the hooks check what they can see.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -197,6 +198,22 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     invalidate(target)
 
 
+# The storages of the dense unsharded weights the post hook made, by StorageImpl (stable across
+# FSDP2's free and re-allocate), so checks that look for quantized parameters -- a trainable one is
+# refused before its backward (dtensor_quant.nn) -- still find them under plain fully_shard.
+_DEQUANTIZED: dict[int, object] = {}
+
+
+def dequantized_from(t: torch.Tensor):
+    """The format ``t``'s values were dequantized from by an FSDP2 gather (its unsharded weight), else None."""
+    if not _DEQUANTIZED:
+        return None
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) is not torch.Tensor and not isinstance(local, nn.Parameter):
+        return None
+    return _DEQUANTIZED.get(local.untyped_storage()._cdata)
+
+
 @torch.no_grad()
 def _dequantize_gathered(full: QuantizedTensor, buffers, out):
     """Write ``full``'s dense values into a new tensor (first gather) or ``out``'s storage; free ``buffers``.
@@ -217,7 +234,12 @@ def _dequantize_gathered(full: QuantizedTensor, buffers, out):
         dense.copy_(full.dequantize())
     for buf in buffers:  # the quantized bytes are spent; FSDP2 re-allocates them before the next gather
         buf.untyped_storage().resize_(0)
-    return None if out is not None else (dense, [dense])
+    if out is not None:
+        return None
+    key = dense.untyped_storage()._cdata
+    _DEQUANTIZED[key] = full.fmt
+    weakref.finalize(dense, _DEQUANTIZED.pop, key, None)
+    return dense, [dense]
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
