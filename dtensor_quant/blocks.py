@@ -154,3 +154,49 @@ def expand_to(s: torch.Tensor, rels, shape) -> torch.Tensor:
                 n *= v
             return expand_blocks(s.flatten(dim), dim, rel.b, n).unflatten(dim, span)
     return s
+
+
+# -- unpack kernels (QuantFormat.unpack): whole blocks, written into a given tensor ---------
+
+_EXACT_PRODUCT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def scaled_into(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = (float(qdata) * float(scale)).to(out.dtype)`` with ``scale`` broadcast, in as few passes as exact.
+
+    When ``out`` has the scale's dtype (bf16, fp16 or fp32) and the codes are
+    exact in it (int8, float8), the product computed in ``out``'s dtype rounds
+    once, from the same exact fp32 product: the same bits, one pass fewer.
+    """
+    if out.dtype == scale.dtype and out.dtype in _EXACT_PRODUCT_DTYPES:
+        out.copy_(qdata)
+        out.mul_(scale)
+    else:
+        out.copy_(qdata.float() * scale.float())
+
+
+def _pair_table(values: tuple[float, ...], dtype: torch.dtype, device: torch.device, high_first: bool) -> torch.Tensor:
+    key = (values, dtype, str(device), high_first)
+    table = _PAIR_TABLES.get(key)
+    if table is None:
+        v = torch.tensor(values, dtype=dtype, device=device)
+        byte = torch.arange(256, device=device)
+        first, second = (byte >> 4, byte & 15) if high_first else (byte & 15, byte >> 4)
+        pairs = torch.stack([v[first], v[second]], dim=-1).contiguous()  # [256, 2]
+        table = _PAIR_TABLES[key] = pairs.view(_INT_OF_SIZE[2 * v.element_size()]).reshape(256)
+    return table
+
+
+_PAIR_TABLES: dict = {}
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def nibbles_into(qdata: torch.Tensor, values: tuple[float, ...], out: torch.Tensor, high_first: bool) -> None:
+    """``out[r, 2j], out[r, 2j+1] = values[code]`` for the two 4-bit codes of byte ``qdata[r, j]``.
+
+    One index_select of a 256-entry table whose entries are the two values of
+    a byte, reinterpreted as one integer twice their size: a single gather per
+    byte, no per-element index tensor. ``out`` must be contiguous.
+    """
+    table = _pair_table(values, out.dtype, out.device, high_first)
+    torch.index_select(table, 0, qdata.reshape(-1).int(), out=out.view(table.dtype).view(-1))

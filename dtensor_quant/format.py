@@ -11,6 +11,8 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
   weight. Statistics that a scale needs from the whole weight go through
   ``reduce``, which is the identity on one process and an all-reduce over the
   mesh dims whose shards share a block when the weight is a sharded DTensor.
+* ``unpack`` (optional): ``dequantize`` at memory speed for whole weights,
+  which FSDP2's gathers and the backward's input gradient use.
 * N-D weights ``[..., out, in]`` (fused mixture-of-experts parameters
   ``[experts, out, in]``) need nothing from the format: :func:`weight_layout`
   prepends a one-to-one relation per leading dim to every inner tensor, and
@@ -23,6 +25,8 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -75,6 +79,19 @@ class QuantFormat:
         """
         raise NotImplementedError
 
+    def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
+        """Optional fast dequantize: write the values into ``out`` and return True, or return False.
+
+        ``inner`` are the *stored* tensors (not broadcast) of a canonical
+        ``[out, in]`` weight whose packs and column blocks are whole (a chunk
+        of rows of one, cut on its row blocks; the last row block may be
+        partial); ``out`` is a preallocated tensor
+        of that shape whose dtype is the result's. The bits must equal
+        ``dequantize``'s (a table lookup per byte, one broadcast multiply per
+        block). :mod:`dtensor_quant.unpack` calls it.
+        """
+        return False
+
     def prepare(self, inner: dict[str, torch.Tensor]):
         """The kernel's view of a canonical weight (cached by the library); default: ``inner``."""
         return inner
@@ -83,9 +100,12 @@ class QuantFormat:
         """``x @ W.T + bias`` from ``prepare``'s result, or None to dequantize instead."""
         return None
 
-    @property
+    @functools.cached_property
     def inner_names(self) -> tuple[str, ...]:
-        """The inner tensors, in the order of every layout (override with ``layout_for``)."""
+        """The inner tensors, in the order of every layout (override with ``layout_for``).
+
+        Cached on the (frozen) format: every QuantizedTensor construction checks it.
+        """
         return tuple(self.layout)
 
 

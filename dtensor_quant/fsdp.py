@@ -32,13 +32,16 @@ shard full. See docs/fsdp.md.
 What FSDP2 cannot do with a compact all-gather is refused before any
 collective, on every rank: ``shard_placement_fn`` other than ``Shard(0)``
 (FSDP2 regroups other dims assuming dense bytes), integer
-``reshard_after_forward`` (FSDP2 re-shards the gathered bytes as if dense), and
+``reshard_after_forward`` (torch's FSDP2 has no post-forward reshard for any
+parameter with all-gather hooks: the backward's gather from it raises
+``NotImplementedError``), and
 dim-0 shards that cut a pack or a block. :func:`fully_shard` checks all of
 them when sharding; the hooks check what they can see.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -53,6 +56,7 @@ from .layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .matmul import invalidate, never_cache
 from .ops import PADDED_ROWS, _describe, _pad_end, canonical_dims, cat_dim, slice_dim
 from .tensor import QuantizedTensor
+from .unpack import unpack_into
 
 
 def padded_rows(t: torch.Tensor) -> int:
@@ -72,19 +76,21 @@ class GatherMeta:
     kept: dict[str, torch.Tensor]  # the others: constant along every dim, the same on every rank
     dtypes: tuple[torch.dtype, ...]  # per sent inner tensor
     shapes: tuple[torch.Size, ...]  # per sent inner tensor, as each rank sends it
+    dense: bool  # the unsharded parameter is the dequantized weight (frozen weights), not a QuantizedTensor
 
 
-def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor]):
+def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor], dense: bool):
     """The ``fsdp_pre_all_gather`` FSDP2 sees on shard ``t``: 5 arguments if full, 1 if short.
 
-    ``quantized(mesh)`` gives this rank's shard as a QuantizedTensor.
+    ``quantized(mesh)`` gives this rank's shard as a QuantizedTensor; ``dense``
+    whether the post hook dequantizes the gathered weight (see :func:`post_all_gather`).
     """
 
     def five(mesh, outer_size, outer_stride, module, mp_policy):
-        return _agreed(pre_all_gather(quantized(mesh), mesh, outer_size), mesh)
+        return _agreed(pre_all_gather(quantized(mesh), mesh, outer_size, dense=dense), mesh)
 
     def one(mesh):
-        return _agreed(pre_all_gather(quantized(mesh), mesh), mesh)
+        return _agreed(pre_all_gather(quantized(mesh), mesh, dense=dense), mesh)
 
     return one if t.shape[0] < padded_rows(t) else five
 
@@ -105,7 +111,7 @@ def _describe_key(key) -> str:
     return f"{fmt!r} shard of {shape} sending {parts}"
 
 
-def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
+def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True):
     """``(all-gather inputs, metadata)`` for this rank's shard ``q``: its inner tensors as bytes.
 
     Raises (identically on every rank, before FSDP2's collective) when the
@@ -133,7 +139,8 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None):
     sent = tuple(n for n in q.fmt.inner_names if _varies(piece, n))
     inner = [getattr(piece, n).contiguous() for n in sent]
     kept = {n: t for n, t in piece.inner.items() if n not in sent}
-    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, tuple(t.dtype for t in inner), tuple(t.shape for t in inner))
+    dtypes, shapes = tuple(t.dtype for t in inner), tuple(t.shape for t in inner)
+    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, dtypes, shapes, dense)
     if world == 1:
         # torch 2.13's one-rank path copies only the first all-gather input
         return (_pack(inner),), meta
@@ -148,11 +155,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=None):
     """Rebuild the unsharded weight (logical dtype ``param_dtype``) from FSDP2's gathered buffers.
 
-    Returns ``(weight, buffers)`` the first time, the weight's inner tensors
-    being views of FSDP2's buffers so that FSDP2 can free and reuse them. With
-    ``out`` (later gathers), ``out``'s inner tensors already view the refilled
-    buffers (FSDP2 re-allocates the same storages); anything that does not
-    (the unsent constants) is copied in.
+    Returns ``(weight, buffers to free at reshard)`` the first time; with
+    ``out`` (later gathers, FSDP2 having re-allocated the storages) it refills
+    ``out`` in place.
+
+    A frozen weight (``meta.dense``) is dequantized here, once per all-gather,
+    into a dense ``param_dtype`` parameter that the forward and the backward
+    both use: the memory a bf16 FSDP2 unit holds anyway, and the matmuls run
+    at dense speed with no second dequantize in the backward. The gathered
+    bytes are freed at once. Otherwise (trainable weights gathered quantized,
+    :mod:`dtensor_quant.gather_quantized`) the weight is a QuantizedTensor whose
+    inner tensors view FSDP2's buffers; anything that does not (the unsent
+    constants) is copied into ``out``.
     """
     world, names, buffers = meta.world, meta.fmt.inner_names, list(outputs)
     if world == 1:
@@ -169,6 +183,8 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
         inner = {n: joined[n].narrow(0, r * rows[n], rows[n]) if n in joined else meta.kept[n] for n in names}
         pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(len(meta.shape)), meta.shape, param_dtype))
     full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
+    if meta.dense:
+        return _dequantize_gathered(full, buffers, out)
     if out is None:
         return full, buffers
     target = out._local_tensor if isinstance(out, DTensor) else out
@@ -180,6 +196,50 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
             with torch.no_grad():
                 dst.copy_(src)
     invalidate(target)
+
+
+# The storages of the dense unsharded weights the post hook made, by StorageImpl (stable across
+# FSDP2's free and re-allocate), so checks that look for quantized parameters -- a trainable one is
+# refused before its backward (dtensor_quant.nn) -- still find them under plain fully_shard.
+_DEQUANTIZED: dict[int, object] = {}
+
+
+def dequantized_from(t: torch.Tensor):
+    """The format ``t``'s values were dequantized from by an FSDP2 gather (its unsharded weight), else None."""
+    if not _DEQUANTIZED:
+        return None
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) is not torch.Tensor and not isinstance(local, nn.Parameter):
+        return None
+    return _DEQUANTIZED.get(local.untyped_storage()._cdata)
+
+
+@torch.no_grad()
+def _dequantize_gathered(full: QuantizedTensor, buffers, out):
+    """Write ``full``'s dense values into a new tensor (first gather) or ``out``'s storage; free ``buffers``.
+
+    ``full`` holds FSDP2's padded rows; the parameter is FSDP2's ``as_strided``
+    view of its leading rows, so ``out``'s storage holds all of them.
+    """
+    if out is None:
+        dense = torch.empty(full.shape, dtype=full.dtype, device=full.device)
+    else:
+        target = out._local_tensor if isinstance(out, DTensor) else out
+        storage = target.untyped_storage()
+        assert target.storage_offset() == 0 and storage.nbytes() == full.numel() * target.element_size(), (
+            "FSDP2 re-allocated the unsharded weight with another size"
+        )
+        dense = torch.empty(0, dtype=target.dtype, device=target.device).set_(storage, 0, full.shape)
+    if not unpack_into(full, dense):
+        dense.copy_(full.dequantize())
+    for buf in buffers:  # the quantized bytes are spent; FSDP2 re-allocates them before the next gather
+        buf.untyped_storage().resize_(0)
+    if out is not None:
+        return None
+    key = dense.untyped_storage()._cdata
+    _DEQUANTIZED[key] = full.fmt
+    weakref.finalize(dense, _DEQUANTIZED.pop, key, None)
+    return dense, [dense]
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -202,10 +262,45 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    record_tensor_parallel(module)
     check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs)
     return torch_fully_shard(
         module, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn, **kwargs
     )
+
+
+def record_tensor_parallel(module) -> None:
+    """Tell each tensor-parallel trainable weight gathered quantized which TP groups share its statistics.
+
+    A ``GatherQuantized`` weight that ``parallelize_module`` sharded is a
+    DTensor over the TP mesh; FSDP2's pre hook only sees the local shard and
+    the FSDP2 mesh. Recording the TP mesh dims here lets the hook all-reduce a
+    statistic that spans TP shards (a per-row scale of a row-parallel weight)
+    over the TP group as well, so the gathered weight is bit-identical to
+    quantizing the whole master, as on one process. Raises ``LayoutError``
+    (every rank, before any collective) if a TP shard cuts a block or a pack.
+    """
+    from .format import weight_layout
+    from .gather_quantized import GatherQuantized
+    from .placements import _shard_like
+
+    for fqn, param, local, fmt in quantized_params(module):
+        if not isinstance(local, GatherQuantized) or not isinstance(param, DTensor):
+            continue
+        layout, axes = weight_layout(fmt, local.full_shape), []
+        for i, placement in enumerate(param.placements):
+            if not _shard_like(placement):
+                continue
+            dim, size = placement.dim % 2, param.device_mesh.size(i)
+            factor = dim_factor([rels[dim] for rels in layout.values()])
+            if not legal_chunk(local.full_shape[dim], size, factor):
+                raise LayoutError(
+                    f"{fqn} ({fmt}): tensor parallelism over {size} ranks cuts dim {dim} (size "
+                    f"{local.full_shape[dim]}) off its layout, which needs multiples of {factor}; legal sizes: "
+                    f"{', '.join(map(str, legal_chunk_counts(local.full_shape[dim], factor)))}."
+                )
+            axes.append((dim, param.device_mesh.get_group(i).group_name))
+        local.tp_axes = tuple(axes)
 
 
 def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs=None) -> None:
@@ -216,8 +311,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             if world is not None and reshard_after_forward not in (1, world):
                 raise ValueError(
-                    f"{where}: reshard_after_forward={reshard_after_forward} re-shards the gathered weight "
-                    "as if its bytes were dense, which quantized weights cannot do. Use True or False."
+                    f"{where}: reshard_after_forward={reshard_after_forward} is not supported by torch's FSDP2 "
+                    "for any parameter with an all-gather extension (fsdp_pre_all_gather): its post-forward "
+                    "reshard keeps a slice of one dense all-gather output, and the backward's all-gather from "
+                    "that slice raises NotImplementedError for extensions (torch 2.13, FSDPParam."
+                    "all_gather_inputs). Use True (least memory: the backward all-gathers the quantized bytes "
+                    "again) or False (keeps the dequantized weight from forward to backward)."
                 )
         if shard_placement_fn is not None:
             placement = shard_placement_fn(param)

@@ -72,7 +72,7 @@ class GatherQuantized(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed=False, full_shape=None):
+    def __new__(cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed=False, full_shape=None, tp_axes=()):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -83,15 +83,18 @@ class GatherQuantized(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data, fmt, quant_dtype=None, transposed=False, full_shape=None):
+    def __init__(self, data, fmt, quant_dtype=None, transposed=False, full_shape=None, tp_axes=()):
         self._data, self.fmt, self.quant_dtype, self.transposed = data, fmt, quant_dtype, transposed
         self.full_shape = tuple(full_shape) if full_shape is not None else tuple(data.shape)
+        # (logical dim, process group name) per tensor-parallel mesh dim sharding this weight, set by
+        # dtensor_quant.fsdp.fully_shard: statistics are all-reduced over those groups too.
+        self.tp_axes = tuple(tp_axes)
 
     def __repr__(self, *, tensor_contents=None):
         return f"GatherQuantized({self.fmt}, {self._data!r})"
 
     def __tensor_flatten__(self):
-        return ["_data"], (self.fmt, self.quant_dtype, self.transposed, self.full_shape)
+        return ["_data"], (self.fmt, self.quant_dtype, self.transposed, self.full_shape, self.tp_axes)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
@@ -99,7 +102,7 @@ class GatherQuantized(torch.Tensor):
 
     def like(self, data: torch.Tensor, transposed: bool | None = None) -> GatherQuantized:
         transposed = self.transposed if transposed is None else transposed
-        return GatherQuantized(data, self.fmt, self.quant_dtype, transposed, self.full_shape)
+        return GatherQuantized(data, self.fmt, self.quant_dtype, transposed, self.full_shape, self.tp_axes)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -139,13 +142,15 @@ class GatherQuantized(torch.Tensor):
     def fsdp_pre_all_gather(self):
         from .fsdp import hook_for
 
-        return hook_for(self, self._quantized_shard)
+        return hook_for(self, self._quantized_shard, dense=False)
 
     def _quantized_shard(self, mesh) -> QuantizedTensor:
         if mesh.size() > 1:
             group = mesh.get_group(mesh.ndim - 1).group_name
             agree_before_reducing(self.fmt, self._data, [0], [group], list(self.full_shape))
-        q = self.quantized(MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)]))
+        reduce = MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)])
+        reduce.axes += list(self.tp_axes)  # a tensor-parallel shard: its statistics span the TP group too
+        q = self.quantized(reduce)
         if PADDED_ROWS in self.__dict__:
             q.__dict__[PADDED_ROWS] = self.__dict__[PADDED_ROWS]
         return q

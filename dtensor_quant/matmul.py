@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from . import unpack
 from .format import QuantFormat
 from .format_ids import format_from_id, format_id
 from .layout import Constant
@@ -107,7 +108,9 @@ def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch
     out = fmt.linear(x, prepared(fmt, inner), bias)
     if out is not None:
         return out
-    out = x @ fmt.dequantize(broadcastable(inner, blocks, (out_features, x.shape[-1])), x.dtype).t()
+    shape = (out_features, x.shape[-1])
+    w = None if _tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
+    out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
 
 
@@ -140,14 +143,34 @@ def _kernel_inner(w_t: QuantizedTensor) -> dict[str, torch.Tensor] | None:
     return canonical_inner(w_t)
 
 
+def _plan(w_t: QuantizedTensor):
+    """``(canonical inner tensors or None, block sizes)`` for ``w_t``, decided once per persistent weight.
+
+    Both depend only on the weight's relations and orientation, which never
+    change for a tensor object: a ``w.t()`` made per call (DTensor's linear)
+    finds them on the weight it came from instead of re-deriving them.
+    """
+    owner = w_t.__dict__.get("_transposed_from")
+    if owner is not None and is_transposed(w_t):  # w_t is owner.t() (or a broadcast of it, unbroadcast)
+        plan = owner.__dict__.get(_PLAN_ATTR)
+        if plan is None:
+            plan = owner.__dict__[_PLAN_ATTR] = (_kernel_inner(w_t) is not None, block_sizes(owner.rels))
+        if plan[0] and owner.dims == ((0,), (1,)):
+            return owner.inner, plan[1]
+    inner = _kernel_inner(w_t)
+    return inner, (block_sizes(row[::-1] for row in w_t.rels) if inner is not None else None)
+
+
+_PLAN_ATTR = "_dtensor_quant_linear_plan"
+
+
 def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
-    inner = _kernel_inner(w_t)
+    inner, blocks = _plan(w_t)
     if inner is None:
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    blocks = block_sizes(row[::-1] for row in w_t.rels)  # canonical [out, in] order
     if _tracing(x2) or any(_tracing(t) for t in inner.values()):
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
     else:

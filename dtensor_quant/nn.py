@@ -87,10 +87,12 @@ def _refuse_trainable(fqn: str):
     """
 
     def hook(module, args):
+        from .fsdp import dequantized_from  # under FSDP2 the weight is the dequantized gather
+
         if not torch.is_grad_enabled():
             return
         for name, p in module._parameters.items():
-            if p is not None and p.requires_grad and is_quantized(p):
+            if p is not None and p.requires_grad and (is_quantized(p) or dequantized_from(p) is not None):
                 raise ValueError(
                     f"{fqn + '.' if fqn else ''}{name} is quantized and has requires_grad=True: its gradient would be "
                     "dense and no optimizer can update quantized bytes. Freeze it (requires_grad_(False)) and train "

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import writes
+from . import unpack, writes
 from .layout import (
     Blocked,
     Constant,
@@ -782,12 +782,21 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
                 pieces = [slice_dim(q, dim, s, min(s + run, q.shape[dim])) for s in range(0, q.shape[dim], run)]
                 return torch.cat([dequantize(p, dtype) for p in pieces], dim)
     if q.dims == canonical_dims(q.ndim):
-        return q.fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype)
+        fast = None if _traced(q) else unpack.dense(q, dtype)
+        return fast if fast is not None else q.fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype)
     if is_transposed(q):
         rels = tuple(row[::-1] for row in q.rels)
+        if not _traced(q):
+            fast = unpack.dense(QuantizedTensor(_map_inner(q, lambda t: t.t()), q.fmt, rels, canonical_dims(2), q.shape[::-1], q.dtype), dtype)
+            if fast is not None:
+                return fast.t()
         inner = _broadcastable(_map_inner(q, lambda t: t.t()), rels, q.shape[::-1])
         return q.fmt.dequantize(inner, dtype).t()
     raise UnsupportedOpError(f"{_describe(q)}: dequantize the tensor before view(-1), not after")
+
+
+def _traced(q: QuantizedTensor) -> bool:
+    return any(_tracing(t) for t in q.inner.values())
 
 
 def _broadcastable(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, torch.Tensor]:

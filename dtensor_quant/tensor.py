@@ -115,7 +115,7 @@ class QuantizedTensor(torch.Tensor):
         """
         from .fsdp import hook_for
 
-        return hook_for(self, lambda mesh: self)
+        return hook_for(self, lambda mesh: self, dense=True)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         from .fsdp import post_all_gather

@@ -246,3 +246,38 @@ def test_nf4_extreme_and_non_finite_input():
     q = dq.quantize(w, dq.NF4())
     assert q.factor.isfinite().all()
     assert ((q.dequantize().float() - w.float()).norm() / w.float().norm()) < 0.12
+
+
+@pytest.mark.parametrize(
+    "fmt", [dq.NF4(), dq.NF4(64, 4), dq.Int4Groupwise(32), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str
+)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(64, 512), (46, 1024), (32, 96)], ids=str)  # (32, 96): NF4 blocks across rows
+def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, shape, monkeypatch):
+    """The fast whole-weight path (table lookup, block-grid scales, row chunks) is bit-exact."""
+    from dtensor_quant import unpack
+    from dtensor_quant.ops import _broadcastable, same_bits
+
+    q = dq.quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(wdtype) * 0.05, fmt)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        expected = fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype)
+        for chunk in (1 << 20, 1024):  # one piece; row chunks cut on the layout's row blocks
+            monkeypatch.setattr(unpack, "CHUNK_ELEMENTS", chunk)
+            got = unpack.dense(q, dtype)
+            assert got is not None and same_bits(got, expected), (dtype, chunk)
+        assert same_bits(q.t().dequantize(dtype), expected.t())
+
+
+def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
+    """A column slice of NF4 keeps a factor per row cut short: the flat fast path must not read it in flat order."""
+    from dtensor_quant import unpack
+    from dtensor_quant.ops import _broadcastable, same_bits
+
+    q = dq.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)), dq.NF4())
+    for piece in (q[:, :1024], q[:, 1024:], q[:32]):
+        expected = piece.fmt.dequantize(_broadcastable(piece.inner, piece.rels, piece.shape), torch.float32)
+        assert same_bits(piece.dequantize(), expected)
+        x = torch.randn(3, piece.shape[1], generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(torch.nn.functional.linear(x, piece), x @ expected.t(), atol=1e-5)
+    assert unpack.dense(q[:, :1024], torch.float32) is None  # per-row factors cut short: not a fresh layout
+    assert unpack.dense(q[:32], torch.float32) is not None  # whole row blocks: the fast path

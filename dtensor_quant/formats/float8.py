@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, safe_scale
+from ..blocks import block_reduce, safe_scale, scaled_into
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
@@ -43,6 +43,10 @@ class Float8Rowwise(QuantFormat):
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype)
 
+    def unpack(self, inner, out):
+        scaled_into(inner["qdata"], inner["scale"], out)
+        return True
+
     def __str__(self) -> str:
         return "Float8Rowwise()"
 
@@ -57,6 +61,10 @@ class Float8Tensorwise(QuantFormat):
 
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype)
+
+    def unpack(self, inner, out):
+        scaled_into(inner["qdata"], inner["scale"], out)
+        return True
 
     def __str__(self) -> str:
         return "Float8Tensorwise()"

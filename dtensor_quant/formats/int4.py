@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks
+from ..blocks import block_reduce, expand_blocks, nibbles_into
 from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne, Packed
+
+_CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 
 
 # torch's int4 mm kernels (CPU and CUDA) take only these; other group sizes dequantize.
@@ -109,6 +111,17 @@ class Int4Groupwise(QuantFormat):
         packed = inner["qdata"]
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
         return ((q - 8) * inner["scale"].float() + inner["zero"].float()).to(dtype)
+
+    def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
+        """``q - 8`` by table lookup (one per byte) in fp32, then the group's scale and zero, as ``dequantize``."""
+        rows = out.shape[0]
+        values = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        nibbles_into(inner["qdata"], _CODES_MINUS_8, values, high_first=False)
+        grouped = values.view(rows, -1, self.group_size)
+        grouped.mul_(inner["scale"].float().unsqueeze(-1)).add_(inner["zero"].float().unsqueeze(-1))
+        if values is not out:
+            out.copy_(values)
+        return True
 
     def prepare(self, inner):
         """Repack for torch's int4 mm on this device where its shape rules allow it, else None.

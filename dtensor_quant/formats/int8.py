@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, safe_scale
+from ..blocks import block_reduce, safe_scale, scaled_into
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
 
@@ -44,6 +44,10 @@ class Int8Rowwise(QuantFormat):
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+
+    def unpack(self, inner, out):
+        scaled_into(inner["qdata"], inner["scale"], out)
+        return True
 
     def prepare(self, inner):
         return inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import expand_to, reduce_to
+from ..blocks import expand_to, nibbles_into, reduce_to
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, flat_blocked
 
@@ -141,6 +141,27 @@ class NF4(QuantFormat):
             codes = codes.reshape(*codes.shape[:-2], *scale.shape[-2:])
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype, device=qdata.device)
         return (levels[codes] * scale).to(dtype)
+
+    def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
+        """On the flat index: levels by table lookup (one per byte), times each block's scale.
+
+        Every inner tensor, whatever its relations, stores its blocks in flat
+        row-major order, so the scales are computed once per block (not per
+        element) and broadcast over it. Needs whole scaler blocks.
+        """
+        mean, scaler, factor = inner["mean"], inner["scaler"].reshape(-1), inner["factor"].reshape(-1)
+        numel, bs = out.numel(), self.block_size
+        if numel % bs or scaler.numel() != numel // bs or inner["qdata"].numel() * 2 != numel:
+            return False
+        per_scaler = factor.repeat_interleave(self.scaler_block_size).narrow(0, 0, scaler.numel())
+        scale = ((scaler / per_scaler).to(mean.dtype) + mean.reshape(())).unsqueeze(-1)  # [blocks, 1]
+        fits = out.dtype == mean.dtype and out.is_contiguous()
+        values = out if fits else torch.empty(out.shape, dtype=mean.dtype, device=out.device)
+        nibbles_into(inner["qdata"], NF4_LEVELS, values, high_first=True)
+        values.view(-1, bs).mul_(scale)
+        if not fits:
+            out.copy_(values)
+        return True
 
     @staticmethod
     def _nearest(normalized: torch.Tensor) -> torch.Tensor:

@@ -321,8 +321,12 @@ def fsdp2_qlora(fmt: QuantFormat, shape) -> str:
     fully_shard(model, mesh=mesh(world))
     with wire.record() as log:
         losses = _train(model)
+    # FSDP2 dequantizes the gathered weight once (to bf16 here) and runs dense matmuls; one process runs
+    # the format's kernel, which may keep the codes exact and scale after accumulating. The two agree to
+    # the rounding of the dequantized weight to bf16: its unit roundoff.
+    rel = torch.finfo(torch.bfloat16).eps / 2
     for step, (a, b) in enumerate(zip(losses, reference)):
-        assert abs(a - b) <= 1e-3 * abs(b) + 1e-6, f"step {step}: loss {a} under FSDP2, {b} on one process"
+        assert abs(a - b) <= rel * abs(b) + 1e-6, f"step {step}: loss {a} under FSDP2, {b} on one process"
     base = [t for t in log.all_gathers().transfers if t.dtype == torch.uint8]
     assert base, "no uint8 all-gather: the quantized weight was not gathered as stored bytes"
     per_gather = max(t.nbytes for t in base)

@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from dtensor_quant import QuantizedTensor
 
@@ -38,3 +39,29 @@ def assert_same_bits(actual: QuantizedTensor, expected: QuantizedTensor, what: s
         assert torch.equal(a.contiguous().view(torch.uint8), e.contiguous().view(torch.uint8)), (
             f"{what}: inner {name} differs"
         )
+
+
+def floor_bytes(unit: torch.nn.Module, shard: int, param_dtype=None) -> int:
+    """Bytes one rank sends to all-gather ``unit`` over ``shard`` ranks: the physical floor.
+
+    Quantized weights (frozen, or trainable ones gathered quantized) send the
+    stored bytes of their padded shard, except inner tensors constant along
+    every dim; dense parameters their padded shard in ``param_dtype``.
+    Parameters may already be tensor-parallel DTensors (their local shard counts).
+    """
+    from dtensor_quant.gather_quantized import GatherQuantized
+    from dtensor_quant.layout import Constant
+
+    total = 0
+    for p in unit.parameters():
+        p = p.to_local() if isinstance(p, DTensor) else p
+        rows = -(-p.shape[0] // shard)
+        q = p.quantized() if isinstance(p, GatherQuantized) else p
+        if isinstance(q, QuantizedTensor):
+            for name, rels in zip(q.fmt.inner_names, q.rels):
+                if not all(isinstance(r, Constant) for r in rels):
+                    inner = getattr(q, name)
+                    total += rels[0].inner_len(rows) * inner[0].numel() * inner.element_size()
+        else:
+            total += rows * p[0].numel() * (param_dtype or p.dtype).itemsize
+    return total

@@ -10,6 +10,8 @@ them -- on even, uneven and empty shards, for every relation along dim 0.
 import pytest
 import torch
 import torch.nn.functional as F
+from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
+from helpers import assert_same_bits, mesh, rank, weight
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -19,9 +21,7 @@ import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.layout import Constant
-
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-from helpers import assert_same_bits, mesh, rank, weight
+from dtensor_quant.ops import same_bits
 
 FORMATS = {
     "int8": dq.Int8Rowwise(),
@@ -61,7 +61,7 @@ def gather_exact(fmt_name, shape, mp):
     model, q = quantized_model(fmt_name, shape)
     dtype = getattr(torch, mp) if mp else q.dtype
     x = weight((3, shape[1]), seed=2, dtype=dtype)
-    y_ref = F.linear(x, q.to(dtype))
+    y_ref = F.linear(x, q.dequantize(dtype))
     fully_shard(model, mesh=mesh(world), mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, mp) if mp else None))
     local = model[0].weight.to_local()
     chunks = torch.chunk(q.dequantize(), world)  # trailing ranks may hold nothing
@@ -73,9 +73,10 @@ def gather_exact(fmt_name, shape, mp):
 
     with wire.record() as log:
         model.unshard()
+    # a frozen weight is dequantized once per all-gather into a dense parameter
     full = model[0].weight
-    assert isinstance(full, dq.QuantizedTensor) and full.dtype == dtype and full.shape == q.shape, full
-    assert_same_bits(full.to(q.dtype), q, f"{fmt_name} {shape} over {world}")
+    assert type(full) is nn.Parameter and full.dtype == dtype and full.shape == q.shape, full
+    assert same_bits(full.detach(), q.dequantize(dtype)), f"{fmt_name} {shape} over {world}"
     gathers = log.all_gathers()
     if world == 1:
         assert len(gathers) == 0  # FSDP2 copies locally
@@ -83,18 +84,16 @@ def gather_exact(fmt_name, shape, mp):
         assert gathers.dtypes() == {torch.uint8}, gathers.transfers
         assert gathers.nbytes == expected_bytes(q, world), (gathers.nbytes, expected_bytes(q, world))
 
-    # zero copy: the sent inner tensors view FSDP2's all-gather buffers
+    # the quantized bytes are freed once dequantized; the dense weight is freed at reshard
     fsdp_param = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
-    buffers = {t.untyped_storage().data_ptr() for t in fsdp_param.all_gather_outputs}
-    for name, rels in zip(q.fmt.inner_names, q.rels):
-        if not all(isinstance(r, Constant) for r in rels):
-            assert getattr(full, name).untyped_storage().data_ptr() in buffers, f"{name} was copied"
+    assert all(t.untyped_storage().nbytes() == 0 for t in fsdp_param.all_gather_outputs)
+    model.reshard()
+    assert full.untyped_storage().nbytes() == 0
 
     # later gathers refill the same parameter in place (out=)
-    model.reshard()
     model.unshard()
     assert model[0].weight is full
-    assert_same_bits(full.to(q.dtype), q, "second gather")
+    assert same_bits(full.detach(), q.dequantize(dtype)), "second gather"
     y = model(x)
     assert torch.equal(y, y_ref), (y - y_ref).abs().max()
     return True
@@ -233,9 +232,9 @@ def test_unsent_constants_are_not_concatenated_or_compared(fmt_name):
             return 2
 
     q = dq.quantize(weight((128, 256)), FORMATS[fmt_name])
-    inputs, meta = pre_all_gather(q[:64], TwoRanks(), q.shape)
+    inputs, meta = pre_all_gather(q[:64], TwoRanks(), q.shape, dense=False)
     assert set(meta.sent) != set(q.fmt.inner_names)  # the format keeps something unsent
-    gathered = [torch.cat(pair) for pair in zip(inputs, pre_all_gather(q[64:], TwoRanks(), q.shape)[0])]
+    gathered = [torch.cat(pair) for pair in zip(inputs, pre_all_gather(q[64:], TwoRanks(), q.shape, dense=False)[0])]
     with Ops() as ops:
         full, _ = post_all_gather(gathered, meta, torch.bfloat16)
     assert "aten::equal" not in ops.names and "aten::cat" not in ops.names, ops.names

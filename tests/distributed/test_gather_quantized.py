@@ -9,17 +9,16 @@ hand the master the dense straight-through gradient.
 import pytest
 import torch
 import torch.nn.functional as F
+from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
+from helpers import assert_same_bits, floor_bytes, mesh, rank, weight
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from training import batches, gather_quantized_model, gather_quantized_reference, train
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.gather_quantized import GatherQuantized
-
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-from helpers import assert_same_bits, mesh, rank, weight
-from training import batches, gather_quantized_model, gather_quantized_reference, train
 
 FORMATS = {
     "int8": dq.Int8Rowwise(),
@@ -143,3 +142,55 @@ def test_50_step_loss_curve_stays_close_to_bf16(ranks):
         print("  bf16 ", " ".join(f"{v:.3f}" for v in base))
         print(f"  {name}", " ".join(f"{v:.3f}" for v in losses))
         assert mean_rel < limit and abs(final_ratio - 1) < 0.03, (name, mean_rel, final_ratio, losses, base)
+
+
+# -- combined with tensor parallelism -------------------------------------------------
+
+
+def tp_fsdp_train(fmt_name, steps):
+    """ColwiseParallel/RowwiseParallel over tp, FSDP2 over dp on a 2x2 mesh; block all-gathers at the floor."""
+    from test_qlora import TP_PLAN
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = gather_quantized_model(fmt_name, "even")
+    m = mesh(2, 2)
+    for layer in model.layers:
+        parallelize_module(layer, m["tp"], TP_PLAN)
+    floor = {floor_bytes(layer, 2) for layer in model.layers}
+    for layer in model.layers:
+        fully_shard(layer, mesh=m["dp"])
+    fully_shard(model, mesh=m["dp"])
+    with wire.record() as log:
+        losses = train(model, batches(steps, "even"), lr=3e-3, dp_group=m["dp"].get_group())
+    blocks = [t.nbytes for t in log.all_gathers().transfers if t.dtype == torch.uint8]
+    assert len(blocks) >= 2 * steps * len(model.layers) and set(blocks) == floor, (sorted(set(blocks)), floor)
+    return losses
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "pertensor"])
+def test_tensor_parallel_plus_fsdp_2x2(ranks, fmt_name):
+    """A row-parallel weight's per-row (or per-tensor) scale spans TP shards: all-reduced over tp as well."""
+    expected = gather_quantized_reference(fmt_name, "even", 4)
+    for losses in ranks(4).run(tp_fsdp_train, fmt_name, 4, timeout=300):
+        assert losses == pytest.approx(list(expected), rel=2e-5), (losses, expected)
+
+
+def misaligned_tp():
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    lin = nn.Linear(64, 24, bias=False)  # rows 24 over tp 2: 12, not a multiple of RowBlockInt8(8)'s 8
+    lin.weight = nn.Parameter(GatherQuantized(weight((24, 64), dtype=torch.float32), RowBlockInt8(8)))
+    model = nn.Sequential(lin)
+    m = mesh(2, 2)
+    parallelize_module(model, m["tp"], {"0": ColwiseParallel()})
+    with wire.record() as log:
+        try:
+            fully_shard(model, mesh=m["dp"])
+        except ValueError as e:
+            return type(e).__name__, len(log.all_gathers()), str(e)
+    return "no error", 0, ""
+
+
+def test_tensor_parallel_cut_through_a_block_is_refused_on_every_rank(ranks):
+    results = ranks(4).run(misaligned_tp)
+    assert all(kind == "LayoutError" and gathers == 0 and "tensor parallelism" in msg for kind, gathers, msg in results), results

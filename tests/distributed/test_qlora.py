@@ -5,20 +5,24 @@ quantized (frozen) and LoRA-adapted (trainable, fp32 masters). The reference
 trains the same model on one process with the whole batch; FSDP2 ranks take
 slices of it. Variants: 2, 3 and 4 ranks (uneven shards on 3 and 4),
 ``reshard_after_forward`` True and False, activation checkpointing, bf16
-mixed precision, tensor parallel + FSDP2 on a 2x2 mesh, and torch.compile.
+mixed precision, tensor parallel + FSDP2 on a 2x2 mesh, torch.compile, HSDP on
+a 2x2 (replicate, shard) mesh and CPU offload -- the last two also check that
+every block's all-gather (quantized bases and dense adapters in one unit) is
+at the byte floor.
 """
 
 import pytest
 import torch
+from helpers import floor_bytes, mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from training import batches, qlora_model, reference_losses, train
 
+from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import lora_tp_plan
-
-from helpers import mesh
-from training import batches, qlora_model, reference_losses, train
 
 STEPS = 4
 TOLERANCE = {None: 2e-5, "bfloat16": 5e-3}  # relative, per step
@@ -103,3 +107,38 @@ def test_compiled_qlora(ranks):
     """torch.compile (aot_eager) of the FSDP2 QLoRA model: quantized weights are graph inputs."""
     results = ranks(2).run(fsdp_qlora, "int8", "even", None, True, False, compiled=True, timeout=600)
     check(results, "int8", "even", None)
+
+
+# -- HSDP, CPU offload: the same losses, and each block's all-gather at the byte floor -----
+
+
+def fsdp_layout(fmt_name, mp, layout):
+    world = torch.distributed.get_world_size()
+    model = qlora_model(fmt_name, "even")
+    if layout == "hsdp":  # replicate over dim 0, shard over dim 1
+        m, extra = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")), {}
+    else:
+        m, extra = mesh(world), {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    param_dtype = getattr(torch, mp) if mp else None
+    floor = {floor_bytes(layer, m.size(m.ndim - 1), param_dtype) for layer in model.layers}
+    for layer in model.layers:
+        fully_shard(layer, mesh=m, mp_policy=_policy(mp), **extra)
+    fully_shard(model, mesh=m, mp_policy=_policy(mp), **extra)
+    with wire.record() as log:
+        losses = train(model, batches(STEPS, "even"), dp_group=torch.distributed.group.WORLD)
+    # a block unit mixes quantized bases and dense adapters/norms: one uint8 all-gather each
+    blocks = [t.nbytes for t in log.all_gathers().transfers if t.dtype == torch.uint8]
+    assert len(blocks) >= 2 * STEPS * len(model.layers) and set(blocks) == floor, (sorted(set(blocks)), floor)
+    return losses
+
+
+@pytest.mark.parametrize(
+    "world,fmt_name,mp,layout",
+    [
+        pytest.param(4, "int4g32", "bfloat16", "hsdp", id="hsdp-2x2-int4-bf16"),
+        pytest.param(2, "int8", None, "offload", id="cpu-offload-int8"),
+    ],
+)
+def test_hsdp_and_cpu_offload(ranks, world, fmt_name, mp, layout):
+    results = ranks(world).run(fsdp_layout, fmt_name, mp, layout, timeout=300)
+    check(results, fmt_name, "even", mp)
