@@ -281,3 +281,29 @@ def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
         assert torch.allclose(torch.nn.functional.linear(x, piece), x @ expected.t(), atol=1e-5)
     assert unpack.dense(q[:, :1024], torch.float32) is None  # per-row factors cut short: not a fresh layout
     assert unpack.dense(q[:32], torch.float32) is not None  # whole row blocks: the fast path
+
+
+def _hostile_weights():
+    g = torch.Generator().manual_seed(0)
+    near_max = (torch.randn(64, 4096, generator=g) * 20000).clamp(-65504, 65504).to(torch.float16)
+    near_max[3, :64] = 65504
+    mixed = torch.randn(8, 14336, generator=g).to(torch.bfloat16)
+    mixed[1, 7], mixed[2, 9], mixed[3] = float("-inf"), float("nan"), 0
+    small = (torch.randn(8, 14336, generator=g) * 1e-3).to(torch.float16)
+    return {"fp16 near max": near_max, "nan, inf and a zero row": mixed, "fp16 small": small}
+
+
+@pytest.mark.parametrize("name", list(_hostile_weights()))
+@pytest.mark.parametrize(
+    "fmt", [dq.NF4(), dq.Int4Groupwise(128), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str
+)
+def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
+    """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite."""
+    from dtensor_quant import unpack
+    from dtensor_quant.ops import _broadcastable, same_bits
+
+    w = _hostile_weights()[name]
+    q = dq.quantize(w, fmt)
+    for dtype in (torch.bfloat16, torch.float32, w.dtype):
+        got = unpack.dense(q, dtype)
+        assert got is not None and same_bits(got, fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype))

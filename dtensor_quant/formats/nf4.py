@@ -154,7 +154,9 @@ class NF4(QuantFormat):
         if numel % bs or scaler.numel() != numel // bs or inner["qdata"].numel() * 2 != numel:
             return False
         per_scaler = factor.repeat_interleave(self.scaler_block_size).narrow(0, 0, scaler.numel())
-        scale = ((scaler / per_scaler).to(mean.dtype) + mean.reshape(())).unsqueeze(-1)  # [blocks, 1]
+        scale = (scaler / per_scaler).to(mean.dtype) + mean.reshape(())
+        big = torch.finfo(mean.dtype).max  # the same clamp as dequantize: finite weights stay finite
+        scale = torch.where(per_scaler.isfinite() & (per_scaler > 0), scale.clamp(-big, big), scale).unsqueeze(-1)
         fits = out.dtype == mean.dtype and out.is_contiguous()
         values = out if fits else torch.empty(out.shape, dtype=mean.dtype, device=out.device)
         nibbles_into(inner["qdata"], NF4_LEVELS, values, high_first=True)
