@@ -199,4 +199,4 @@ def nibbles_into(qdata: torch.Tensor, values: tuple[float, ...], out: torch.Tens
     byte, no per-element index tensor. ``out`` must be contiguous.
     """
     table = _pair_table(values, out.dtype, out.device, high_first)
-    torch.index_select(table, 0, qdata.reshape(-1).int(), out=out.view(table.dtype).view(-1))
+    torch.index_select(table, 0, qdata.reshape(-1).int(), out=out.view(-1).view(table.dtype))  # odd widths too
