@@ -7,6 +7,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from . import custom_ops, fsdp, hf, interop, lora, wire
+from .custom_ops import dequantize
 from .format import QuantFormat
 from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .gather_quantized import GatherQuantized, gather_quantized_
@@ -39,10 +40,12 @@ __all__ = [
     "check_placements",
     "checkpoint",
     "custom_ops",
+    "dequantize",
     "flat_blocked",
     "fsdp",
     "gather_quantized_",
     "hf",
+    "interop",
     "legal_mesh_sizes",
     "lora",
     "pad_for_tp",

@@ -307,3 +307,14 @@ def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
     for dtype in (torch.bfloat16, torch.float32, w.dtype):
         got = unpack.dense(q, dtype)
         assert got is not None and same_bits(got, fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype))
+
+
+def test_top_level_dequantize_is_the_inverse_of_quantize():
+    """``dq.dequantize`` sits beside ``dq.quantize`` and refuses a dense tensor by type."""
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q = dq.quantize(w, dq.Int4Groupwise(128))
+    assert torch.equal(dq.dequantize(q), q.dequantize())
+    assert dq.dequantize(q, torch.float32).dtype == torch.float32
+    with pytest.raises(TypeError, match="expects a quantized tensor"):
+        dq.dequantize(w)
+    assert "interop" in dq.__all__ and "dequantize" in dq.__all__
