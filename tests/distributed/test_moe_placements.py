@@ -22,7 +22,10 @@ FORMATS = {
     "f8row": dq.Float8Rowwise(),
     "f8tensor": dq.Float8Tensorwise(),
     "f8block": dq.Float8Blockwise(32),
+    "nf4qlora": dq.NF4(),  # QLoRA defaults: at real widths a scaler factor runs across rows (FlatBlocked)
+    "int4g128": dq.Int4Groupwise(128),
 }
+TOY_FORMATS = [n for n in FORMATS if n not in ("nf4qlora", "int4g128")]  # the (E, 32, 512) sweeps
 
 
 def parse(specs: str):
@@ -68,7 +71,7 @@ def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
 
 def _cases_1d():
     for world in (2, 4):
-        for fmt_name in FORMATS:
+        for fmt_name in TOY_FORMATS:
             for experts in (3, 4, 5):  # 3 and 5 experts shard unevenly (3 over 4 ranks: one holds none)
                 quick = experts == 3 and fmt_name in ("int8", "nf4", "int4g64")
                 yield pytest.param(world, fmt_name, experts, marks=() if quick else pytest.mark.slow)
@@ -82,8 +85,20 @@ def test_expert_parallel_1d(ranks, world, fmt_name, experts):
             assert ranks(world).run(expert_roundtrip, fmt_name, shape, (world,), src, ["R", "S0", "S1", "S2"])
 
 
+@pytest.mark.parametrize("fmt_name", ["nf4qlora", "int4g128", "int8"])
+@pytest.mark.parametrize("width", [14336, 11008])
+def test_expert_parallel_at_real_widths(ranks, fmt_name, width):
+    """Experts of a real model's width (Mixtral's 14336, Llama-2's 11008) with few rows; every legal move."""
+    shape = (3, 8, width)
+    moved = 0
+    for src in ("S0", "S2", "R"):
+        if _legal(FORMATS[fmt_name], shape, (2,), src):
+            moved += sum(ranks(2).run(expert_roundtrip, fmt_name, shape, (2,), src, ["R", "S0", "S1", "S2"]))
+    assert moved > 0
+
+
 @pytest.mark.parametrize(
-    "fmt_name", [n if n in ("int8", "nf4") else pytest.param(n, marks=pytest.mark.slow) for n in FORMATS]
+    "fmt_name", [n if n in ("int8", "nf4") else pytest.param(n, marks=pytest.mark.slow) for n in TOY_FORMATS]
 )
 @pytest.mark.parametrize("src", ["S0,S1", "S0,S2", "S0,R", "R,S1"])
 def test_expert_and_tensor_parallel_2d(ranks, fmt_name, src):
