@@ -22,15 +22,24 @@ of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
   canonical inner tensors into whatever the kernel wants (the library caches
   it per weight); ``linear`` returning ``None`` falls back to dequantize +
   matmul.
+
+What the library asks a format, besides the above, is declared here too
+rather than guessed at: ``check_shape`` (can it hold a weight of this shape,
+whatever the dtype; the planner asks before any data exists),
+``check_weight`` (shape and dtype), ``block_size_params`` (which parameters
+are block sizes the planner may shrink), and ``checkpoint_suffixes`` /
+``hf_quantization_config`` (how :mod:`dtensor_quant.hf` names its tensors;
+None for formats without a Hugging Face form).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
-from .layout import OneToOne, Relation
+from .layout import Blocked, OneToOne, Relation
 
 
 class Reducer:
@@ -59,12 +68,52 @@ class QuantFormat:
         """The relations for a weight of logical ``shape`` (default: ``layout``, shape-independent)."""
         return self.layout
 
+    def check_shape(self, shape: torch.Size) -> None:
+        """Raise ``ValueError`` for an ``[out, in]`` shape this format cannot hold, whatever the dtype.
+
+        Override it (calling ``super()``) for shape rules: packs that need an
+        even width, blocks over the flat weight that need a multiple of their
+        size. The planner, the placement checks and the padding search ask it
+        before any weight exists; library code calls :func:`check_shape`,
+        which also takes ``[..., out, in]``.
+        """
+        if len(shape) != 2:
+            raise ValueError(f"{self} quantizes 2-D weights [out, in]; got shape {tuple(shape)}")
+
     def check_weight(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        """Raise ``ValueError`` for a weight this format cannot hold."""
+        """Raise ``ValueError`` for a weight this format cannot hold: its dtype, then ``check_shape``.
+
+        Override it only for dtype rules; shape rules belong in ``check_shape``.
+        """
         if len(shape) != 2:
             raise ValueError(f"{self} quantizes 2-D weights [out, in]; got shape {tuple(shape)}")
         if not dtype.is_floating_point:
             raise ValueError(f"{self} quantizes floating-point weights; got {dtype}")
+        self.check_shape(shape)
+
+    @property
+    def block_size_params(self) -> tuple[str, ...]:
+        """The names of the (int) dataclass fields that are block sizes, e.g. ``("group_size",)``.
+
+        The planner offers the same format with a smaller value of one of
+        them when a mesh size cuts through a block. Declare it as a class
+        attribute; the default takes the int fields whose value is the size
+        of a :class:`~dtensor_quant.layout.Blocked` relation of ``layout``
+        (none when the layout depends on the weight's shape).
+        """
+        try:
+            sizes = {r.b for rels in self.layout.values() for r in rels if isinstance(r, Blocked)}
+        except (NotImplementedError, ValueError):
+            return ()
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        values = {f.name: getattr(self, f.name) for f in fields}
+        return tuple(n for n, v in values.items() if type(v) is int and v in sizes)
+
+    #: Hugging Face key suffix of each inner tensor (``{"qdata": "", "scale_inv": "_scale_inv"}``),
+    #: appended to the weight's key by :mod:`dtensor_quant.hf`; None: the format has no such form.
+    checkpoint_suffixes: dict[str, str] | None = None
+    #: The ``quantization_config`` a Hugging Face ``config.json`` declares for it, or None.
+    hf_quantization_config: dict | None = None
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -122,6 +171,28 @@ def weight_layout(fmt: QuantFormat, shape) -> dict[str, tuple[Relation, ...]]:
         raise ValueError(f"{fmt} quantizes weights [..., out, in] of at least 2 dims; got shape {shape}")
     lead = (OneToOne(),) * (len(shape) - 2)
     return {name: lead + tuple(rels) for name, rels in fmt.layout_for(shape[-2:]).items()}
+
+
+def check_shape(fmt: QuantFormat, shape) -> None:
+    """``fmt.check_shape`` for a weight ``[..., out, in]``: the format checks one ``[out, in]`` matrix.
+
+    A format written before ``check_shape`` existed keeps its shape rules in
+    ``check_weight``: it is asked with bfloat16, a dtype every format takes.
+    """
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"{fmt} quantizes weights [..., out, in] of at least 2 dims; got shape {shape}")
+    cls = type(fmt)
+    legacy = cls.check_shape is QuantFormat.check_shape and cls.check_weight is not QuantFormat.check_weight
+    try:
+        if legacy:
+            fmt.check_weight(torch.Size(shape[-2:]), torch.bfloat16)
+        else:
+            fmt.check_shape(torch.Size(shape[-2:]))
+    except ValueError as e:
+        if len(shape) == 2:
+            raise
+        raise type(e)(f"each [out, in] matrix {shape[-2:]} of the {shape} weight: {e}") from None
 
 
 def check_weight(fmt: QuantFormat, shape, dtype: torch.dtype) -> None:

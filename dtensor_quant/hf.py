@@ -350,7 +350,7 @@ def _suffixes(t: torch.Tensor) -> dict[str, str] | None:
     if not is_quantized(t):
         return None
     local = t._local_tensor if isinstance(t, DTensor) else t
-    return getattr(local.fmt, "checkpoint_suffixes", None)
+    return local.fmt.checkpoint_suffixes
 
 
 @dataclass
@@ -808,7 +808,7 @@ def _save_config(model: nn.Module, path: Path) -> None:
     for _, _, t in _tensors(model):
         if _suffixes(t) is not None:
             local = t._local_tensor if isinstance(t, DTensor) else t
-            quant = getattr(local.fmt, "hf_quantization_config", None) or quant
+            quant = local.fmt.hf_quantization_config or quant
     previous = getattr(config, "quantization_config", None)
     if quant:
         config.quantization_config = quant

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from .format import QuantFormat
+from .format import QuantFormat, check_shape
 from .layout import LayoutError
 from .ops import cat_dim
 from .placements import _first_bad_cut, dim_alignment
@@ -70,7 +70,7 @@ def legal_length(
         # alignment the padded weight's layout needs (arithmetic; the full check confirms it).
         trial = shape[:dim] + (n,) + shape[dim + 1 :]
         try:
-            fmt.check_weight(torch.Size(trial), torch.bfloat16)
+            check_shape(fmt, trial)
         except ValueError:
             continue
         if (n // ways) % dim_alignment(fmt, trial, dim) == 0 and _fits(trial, fmt, mesh_shape, placements):
@@ -80,7 +80,7 @@ def legal_length(
 
 def _fits(shape, fmt, mesh_shape, placements) -> bool:
     try:
-        fmt.check_weight(torch.Size(shape), torch.bfloat16)
+        check_shape(fmt, shape)
     except ValueError:
         return False
     return _first_bad_cut(shape, fmt, mesh_shape, placements) is None

@@ -14,11 +14,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .format import QuantFormat, check_weight, weight_layout
+from .format import QuantFormat, check_shape, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE, LayoutError, chunk_boundaries, dim_factor
 
 
@@ -128,7 +127,7 @@ def check_placements(
     shape, mesh_shape = tuple(shape), tuple(mesh_shape)
     if len(placements) != len(mesh_shape):
         raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh {mesh_shape}")
-    check_weight(fmt, shape, torch.bfloat16)
+    check_shape(fmt, shape)
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial):
             raise LayoutError(

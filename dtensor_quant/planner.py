@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .format import QuantFormat, Reducer, check_weight, weight_layout
+from .format import QuantFormat, Reducer, check_shape, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE
 from .placements import _first_bad_cut
 
@@ -138,7 +138,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
     layer = Layer("", shape, style)
     mesh, placements = _mesh_and_placements(layer, dp, tp, ep)
     try:
-        check_weight(fmt, shape, torch.bfloat16)
+        check_shape(fmt, shape)
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
     if _first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
@@ -225,21 +225,21 @@ def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int
 
 
 def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
-    """The same format with the largest smaller block size (a ``*size`` field) that this mesh allows.
+    """The same format with the largest smaller block size (one of ``fmt.block_size_params``) that this mesh allows.
 
     Only down to a quarter of the current size: smaller blocks cost more in scales than they are worth.
     """
     if not dataclasses.is_dataclass(fmt):
         return None
-    for field in dataclasses.fields(fmt):
-        value = getattr(fmt, field.name)
-        if not field.name.endswith("size") or not isinstance(value, int):
+    for name in fmt.block_size_params:
+        value = getattr(fmt, name)
+        if not isinstance(value, int):
             continue
         size = value // 2
         while size >= max(1, value // 4):
             try:
-                candidate = dataclasses.replace(fmt, **{field.name: size})
-                check_weight(candidate, layer.shape, torch.bfloat16)
+                candidate = dataclasses.replace(fmt, **{name: size})
+                check_shape(candidate, layer.shape)
                 if _first_bad_cut(layer.shape, candidate, mesh, placements) is None:
                     return candidate
                 size //= 2

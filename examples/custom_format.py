@@ -24,9 +24,10 @@ class Ternary(dq.QuantFormat):
         "qdata": (dq.OneToOne(), dq.Packed(4)),  # [out, in/4] uint8: 4 codes of 2 bits per byte
         "scale": (dq.OneToOne(), dq.Constant()),  # [out, 1]: one per row, the same on every column shard
     }
+    block_size_params = ()  # no block size for the planner to shrink (a Blocked(b) field would be named here)
 
-    def check_weight(self, shape, dtype):
-        super().check_weight(shape, dtype)
+    def check_shape(self, shape):  # shape rules only: the planner asks before any weight exists
+        super().check_shape(shape)
         if shape[1] % 4:
             raise ValueError(f"{self} packs 4 values per byte: in_features must be a multiple of 4, got {shape[1]}")
 

@@ -36,6 +36,7 @@ def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Ten
 @dataclass(frozen=True)
 class Float8Rowwise(QuantFormat):
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (OneToOne(), Constant())}
+    block_size_params = ()  # no blocks: every row and column cut is legal
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"))
@@ -54,6 +55,7 @@ class Float8Rowwise(QuantFormat):
 @dataclass(frozen=True)
 class Float8Tensorwise(QuantFormat):
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), Constant())}
+    block_size_params = ()  # no blocks: every row and column cut is legal
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")

@@ -34,6 +34,8 @@ _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 class Float8Blockwise(QuantFormat):
     block_size: int = 128
 
+    block_size_params = ("block_size",)
+
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"Float8Blockwise needs block_size >= 1, got {self.block_size}")

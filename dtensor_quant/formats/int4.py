@@ -62,6 +62,8 @@ def _has_kernel(op: str, key: str) -> bool:
 class Int4Groupwise(QuantFormat):
     group_size: int = 128
 
+    block_size_params = ("group_size",)
+
     def __post_init__(self):
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"Int4Groupwise needs an even group_size >= 2, got {self.group_size}")
@@ -74,8 +76,8 @@ class Int4Groupwise(QuantFormat):
             "zero": (OneToOne(), Blocked(self.group_size)),
         }
 
-    def check_weight(self, shape, dtype):
-        super().check_weight(shape, dtype)
+    def check_shape(self, shape):
+        super().check_shape(shape)
         if shape[1] % 2:
             raise ValueError(f"{self} packs two values per byte along dim 1, which must be even; got {tuple(shape)}")
 

@@ -35,6 +35,7 @@ class Int8Rowwise(QuantFormat):
         "qdata": (OneToOne(), OneToOne()),
         "scale": (OneToOne(), Constant()),
     }
+    block_size_params = ()  # no blocks: every row and column cut is legal
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")

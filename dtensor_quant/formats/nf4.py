@@ -73,13 +73,14 @@ class NF4(QuantFormat):
     scaler_block_size: int = 256
 
     inner_names = ("qdata", "scaler", "factor", "mean")
+    block_size_params = ("block_size", "scaler_block_size")
 
     def __post_init__(self):
         if self.block_size < 2 or self.block_size % 2 or self.scaler_block_size < 1:
             raise ValueError(f"NF4 needs an even block_size >= 2 and scaler_block_size >= 1, got {self}")
 
-    def check_weight(self, shape, dtype):
-        super().check_weight(shape, dtype)
+    def check_shape(self, shape):
+        super().check_shape(shape)
         numel = shape[0] * shape[1]
         if numel % self.block_size:
             raise ValueError(
@@ -88,7 +89,7 @@ class NF4(QuantFormat):
             )
 
     def layout_for(self, shape):
-        self.check_weight(torch.Size(shape), torch.bfloat16)
+        self.check_shape(torch.Size(shape))
         return {
             "qdata": flat_blocked(2, shape, packed=True),
             "scaler": flat_blocked(self.block_size, shape),

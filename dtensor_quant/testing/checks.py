@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .. import wire
-from ..format import QuantFormat
+from ..format import QuantFormat, check_shape
 from ..layout import LayoutError
 from ..ops import same_bits
 from ..placements import check_placements
@@ -37,7 +37,7 @@ class Check:
 
 def _accepts(fmt: QuantFormat, shape) -> bool:
     try:
-        fmt.check_weight(torch.Size(shape), torch.bfloat16)
+        check_shape(fmt, shape)
     except ValueError:
         return False
     return True

@@ -27,6 +27,7 @@ class PerTensorInt8(QuantFormat):
     """One scale for the whole weight: constant along both dims, never sent."""
 
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), Constant())}
+    block_size_params = ()
 
     def quantize(self, weight, reduce):
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
@@ -42,6 +43,7 @@ class ColumnInt8(QuantFormat):
     """One scale per input column: constant along rows, so every row shard holds all of it."""
 
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), OneToOne())}
+    block_size_params = ()
 
     def quantize(self, weight, reduce):
         scale = _scale(reduce(block_reduce(weight.abs(), 0, None, "max"), "max", "scale"), weight.dtype)
@@ -56,6 +58,8 @@ class RowBlockInt8(QuantFormat):
     """One scale per block of ``rows`` output rows: row shards must hold whole blocks."""
 
     rows: int = 4
+
+    block_size_params = ("rows",)
 
     @property
     def layout(self):
