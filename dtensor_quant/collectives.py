@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import agree, wire
-from .layout import Constant
+from .layout import Constant, partial_refused
 from .ops import _alias, _describe, cat_dim, implements, rebuild, slice_dim
 from .tensor import QuantizedTensor
 
@@ -53,11 +53,7 @@ def _varies(q: QuantizedTensor, name: str) -> bool:
 
 
 def _refuse_partial(func, q, *args, **kwargs):
-    raise ValueError(
-        f"dtensor_quant: {func} would sum quantized values, which needs dense math: a "
-        f"{_describe(q)} cannot be Partial. Reduce the dense tensor first, then quantize it "
-        "(dtensor_quant.quantize takes a DTensor and reduces the scales it needs)."
-    )
+    raise partial_refused(f"a {_describe(q)}", "Partial", f" ({func} would sum it)")
 
 
 implements(

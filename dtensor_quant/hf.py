@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .format import Reducer, weight_layout
-from .layout import Blocked, OneToOne, Packed, inner_slice
+from .layout import Blocked, OneToOne, Packed, inner_slice, partial_refused
 from .ops import canonical_dims
 from .quantize import MeshReducer, quantize, quantize_local
 from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized
@@ -333,6 +333,8 @@ def _local_slice(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if not isinstance(t, DTensor):
         return tuple(t.shape), (0,) * t.ndim
     if any(isinstance(p, Partial) for p in t.placements):
+        if is_quantized(t):
+            raise partial_refused("a quantized weight", "Partial", f" ({t.placements} has no slice to read or write)")
         raise ValueError(f"a Partial tensor ({t.placements}) has no slice to read or write; redistribute it first")
     return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
 

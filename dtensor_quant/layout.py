@@ -43,6 +43,22 @@ class LayoutError(ValueError):
     """A shape, placement or op that the quantized layout cannot express."""
 
 
+def partial_refused(subject: str, placement, context: str = "") -> LayoutError:
+    """The one error for a quantized tensor met with a ``Partial`` placement, wherever it is met.
+
+    A quantized tensor cannot hold partial sums: adding codes and scales is
+    not adding the values they stand for. The placement checks, the
+    reducing collectives (``all_reduce``, ``reduce_scatter``) and the
+    checkpoint entries all raise this, on every rank, before any collective.
+    """
+    placement = placement if isinstance(placement, str) else repr(placement)  # Partial(sum), not P(sum)
+    return LayoutError(
+        f"dtensor_quant: {subject} cannot be {placement}{context}: a quantized tensor holds no partial sums "
+        "(adding codes and scales is not adding values). Reduce the dense tensor first, then quantize it "
+        "(dtensor_quant.quantize takes a DTensor and reduces the scales it needs)."
+    )
+
+
 @dataclass(frozen=True)
 class OneToOne:
     """One inner element per logical element."""

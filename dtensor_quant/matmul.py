@@ -38,6 +38,7 @@ from .format_ids import format_from_id, format_id
 from .layout import Constant
 from .ops import (
     VIEW_OF,
+    UnsupportedOpError,
     _describe,
     _tracing,
     block_sizes,
@@ -184,13 +185,13 @@ def _mm(func, a, b):
         return linear(a, b)
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
         return dequantize(a, b.dtype) @ b
-    raise NotImplementedError(f"mm of two quantized tensors ({_describe(a)}, {_describe(b)})")
+    raise UnsupportedOpError(f"dtensor_quant: mm of two quantized tensors ({_describe(a)}, {_describe(b)})")
 
 
 @implements("aten::addmm")
 def _addmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
-        raise NotImplementedError(f"addmm with a quantized bias ({_describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: addmm with a quantized bias ({_describe(bias)})")
     return _plus_bias(_mm(func, a, b), bias, beta, alpha)
 
 
@@ -211,8 +212,8 @@ def _expand(func, q, size, implicit=False):
     extra = len(size) - q.ndim
     trailing = tuple(q.shape[i] if s == -1 else s for i, s in enumerate(size[extra:]))
     if extra < 0 or trailing != tuple(q.shape) or any(s < 0 for s in size[:extra]):
-        raise NotImplementedError(
-            f"{_describe(q)}: expand to {size} would repeat quantized elements; only a broadcast "
+        raise UnsupportedOpError(
+            f"dtensor_quant: {_describe(q)}: expand to {size} would repeat quantized elements; only a broadcast "
             "over new leading (batch) dims is supported"
         )
     if extra == 0:
@@ -270,8 +271,8 @@ def _batched(func, a, b):
             return b.new_empty((0, a.shape[1], b.shape[2]))
         return torch.stack([linear(b[i].mT, select_dim(a, 0, i).mT).mT for i in range(a.shape[0])])
     q = a if isinstance(a, QuantizedTensor) else b
-    raise NotImplementedError(
-        f"{func} with a {_describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
+    raise UnsupportedOpError(
+        f"dtensor_quant: {func} with a {_describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
         "batched activation and a weight) is supported; use F.linear"
     )
 
@@ -284,7 +285,7 @@ def _bmm(func, a, b):
 @implements("aten::baddbmm")
 def _baddbmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
-        raise NotImplementedError(f"baddbmm with a quantized bias ({_describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: baddbmm with a quantized bias ({_describe(bias)})")
     return _plus_bias(_batched(func, a, b), bias, beta, alpha)
 
 
@@ -304,12 +305,12 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
     """
     if isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor) or matrix_dims(b) != 1:
         q = a if isinstance(a, QuantizedTensor) else b
-        raise NotImplementedError(
-            f"_grouped_mm with a {_describe(q)}: only a dense input and a quantized [experts, in, out] "
+        raise UnsupportedOpError(
+            f"dtensor_quant: _grouped_mm with a {_describe(q)}: only a dense input and a quantized [experts, in, out] "
             "stack (a transposed [experts, out, in] weight) are supported"
         )
     if isinstance(bias, QuantizedTensor):
-        raise NotImplementedError(f"_grouped_mm with a quantized bias ({_describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: _grouped_mm with a quantized bias ({_describe(bias)})")
     experts = b.shape[0]
     if a.ndim == 3:
         if offs is not None or a.shape[0] != experts:
@@ -320,7 +321,9 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
         if offs is None or offs.ndim != 1 or offs.shape[0] != experts:
             raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts})")
         if _tracing(offs):
-            raise NotImplementedError(f"_grouped_mm with a {_describe(b)}: needs concrete offsets (eager mode)")
+            raise UnsupportedOpError(
+                f"dtensor_quant: _grouped_mm with a {_describe(b)}: needs concrete offsets (eager mode)"
+            )
         ends = offs.tolist()
         starts = [0] + ends[:-1]
         groups = [(g, a[s:e]) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, check_shape, weight_layout
-from .layout import MAX_LISTED_MESH_SIZE, LayoutError, chunk_boundaries, dim_factor
+from .layout import MAX_LISTED_MESH_SIZE, LayoutError, chunk_boundaries, dim_factor, partial_refused
 
 
 def _shard_like(p: Placement) -> bool:
@@ -130,10 +130,7 @@ def check_placements(
     check_shape(fmt, shape)
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial):
-            raise LayoutError(
-                f"{fmt}: Partial placement on mesh dim {mesh_dim}: a quantized tensor cannot hold "
-                "partial sums. Reduce the dense tensor first, then quantize it."
-            )
+            raise partial_refused(f"a {fmt} weight", p, f" on mesh dim {mesh_dim}")
         if not (_shard_like(p) or isinstance(p, Replicate)):
             raise LayoutError(f"{fmt}: unsupported placement {p}")
     problem = _first_bad_cut(shape, fmt, mesh_shape, placements)

@@ -41,7 +41,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, weight_layout
-from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, inner_slice
+from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, inner_slice, partial_refused
 from .ops import canonical_dims, canonical_inner
 from .tensor import QuantizedTensor, contiguous_strides
 
@@ -162,7 +162,7 @@ def entry_placements(placements, rels, to_canonical) -> tuple:
     out = []
     for p in placements:
         if isinstance(p, Partial):
-            raise LayoutError(f"a quantized weight cannot be Partial ({p}); it has no checkpoint form")
+            raise partial_refused("a quantized weight", p, " (it has no checkpoint form)")
         if isinstance(p, (Shard, _StridedShard)):
             c = to_canonical[p.dim]
             if isinstance(rels[c], Constant):

@@ -125,3 +125,18 @@ def test_hugging_face_names_are_part_of_the_protocol():
     fp8 = dq.Float8Blockwise()
     assert fp8.checkpoint_suffixes == {"qdata": "", "scale_inv": "_scale_inv"}
     assert fp8.hf_quantization_config["weight_block_size"] == [128, 128]
+
+
+def test_matmul_refusals_are_unsupported_op_errors():
+    """The matmul handlers raise the library's op error, like every other op a layout cannot express."""
+    q = dq.quantize(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).bfloat16(), dq.Int8Rowwise())
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    cases = {
+        "mm of two quantized tensors": lambda: torch.mm(q, q.t()),
+        "addmm with a quantized bias": lambda: torch.addmm(q, x, q.t()),
+        "would repeat quantized elements": lambda: q.expand(2, 16, 64),
+    }
+    for match, fn in cases.items():
+        with pytest.raises(dq.UnsupportedOpError, match=match) as info:
+            fn()
+        assert str(info.value).startswith("dtensor_quant: ")
