@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.launch import run
-from dtensor_quant.nn import weight_bytes
+from dtensor_quant.model import weight_bytes
 
 FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(128)": dq.Int4Groupwise(128)}
 

@@ -6,13 +6,13 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
-from . import custom_ops, fsdp, hf, interop, lora, wire
+from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, wire
 from .custom_ops import dequantize
 from .format import QuantFormat
 from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
-from .nn import quantize_
+from .model import quantize_
 from .ops import UnsupportedOpError
 from .padding import pad_for_tp
 from .placements import check_placements, legal_mesh_sizes
@@ -48,17 +48,20 @@ __all__ = [
     "interop",
     "legal_mesh_sizes",
     "lora",
+    "model",
     "pad_for_tp",
     "quantize",
     "quantize_",
+    "state_dict",
     "wire",
 ]
 
 
 def __getattr__(name: str):
     # dtensor_quant.checkpoint imports torch.distributed.checkpoint (about a second): only on first use.
-    if name == "checkpoint":
+    # dtensor_quant.nn is the old name of dtensor_quant.model, kept for old code.
+    if name in ("checkpoint", "nn"):
         import importlib
 
-        return importlib.import_module(".checkpoint", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dtensor_quant' has no attribute {name!r}")

@@ -258,7 +258,7 @@ def layers_of(model: nn.Module, tp_plan: dict | None = None, styles: dict[str, s
             styles[fqn] = "colwise"
         elif isinstance(style, RowwiseParallel):
             styles[fqn] = "rowwise"
-    from .nn import is_matmul_weight
+    from .model import is_matmul_weight
 
     out = []
     for fqn, module in model.named_modules():

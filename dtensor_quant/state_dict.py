@@ -73,8 +73,13 @@ def relation_name(rel) -> str:
     raise LayoutError(f"relation {rel} has no checkpoint form")
 
 
-def format_spec(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapping[str, torch.dtype]) -> dict:
-    """The ``__quant__`` record of a weight of ``shape``/``dtype`` in ``fmt`` (JSON-able)."""
+def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapping[str, torch.dtype]) -> dict:
+    """The ``__quant__`` record of a weight of ``shape``/``dtype`` in ``fmt`` (JSON-able).
+
+    Formerly ``format_spec``, a name it shared with the module
+    :mod:`dtensor_quant.format_spec` (format names from command-line
+    strings); the old name stays as an alias.
+    """
     params = {f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt)} if dataclasses.is_dataclass(fmt) else {}
     return {
         "version": SPEC_VERSION,
@@ -88,6 +93,9 @@ def format_spec(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mappi
             for name, rels in weight_layout(fmt, shape).items()
         },
     }
+
+
+format_spec = quant_record  # the old name
 
 
 def parse_spec(value, key: str) -> dict:
@@ -222,7 +230,7 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
 def to_entries(value, key: str = "weight") -> dict:
     """The state-dict form of a quantized weight (entries alias its inner tensors)."""
     q, inner, to_canonical, shape = _canonical(value, key)
-    spec = format_spec(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
+    spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
     out: dict = {}
     if isinstance(value, DTensor):
         mesh = value.device_mesh
@@ -267,7 +275,7 @@ def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
     :class:`CheckpointFormatError` naming both formats if they differ.
     """
     q, inner, to_canonical, shape = _canonical(like, key)
-    expected = format_spec(q.fmt, shape, like.dtype, {n: t.dtype for n, t in inner.items()})
+    expected = quant_record(q.fmt, shape, like.dtype, {n: t.dtype for n, t in inner.items()})
     if SPEC_KEY in entries:
         check_spec(parse_spec(entries[SPEC_KEY], key), expected, key)
     missing = [n for n in q.fmt.inner_names if n not in entries]

@@ -34,7 +34,7 @@ import llama  # noqa: E402
 import dtensor_quant as dq  # noqa: E402
 from dtensor_quant import checkpoint as ckpt  # noqa: E402
 from dtensor_quant.launch import run  # noqa: E402
-from dtensor_quant.nn import weight_bytes  # noqa: E402
+from dtensor_quant.model import weight_bytes  # noqa: E402
 
 FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise()}
 ROW_WISE = ("wo", "w2")  # tensor parallelism splits their inputs

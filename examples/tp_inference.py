@@ -44,7 +44,7 @@ import llama  # noqa: E402
 import dtensor_quant as dq  # noqa: E402
 from dtensor_quant.format_spec import parse_format  # noqa: E402
 from dtensor_quant.launch import device_type  # noqa: E402
-from dtensor_quant.nn import quantized_fqns, weight_bytes  # noqa: E402
+from dtensor_quant.model import quantized_fqns, weight_bytes  # noqa: E402
 
 
 def tp_plan(model: llama.Transformer, sequence_parallel: bool = False) -> dict:

@@ -140,3 +140,21 @@ def test_matmul_refusals_are_unsupported_op_errors():
         with pytest.raises(dq.UnsupportedOpError, match=match) as info:
             fn()
         assert str(info.value).startswith("dtensor_quant: ")
+
+
+def test_public_api_edges():
+    """state_dict and model are exported; the old names nn and state_dict.format_spec still work."""
+    import importlib
+
+    assert {"state_dict", "model"} <= set(dq.__all__)
+    assert dq.state_dict.register is importlib.import_module("dtensor_quant.state_dict").register
+    assert dq.nn.quantize_ is dq.model.quantize_ is dq.quantize_
+    from dtensor_quant.nn import is_matmul_weight, quantized_fqns, weight_bytes
+
+    assert (is_matmul_weight, quantized_fqns, weight_bytes) == (
+        dq.model.is_matmul_weight,
+        dq.model.quantized_fqns,
+        dq.model.weight_bytes,
+    )
+    assert dq.state_dict.format_spec is dq.state_dict.quant_record
+    assert importlib.import_module("dtensor_quant.format_spec").parse_format("int4:64") == dq.Int4Groupwise(64)
