@@ -177,7 +177,9 @@ def check_shape(fmt: QuantFormat, shape) -> None:
     """``fmt.check_shape`` for a weight ``[..., out, in]``: the format checks one ``[out, in]`` matrix.
 
     A format written before ``check_shape`` existed keeps its shape rules in
-    ``check_weight``: it is asked with bfloat16, a dtype every format takes.
+    ``check_weight``: it is asked with bfloat16, as every shape question was
+    before (a format that overrides ``check_weight`` for a dtype rule alone
+    and refuses bfloat16 should override ``check_shape`` too).
     """
     shape = tuple(shape)
     if len(shape) < 2:
