@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, Reducer, check_weight, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE
-from .placements import _first_bad_cut
+from .placements import first_bad_cut as _first_bad_cut
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 
@@ -213,7 +213,7 @@ def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
 
 def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int, int] | None:
     """The smallest zero-padding of the refused dim that makes this mesh legal: (dim, length, extra bytes)."""
-    from .padding import legal_length, padding_cost
+    from .padding import legal_length
 
     if len(layer.shape) > 2:  # padding is planned for 2-D SwiGLU weights, not expert stacks
         return None
@@ -222,6 +222,13 @@ def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int
     if length is None:
         return None
     return dim, length, padding_cost(tuple(layer.shape), dim, length, fmt)
+
+
+def padding_cost(shape: tuple[int, int], dim: int, length: int, fmt: QuantFormat) -> int:
+    """Bytes ``fmt`` stores for a ``shape`` weight padded along ``dim`` to ``length``, minus unpadded."""
+    padded = list(shape)
+    padded[dim] = length
+    return stored_bytes(fmt, tuple(padded)) - stored_bytes(fmt, tuple(shape))
 
 
 def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
