@@ -106,7 +106,7 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
 def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
-    ``blocks`` is :func:`~dtensor_quant.ops.block_sizes` of the weight's relations.
+    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations.
     """
     out = fmt.linear(x, prepared(fmt, inner), bias)
     if out is not None:
