@@ -324,6 +324,7 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
 
 
 def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
+    """A flat view (``view(-1)`` of a canonical weight) viewed back as a weight of ``size``, with its layout."""
     rows = tuple(weight_layout(q.fmt, size).values())
     inner = {}
     for (name, t), rel_row in zip(q.inner.items(), rows):
@@ -338,6 +339,7 @@ def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
 
 
 def broadcast_batch(q: QuantizedTensor, batch: tuple[int, ...]) -> QuantizedTensor:
+    """``q`` viewed as ``batch`` identical matrices: size-1 inner dims, ``Constant`` along the batch dims."""
     k = len(batch)
     inner = {n: t.reshape((1,) * k + tuple(t.shape)) for n, t in q.inner.items()}
     rels = tuple((Constant(),) * k + row for row in q.rels)
