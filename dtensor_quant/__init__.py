@@ -4,6 +4,7 @@ A format declares once how each of its inner tensors follows the weight's
 logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 """
 
+from . import aten as _aten  # noqa: F401  (registers the layout handlers: slicing, views, factories, copies)
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, wire
@@ -12,8 +13,8 @@ from .format import QuantFormat
 from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
+from .dispatch import UnsupportedOpError
 from .model import quantize_
-from .ops import UnsupportedOpError
 from .padding import pad_for_tp
 from .placements import check_placements, legal_mesh_sizes
 from .quantize import quantize

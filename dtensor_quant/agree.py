@@ -36,6 +36,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import wire
+from .bits import is_tracing
 from .layout import LayoutError
 
 _AGREED: set = set()
@@ -72,9 +73,7 @@ def check_same(
     """
     if not EVERY_CALL and (group_name, key) in _AGREED:
         return
-    from .ops import _tracing
-
-    if _tracing(sample):
+    if is_tracing(sample):
         return
     text = describe(key)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()

@@ -3,10 +3,11 @@
 torch has no per-local-type redistribute hook: DTensor calls the same c10d
 ops on a quantized local tensor as on a dense one, and they arrive here.
 Each one packs the inner tensors that must travel into one ``uint8`` buffer
-(gloo has no float8, and reinterpreting packed bits as a float dtype lets NaN
-patterns be rewritten), runs the same collective on that buffer, and unpacks
-the result with the layout's concatenation rule. An inner tensor that is
-constant along every dim (a per-tensor scale) is never sent.
+(:mod:`dtensor_quant.codec`), runs the same collective on that buffer, and
+unpacks the result with the layout's concatenation rule. The gathers leave
+out an inner tensor that is constant along the joined dims (a per-tensor
+scale: :func:`~dtensor_quant.codec.varies`); ``scatter_`` and ``broadcast_``
+send every inner tensor.
 """
 
 from __future__ import annotations
@@ -14,46 +15,17 @@ from __future__ import annotations
 import torch
 
 from . import agree, wire
-from .layout import Constant, partial_refused
-from .ops import _alias, _describe, cat_dim, implements, rebuild, slice_dim
+from .codec import pack, packed_size, unpack, varies
+from .dispatch import implements
+from .layout import partial_refused
+from .layout_ops import alias, cat_dim, describe, rebuild, slice_dim
 from .tensor import QuantizedTensor
 
-_ALIGN = 8  # bytes; keeps every inner tensor's slice of the buffer viewable as its dtype
 functional = torch.ops._c10d_functional
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    parts = []
-    for t in tensors:
-        b = t.contiguous().view(torch.uint8).reshape(-1)
-        parts.append(b)
-        if b.numel() % _ALIGN:
-            parts.append(b.new_zeros(_ALIGN - b.numel() % _ALIGN))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def _packed_size(tensors: list[torch.Tensor]) -> int:
-    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
-
-
-def _unpack(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        n = t.numel() * t.element_size()
-        out.append(buf[offset : offset + n].view(t.dtype).view(t.shape))
-        offset += -(-n // _ALIGN) * _ALIGN
-    return out
-
-
-def _varies(q: QuantizedTensor, name: str) -> bool:
-    """Whether an inner tensor can differ between shards (it is not constant on every dim)."""
-    return not all(isinstance(r, Constant) for r in q.rel(name))
-
-
 def _refuse_partial(func, q, *args, **kwargs):
-    raise partial_refused(f"a {_describe(q)}", "Partial", f" ({func} would sum it)")
+    raise partial_refused(f"a {describe(q)}", "Partial", f" ({func} would sum it)")
 
 
 implements(
@@ -69,23 +41,23 @@ implements(
 @implements("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
 def _identity(func, q, *args, **kwargs):
     # Our collectives complete before they return, so there is nothing to wait for.
-    return _alias(func, q)
+    return alias(q)
 
 
 @implements("_c10d_functional::all_gather_into_tensor")
 def all_gather_into_tensor(func, q, group_size, group_name):
     """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ."""
     if group_size == 1:
-        return _alias(func, q)
+        return alias(q)
     _agree(q, group_name, "all-gather")
-    names = [n for n in q.fmt.inner_names if _varies(q, n)]
+    names = [n for n in q.fmt.inner_names if varies(q, n)]
     sent = [getattr(q, n) for n in names]
-    buf = _pack(sent)
+    buf = pack(sent)
     wire.note(func._schema.name, buf)
     out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
     pieces = []
     for rank_buf in out.view(group_size, -1):
-        received = dict(zip(names, _unpack(rank_buf, sent)))
+        received = dict(zip(names, unpack(rank_buf, sent)))
         pieces.append(rebuild(q, {n: received.get(n, t) for n, t in q.inner.items()}, q.shape))
     return cat_dim(pieces, 0)
 
@@ -97,12 +69,12 @@ def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, tim
     _agree(out, process_group, "distribute_tensor (scatter)")
     names = out.fmt.inner_names
     like = [getattr(out, n) for n in names]
-    out_buf = torch.empty(_packed_size(like), dtype=torch.uint8, device=out.device)
-    in_bufs = [[_pack([getattr(p, n) for n in names]) for p in row] for row in inputs]
+    out_buf = torch.empty(packed_size(like), dtype=torch.uint8, device=out.device)
+    in_bufs = [[pack([getattr(p, n) for n in names]) for p in row] for row in inputs]
     wire.note(func._schema.name, out_buf)
     _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
     work.wait()
-    for t, received in zip(like, _unpack(out_buf, like)):
+    for t, received in zip(like, unpack(out_buf, like)):
         t.copy_(received)
     return [out], work
 
@@ -113,11 +85,11 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
     (q,) = tensors
     _agree(q, process_group, "distribute_tensor (broadcast)")
     like = list(q.inner.values())
-    buf = _pack(like)
+    buf = pack(like)
     wire.note(func._schema.name, buf)
     _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
     work.wait()
-    for t, received in zip(like, _unpack(buf, like)):
+    for t, received in zip(like, unpack(buf, like)):
         t.copy_(received)
     return [q], work
 
@@ -126,10 +98,10 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
 def broadcast(func, q, src, group_name):
     _agree(q, group_name, "broadcast")
     like = list(q.inner.values())
-    buf = _pack(like)
+    buf = pack(like)
     wire.note(func._schema.name, buf)
     out = functional.wait_tensor(func(buf, src, group_name))
-    inner = dict(zip(q.fmt.inner_names, (t.clone() for t in _unpack(out, like))))
+    inner = dict(zip(q.fmt.inner_names, (t.clone() for t in unpack(out, like))))
     return rebuild(q, inner, q.shape)
 
 
@@ -142,19 +114,19 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     # Split first: a misaligned target placement raises on every rank before any collective.
     pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
     pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
-    names = [name for name in q.fmt.inner_names if not isinstance(q.rel(name)[gather_dim], Constant)]
+    names = [name for name in q.fmt.inner_names if varies(q, name, (gather_dim,))]
     send = [[getattr(p, name) for name in names] for p in pieces]
-    sizes = {_packed_size(s) for s in send}
+    sizes = {packed_size(s) for s in send}
     if len(sizes) != 1:
-        raise ValueError(f"{_describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
-    buf = _pack([t for s in send for t in s])  # each tensor is padded on its own: rank k's bytes are piece k's
+        raise ValueError(f"{describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
+    buf = pack([t for s in send for t in s])  # each tensor is padded on its own: rank k's bytes are piece k's
     wire.note(func._schema.name, buf)
     split = [sizes.pop()] * n
     out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
     mine = pieces[me]
     received = []
     for rank_buf in out.view(n, -1):
-        got = dict(zip(names, _unpack(rank_buf, send[me])))
+        got = dict(zip(names, unpack(rank_buf, send[me])))
         received.append(rebuild(mine, {k: got.get(k, t) for k, t in mine.inner.items()}, mine.shape))
     return cat_dim(received, gather_dim).contiguous()
 
@@ -164,7 +136,7 @@ def _agree(q: QuantizedTensor, group, what: str, shape: bool = True) -> None:
     key = agree.layout_key(q)
     if not shape:
         key = key[:4] + (None, tuple(d for d, _ in key[5]))
-    agree.check_same(agree.group_name_of(group), key, next(iter(q.inner.values())), f"{what} of a {_describe(q)}", _describe_key)
+    agree.check_same(agree.group_name_of(group), key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key)
 
 
 def _describe_key(key) -> str:

@@ -40,13 +40,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import matmul
+from .dequant import dequantize as dequantize_local
+from .dispatch import implements
 from .format import QuantFormat, Reducer, check_weight
 from .format_ids import format_from_id, format_id
 from .layout import LayoutError
-from .ops import _describe, implements
-from .ops import dequantize as dequantize_local
-from .placements import _shard_like, check_placements
-from .quantize import MeshReducer, agree_before_reducing, quantize_local
+from .layout_ops import describe
+from .placements import check_placements, shard_like
+from .shard_quant import MeshReducer, agree_before_reducing, quantize_local
 from .tensor import QuantizedTensor
 
 # -- quantize -------------------------------------------------------------------
@@ -78,7 +79,7 @@ def _quantize_fake(weight, fmt_id, shard_dims, groups, full_shape):
 
 
 def _shard_dims(placements, ndim: int) -> list[int]:
-    return [p.dim % ndim if _shard_like(p) else -1 for p in placements]
+    return [p.dim % ndim if shard_like(p) else -1 for p in placements]
 
 
 @register_sharding(torch.ops.dtensor_quant.quantize.default)
@@ -92,7 +93,7 @@ def _quantize_sharding(weight, fmt_id, shard_dims, groups, full_shape):
             f"dtensor_quant::quantize on a DTensor with placements {list(placements)} needs shard_dims={expected} "
             f"and the mesh's group names; call dtensor_quant.custom_ops.quantize(dtensor, fmt), which passes them"
         )
-    keep = [Replicate()] + [p for p in placements if _shard_like(p)]
+    keep = [Replicate()] + [p for p in placements if shard_like(p)]
     return [([p], [p, None, None, None, None]) for p in dict.fromkeys(keep)]
 
 
@@ -159,7 +160,7 @@ def _dequantize_local(func, q, fmt_id, dtype):
 @register_sharding(torch.ops.dtensor_quant.dequantize.default)
 def _dequantize_sharding(weight, fmt_id, dtype):
     """Every shard of a quantized tensor dequantizes on its own: the output keeps the placements."""
-    keep = [Replicate()] + [p for p in weight.placements if _shard_like(p)]
+    keep = [Replicate()] + [p for p in weight.placements if shard_like(p)]
     return [([p], [p, None, None]) for p in dict.fromkeys(keep)]
 
 
@@ -259,4 +260,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _check_format(q: QuantizedTensor, fmt_id: int) -> None:
     if format_id(q.fmt) != fmt_id:
-        raise ValueError(f"{_describe(q)} passed with the id of {format_from_id(fmt_id)}")
+        raise ValueError(f"{describe(q)} passed with the id of {format_from_id(fmt_id)}")

@@ -6,7 +6,7 @@ whatever the pre hook returns and lets the post hook build the unsharded
 parameter from the gathered buffers. For a :class:`QuantizedTensor` the pre
 hook returns the stored inner tensors as ``uint8`` views (gloo has no float8,
 and bytes cannot have their NaN payloads rewritten on the wire); the post hook
-concatenates them with the layout's rule (:func:`dtensor_quant.ops.cat_dim`,
+concatenates them with the layout's rule (:func:`dtensor_quant.layout_ops.cat_dim`,
 the rule DTensor's all-gather uses) without copying, and gives the result the
 logical dtype ``mp_policy.param_dtype``. As in DTensor's gather, an inner
 tensor constant along every dim (a per-tensor scale) is the same on every rank
@@ -19,7 +19,7 @@ Uneven shards. FSDP2 keeps a short shard as a leading-rows narrow of a
 zero-padded buffer of ``ceil(rows / world)`` rows, and every rank must send
 the same number of bytes, so a short rank pads its inner tensors to that many
 rows itself. It cannot tell the padded length from its own shape:
-``dtensor_quant.ops.slice_dim`` records it (``fsdp_padded_rows``) when FSDP2
+``dtensor_quant.fsdp_padding`` records it (``fsdp_padded_rows``) when FSDP2
 narrows the padded buffer. With the 5-argument hook, torch 2.13 asserts -- on
 the short rank only, so the others hang -- that every all-gather input has the
 padded *logical* shard shape, which compact quantized bytes never have; torch
@@ -50,18 +50,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from . import agree
-from .collectives import _pack, _unpack, _varies
+from .codec import pack, unpack, varies
 from .format import weight_layout
+from .fsdp_padding import padded_rows
+from .gather_quantized import GatherQuantized
 from .layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
+from .layout_ops import canonical_dims, cat_dim, describe, pad_end, slice_dim
 from .matmul import invalidate, never_cache
-from .ops import PADDED_ROWS, _describe, _pad_end, canonical_dims, cat_dim, slice_dim
+from .placements import shard_like
 from .tensor import QuantizedTensor
 from .unpack import unpack_into
-
-
-def padded_rows(t: torch.Tensor) -> int:
-    """Rows of FSDP2's padded shard that ``t`` (this rank's shard) is a leading narrow of."""
-    return max(t.__dict__.get(PADDED_ROWS, 0), t.shape[0])
 
 
 @dataclass(frozen=True)
@@ -122,28 +120,28 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True
         raise LayoutError(f"FSDP2 all-gathers whole [..., out, in] weights; got a view {q!r}")
     if outer_size is not None and tuple(outer_size)[1:] != tuple(q.shape)[1:]:
         raise LayoutError(
-            f"FSDP2 sharded a {_describe(q)} along dim 1 (full shape {tuple(outer_size)}): dtensor_quant's "
+            f"FSDP2 sharded a {describe(q)} along dim 1 (full shape {tuple(outer_size)}): dtensor_quant's "
             "all-gather supports Shard(0) only, because FSDP2 regroups other dims as if the bytes were "
             "dense. Drop shard_placement_fn for quantized weights (or return Shard(0))."
         )
     # A full shard knows FSDP2's padded length from outer_size; a short one from its narrow.
     rows = -(-outer_size[0] // world) if outer_size is not None else padded_rows(q)
     assert q.shape[0] <= rows, (tuple(q.shape), rows)
-    piece = q if q.shape[0] == rows else _pad_end(q, 0, rows - q.shape[0])
+    piece = q if q.shape[0] == rows else pad_end(q, 0, rows - q.shape[0])
     factor = dim_factor([rels[0] for rels in piece.rels])
     if world > 1 and rows % factor:
         raise LayoutError(
-            f"{_describe(q)}: FSDP2's padded shards of {rows} rows cut its layout, which needs multiples "
+            f"{describe(q)}: FSDP2's padded shards of {rows} rows cut its layout, which needs multiples "
             f"of {factor} along dim 0; dtensor_quant.fsdp.fully_shard lists the legal FSDP2 sizes."
         )
-    sent = tuple(n for n in q.fmt.inner_names if _varies(piece, n))
+    sent = tuple(n for n in q.fmt.inner_names if varies(piece, n))
     inner = [getattr(piece, n).contiguous() for n in sent]
     kept = {n: t for n, t in piece.inner.items() if n not in sent}
     dtypes, shapes = tuple(t.dtype for t in inner), tuple(t.shape for t in inner)
     meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, dtypes, shapes, dense)
     if world == 1:
         # torch 2.13's one-rank path copies only the first all-gather input
-        return (_pack(inner),), meta
+        return (pack(inner),), meta
     return tuple(_as_bytes(t) for t in inner), meta
 
 
@@ -171,7 +169,7 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     world, names, buffers = meta.world, meta.fmt.inner_names, list(outputs)
     if world == 1:
         like = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(meta.shapes, meta.dtypes)]
-        outputs = _unpack(buffers[0].view(-1), like) if meta.sent else []
+        outputs = unpack(buffers[0].view(-1), like) if meta.sent else []
     for buf in buffers:
         never_cache(buf)  # FSDP2 frees and refills it: no kernel may cache a copy
     joined = {  # [world * rows, ...] in each inner tensor's own trailing shape (N-D expert stacks)
@@ -280,16 +278,13 @@ def record_tensor_parallel(module) -> None:
     quantizing the whole master, as on one process. Raises ``LayoutError``
     (every rank, before any collective) if a TP shard cuts a block or a pack.
     """
-    from .format import weight_layout
-    from .gather_quantized import GatherQuantized
-    from .placements import _shard_like
 
     for fqn, param, local, fmt in quantized_params(module):
         if not isinstance(local, GatherQuantized) or not isinstance(param, DTensor):
             continue
         layout, axes = weight_layout(fmt, local.full_shape), []
         for i, placement in enumerate(param.placements):
-            if not _shard_like(placement):
+            if not shard_like(placement):
                 continue
             dim, size = placement.dim % 2, param.device_mesh.size(i)
             factor = dim_factor([rels[dim] for rels in layout.values()])
@@ -353,8 +348,6 @@ def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, 
     Skips submodules already sharded by ``fully_shard``, as FSDP2 does.
     """
     from torch.distributed.fsdp import FSDPModule
-
-    from .gather_quantized import GatherQuantized
 
     roots = module if isinstance(module, (list, tuple)) else [module]
 

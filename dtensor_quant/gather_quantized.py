@@ -5,7 +5,7 @@ Like ZeRO++'s quantized weights or torchao's float8 all-gather, but for any
 master shard, and FSDP2 moves only quantized bytes. Before each all-gather,
 every rank quantizes its own shard; a statistic whose block spans shards (a
 per-tensor scale, say) is all-reduced over the FSDP2 mesh first
-(:class:`~dtensor_quant.quantize.MeshReducer`), so the gathered weight is
+(:class:`~dtensor_quant.shard_quant.MeshReducer`), so the gathered weight is
 bit-identical to quantizing the whole master. The rest is the frozen path
 (:mod:`dtensor_quant.fsdp`): the gathered weight is a QuantizedTensor that the
 forward uses through the format's kernel.
@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from .dispatch import flat_args
 from .format import QuantFormat, Reducer
-from .ops import PADDED_ROWS, _flat
-from .quantize import MeshReducer, agree_before_reducing, quantize_local
+from .fsdp_padding import copy_padded_rows, keep_padded_rows, note_narrow
+from .shard_quant import MeshReducer, agree_before_reducing, quantize_local
 from .tensor import QuantizedTensor
 
 aten = torch.ops.aten
@@ -120,13 +121,12 @@ class GatherQuantized(torch.Tensor):
             return args[0]  # in place (copy_, the optimizer's ops): the master changed
         if name not in _KEEP:
             return raw
-        w = next(a for a in _flat(args, kwargs) if isinstance(a, GatherQuantized))
+        w = next(a for a in flat_args(args, kwargs) if isinstance(a, GatherQuantized))
         out = _rewrap(w, raw)
         if name == "aten::slice":
-            _record_padding(w, out, *args[1:], **kwargs)
-        elif name in _ALIASES and isinstance(out, GatherQuantized) and out.shape == w.shape:
-            if PADDED_ROWS in w.__dict__:
-                out.__dict__[PADDED_ROWS] = w.__dict__[PADDED_ROWS]
+            note_narrow(w, out, *_narrow_of(w, *args[1:], **kwargs))  # FSDP2's padded shard
+        elif name in _ALIASES and isinstance(out, GatherQuantized):
+            keep_padded_rows(w, out)
         return out
 
     # -- quantizing ----------------------------------------------------------
@@ -151,8 +151,7 @@ class GatherQuantized(torch.Tensor):
         reduce = MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)])
         reduce.axes += list(self.tp_axes)  # a tensor-parallel shard: its statistics span the TP group too
         q = self.quantized(reduce)
-        if PADDED_ROWS in self.__dict__:
-            q.__dict__[PADDED_ROWS] = self.__dict__[PADDED_ROWS]
+        copy_padded_rows(self, q)
         return q
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -179,13 +178,10 @@ def _rewrap(w: GatherQuantized, raw):
     return raw
 
 
-def _record_padding(w: GatherQuantized, out: GatherQuantized, dim=0, start=None, end=None, step=1) -> None:
-    """A leading-rows narrow remembers the rows it was cut from (FSDP2's padded shard)."""
-    length = w.shape[0]
-    if dim % w.ndim == 0 and (start or 0) == 0 and out.shape[0] < length:
-        out.__dict__[PADDED_ROWS] = max(length, w.__dict__.get(PADDED_ROWS, 0))
-    elif out.shape == w.shape and PADDED_ROWS in w.__dict__:
-        out.__dict__[PADDED_ROWS] = w.__dict__[PADDED_ROWS]
+def _narrow_of(w: GatherQuantized, dim=0, start=None, end=None, step=1) -> tuple[int, int]:
+    """``(dim, start)`` of an ``aten::slice`` of ``w``, the start resolved as ``w[start:]`` would."""
+    start, length = start or 0, w.shape[dim % w.ndim]
+    return dim % w.ndim, min(max(start + length if start < 0 else start, 0), length)
 
 
 def gather_quantized_(

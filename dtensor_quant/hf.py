@@ -62,9 +62,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .format import Reducer, weight_layout
 from .layout import Blocked, OneToOne, Packed, inner_slice, partial_refused
-from .ops import canonical_dims
-from .quantize import MeshReducer, quantize, quantize_local
-from .state_dict import _canonical, entry_placements, entry_shape, from_entries, is_quantized
+from .layout_ops import canonical_dims
+from .quantize import quantize
+from .shard_quant import MeshReducer, quantize_local
+from .state_dict import canonical_view, entry_placements, entry_shape, from_entries, is_quantized
 from .tensor import QuantizedTensor, contiguous_strides
 
 __all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save", "tp_plan"]
@@ -445,7 +446,7 @@ def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
     if t.ndim != 2:
         return [(f"{key}: {_describe(t)} weights are read as stored only as 2-D [out, in] tensors; this one is "
                  f"{list(t.shape)}")]  # fmt: skip
-    q, inner, _, shape = _canonical(t, key)
+    q, inner, _, shape = canonical_view(t, key)
     out = []
     for name, rels in q.fmt.layout_for(shape).items():
         k = src + suffixes[name]
@@ -554,7 +555,7 @@ def _plain_weight(t: torch.Tensor) -> str | None:
 
 def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:
     """The stored inner tensors of ``src``, this rank's chunks, placed like ``t`` (no dequantization)."""
-    q, _, to_canonical, shape = _canonical(t, key)
+    q, _, to_canonical, shape = canonical_view(t, key)
     suffixes, entries = q.fmt.checkpoint_suffixes, {}
     for name, rels in q.fmt.layout_for(shape).items():
         k, g_shape = src + suffixes[name], entry_shape(rels, shape)
@@ -648,7 +649,7 @@ def _export_tensors(model: nn.Module, dtype: torch.dtype, merge_lora: bool):
                 "into a dense copy of the model"
             )
         if suffixes is not None:  # the stored layout, as it is
-            q, inner, to_canonical, shape = _canonical(t, key)
+            q, inner, to_canonical, shape = canonical_view(t, key)
             for name, rels in q.fmt.layout_for(shape).items():
                 g_shape = entry_shape(rels, shape)
                 offset, writes_e = (0,) * len(g_shape), writes

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .formats import NF4, Int8Rowwise
-from .ops import canonical_dims
+from .layout_ops import canonical_dims
 from .tensor import QuantizedTensor
 
 

@@ -193,6 +193,25 @@ class InFlat:
         return f"blocked over the flattened weight, its blocks running across this dim's {self.n} elements"
 
 
+class Opaque:
+    """The relation of an inner tensor after a flatten that does not follow the flat index.
+
+    What ``view(-1)`` (FSDP2 calls it on every sharded parameter) leaves when
+    the inner tensor's own flattening does not line up with the logical one:
+    any cut or resize of such a view raises ``LayoutError``.
+    """
+
+    @property
+    def factor(self):
+        raise LayoutError("this flattened quantized view cannot be sliced or resized")
+
+    def inner_len(self, n):
+        return self.factor
+
+    def __str__(self):
+        return "not sliceable after view(-1)"
+
+
 Relation = OneToOne | Packed | Blocked | Constant | Stacked | FlatBlocked | InFlat
 
 

@@ -33,24 +33,26 @@ from __future__ import annotations
 import torch
 
 from . import unpack
+from .bits import is_tracing
+from .dequant import dequantize
+from .dispatch import UnsupportedOpError, implements
 from .format import QuantFormat
 from .format_ids import format_from_id, format_id
-from .layout import Constant
-from .ops import (
+from .layout_ops import (
     VIEW_OF,
-    UnsupportedOpError,
-    _describe,
-    _tracing,
     block_sizes,
+    broadcast_batch,
     broadcastable,
     canonical_dims,
     canonical_inner,
-    dequantize,
-    implements,
+    describe,
+    is_broadcast_batch,
     is_transposed,
     matrix_dims,
     rebuild,
+    same_owner,
     select_dim,
+    unbroadcast,
 )
 from .tensor import QuantizedTensor
 
@@ -84,7 +86,7 @@ def never_cache(buffer: torch.Tensor) -> None:
 def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
     """``fmt.prepare(inner)``, cached on the first inner tensor while no inner tensor changes."""
     tensors = list(inner.values())
-    if any(_tracing(t) for t in tensors):
+    if any(is_tracing(t) for t in tensors):
         return fmt.prepare(inner)
     anchor = _anchor(tensors[0])
     if anchor.__dict__.get(_NO_CACHE_ATTR):
@@ -104,13 +106,13 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
 def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
-    ``blocks`` is :func:`~dtensor_quant.ops.block_sizes` of the weight's relations.
+    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations.
     """
     out = fmt.linear(x, prepared(fmt, inner), bias)
     if out is not None:
         return out
     shape = (out_features, x.shape[-1])
-    w = None if _tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
+    w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
 
@@ -172,7 +174,7 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    if _tracing(x2) or any(_tracing(t) for t in inner.values()):
+    if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
     else:
         out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks)
@@ -185,13 +187,13 @@ def _mm(func, a, b):
         return linear(a, b)
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
         return dequantize(a, b.dtype) @ b
-    raise UnsupportedOpError(f"dtensor_quant: mm of two quantized tensors ({_describe(a)}, {_describe(b)})")
+    raise UnsupportedOpError(f"dtensor_quant: mm of two quantized tensors ({describe(a)}, {describe(b)})")
 
 
 @implements("aten::addmm")
 def _addmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
-        raise UnsupportedOpError(f"dtensor_quant: addmm with a quantized bias ({_describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: addmm with a quantized bias ({describe(bias)})")
     return _plus_bias(_mm(func, a, b), bias, beta, alpha)
 
 
@@ -213,48 +215,12 @@ def _expand(func, q, size, implicit=False):
     trailing = tuple(q.shape[i] if s == -1 else s for i, s in enumerate(size[extra:]))
     if extra < 0 or trailing != tuple(q.shape) or any(s < 0 for s in size[:extra]):
         raise UnsupportedOpError(
-            f"dtensor_quant: {_describe(q)}: expand to {size} would repeat quantized elements; only a broadcast "
+            f"dtensor_quant: {describe(q)}: expand to {size} would repeat quantized elements; only a broadcast "
             "over new leading (batch) dims is supported"
         )
     if extra == 0:
         return rebuild(q, q.inner, q.shape, stride=q.stride())
-    return _same_owner(q, _broadcast(q, size[:extra]))
-
-
-def _broadcast(q: QuantizedTensor, batch: tuple[int, ...]) -> QuantizedTensor:
-    k = len(batch)
-    inner = {n: t.reshape((1,) * k + tuple(t.shape)) for n, t in q.inner.items()}
-    rels = tuple((Constant(),) * k + row for row in q.rels)
-    dims = ((),) * k + q.dims
-    return QuantizedTensor(inner, q.fmt, rels, dims, batch + tuple(q.shape), q.dtype, (0,) * k + q.stride())
-
-
-def is_broadcast_batch(q: QuantizedTensor) -> bool:
-    """Whether ``q`` is a 2-D weight broadcast over leading batch dims (what ``expand`` makes)."""
-    k = q.ndim - 2
-    return k > 0 and all(d == () for d in q.dims[:k])
-
-
-def unbroadcast(q: QuantizedTensor) -> QuantizedTensor:
-    """The single 2-D weight every batch entry of a broadcast ``q`` holds."""
-    k = q.ndim - 2
-    inner = {n: t.reshape(tuple(t.shape[k:])) for n, t in q.inner.items()}
-    rels = tuple(row[k:] for row in q.rels)
-    return _same_owner(q, QuantizedTensor(inner, q.fmt, rels, q.dims[k:], tuple(q.shape[k:]), q.dtype, tuple(q.stride()[k:])))
-
-
-def rebatch(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor | None:
-    """``view``/``reshape`` of a broadcast weight that only regroups its batch dims, else None."""
-    if not is_broadcast_batch(q) or len(size) < 3 or tuple(size[-2:]) != tuple(q.shape[-2:]):
-        return None
-    return _same_owner(q, _broadcast(unbroadcast(q), tuple(size[:-2])))
-
-
-def _same_owner(q: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
-    """``out`` remembers the weight ``q.t()`` came from, so the kernel still finds its prepared copy."""
-    if "_transposed_from" in q.__dict__:
-        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
-    return out
+    return same_owner(q, broadcast_batch(q, size[:extra]))
 
 
 def _batched(func, a, b):
@@ -272,7 +238,7 @@ def _batched(func, a, b):
         return torch.stack([linear(b[i].mT, select_dim(a, 0, i).mT).mT for i in range(a.shape[0])])
     q = a if isinstance(a, QuantizedTensor) else b
     raise UnsupportedOpError(
-        f"dtensor_quant: {func} with a {_describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
+        f"dtensor_quant: {func} with a {describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
         "batched activation and a weight) is supported; use F.linear"
     )
 
@@ -285,7 +251,7 @@ def _bmm(func, a, b):
 @implements("aten::baddbmm")
 def _baddbmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
-        raise UnsupportedOpError(f"dtensor_quant: baddbmm with a quantized bias ({_describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: baddbmm with a quantized bias ({describe(bias)})")
     return _plus_bias(_batched(func, a, b), bias, beta, alpha)
 
 
@@ -306,11 +272,11 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
     if isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor) or matrix_dims(b) != 1:
         q = a if isinstance(a, QuantizedTensor) else b
         raise UnsupportedOpError(
-            f"dtensor_quant: _grouped_mm with a {_describe(q)}: only a dense input and a quantized [experts, in, out] "
+            f"dtensor_quant: _grouped_mm with a {describe(q)}: only a dense input and a quantized [experts, in, out] "
             "stack (a transposed [experts, out, in] weight) are supported"
         )
     if isinstance(bias, QuantizedTensor):
-        raise UnsupportedOpError(f"dtensor_quant: _grouped_mm with a quantized bias ({_describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: _grouped_mm with a quantized bias ({describe(bias)})")
     experts = b.shape[0]
     if a.ndim == 3:
         if offs is not None or a.shape[0] != experts:
@@ -320,9 +286,9 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
     else:
         if offs is None or offs.ndim != 1 or offs.shape[0] != experts:
             raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts})")
-        if _tracing(offs):
+        if is_tracing(offs):
             raise UnsupportedOpError(
-                f"dtensor_quant: _grouped_mm with a {_describe(b)}: needs concrete offsets (eager mode)"
+                f"dtensor_quant: _grouped_mm with a {describe(b)}: needs concrete offsets (eager mode)"
             )
         ends = offs.tolist()
         starts = [0] + ends[:-1]

@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .format import QuantFormat, check_shape
 from .layout import LayoutError
-from .ops import cat_dim
-from .placements import _first_bad_cut, dim_alignment
+from .layout_ops import cat_dim
+from .placements import dim_alignment, first_bad_cut
 from .tensor import QuantizedTensor
 
 # (gate, up, down) child names of the SwiGLU MLPs of HF transformers and of gpt-fast/torchtitan.
@@ -83,7 +83,7 @@ def _fits(shape, fmt, mesh_shape, placements) -> bool:
         check_shape(fmt, shape)
     except ValueError:
         return False
-    return _first_bad_cut(shape, fmt, mesh_shape, placements) is None
+    return first_bad_cut(shape, fmt, mesh_shape, placements) is None
 
 
 def _prod(xs) -> int:
@@ -197,12 +197,3 @@ def _padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Tensor:
     if out.rels != tuple(w.fmt.layout_for(full).values()):
         raise ValueError(why)
     return out
-
-
-def padding_cost(shape: tuple[int, int], dim: int, length: int, fmt: QuantFormat) -> int:
-    """Bytes ``fmt`` stores for a ``shape`` weight padded along ``dim`` to ``length``, minus unpadded."""
-    from .planner import stored_bytes
-
-    padded = list(shape)
-    padded[dim] = length
-    return stored_bytes(fmt, tuple(padded)) - stored_bytes(fmt, tuple(shape))

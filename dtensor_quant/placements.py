@@ -21,7 +21,8 @@ from .format import QuantFormat, check_shape, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE, LayoutError, chunk_boundaries, dim_factor, partial_refused
 
 
-def _shard_like(p: Placement) -> bool:
+def shard_like(p: Placement) -> bool:
+    """Whether ``p`` cuts its dim into pieces (``Shard``, or FSDP2+TP's ``_StridedShard``)."""
     return isinstance(p, (Shard, _StridedShard))
 
 
@@ -131,14 +132,14 @@ def check_placements(
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial):
             raise partial_refused(f"a {fmt} weight", p, f" on mesh dim {mesh_dim}")
-        if not (_shard_like(p) or isinstance(p, Replicate)):
+        if not (shard_like(p) or isinstance(p, Replicate)):
             raise LayoutError(f"{fmt}: unsupported placement {p}")
-    problem = _first_bad_cut(shape, fmt, mesh_shape, placements)
+    problem = first_bad_cut(shape, fmt, mesh_shape, placements)
     if problem is not None:
         raise LayoutError(_explain(fmt, shape, mesh_shape, placements, *problem))
 
 
-def _first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] | None:
+def first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] | None:
     """``(dim, index, alignment)`` of the first misaligned shard boundary, or None."""
     return _first_bad_cut_cached(tuple(shape), fmt, tuple(mesh_shape), tuple(placements))
 
@@ -147,7 +148,7 @@ def _first_bad_cut(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] |
 def _first_bad_cut_cached(shape, fmt, mesh_shape, placements) -> tuple[int, int, int] | None:
     for dim, length in enumerate(shape):
         cuts = tuple(
-            (p, mesh_shape[m]) for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim
+            (p, mesh_shape[m]) for m, p in enumerate(placements) if shard_like(p) and p.dim % len(shape) == dim
         )
         factor = dim_alignment(fmt, shape, dim)
         if not cuts or factor == 1:
@@ -171,14 +172,14 @@ def legal_mesh_sizes(
     for size in range(1, limit + 1):
         trial = list(mesh_shape)
         trial[mesh_dim] = size
-        if _first_bad_cut(tuple(shape), fmt, trial, placements) is None:
+        if first_bad_cut(tuple(shape), fmt, trial, placements) is None:
             legal.append(size)
     return legal
 
 
 def _explain(fmt, shape, mesh_shape, placements, dim, bad, factor) -> str:
     why = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in weight_layout(fmt, shape).items() if rels[dim].factor > 1)
-    mesh_dims = [m for m, p in enumerate(placements) if _shard_like(p) and p.dim % len(shape) == dim]
+    mesh_dims = [m for m, p in enumerate(placements) if shard_like(p) and p.dim % len(shape) == dim]
     hints = []
     for m in mesh_dims:
         sizes = legal_mesh_sizes(shape, fmt, mesh_shape, placements, m)

@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, Reducer, check_shape, weight_layout
 from .layout import MAX_LISTED_MESH_SIZE
-from .placements import _first_bad_cut
+from .placements import first_bad_cut
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 
@@ -141,7 +141,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
         check_shape(fmt, shape)
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
-    if _first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
+    if first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
         return Cell(dp, tp, placements, why=_why(layer, fmt, mesh, placements),
                     alternatives=_alternatives(layer, fmt, mesh, placements),
                     padding=_padding(layer, fmt, mesh, placements))
@@ -150,7 +150,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
 
 
 def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
-    dim, bad, factor = _first_bad_cut(layer.shape, fmt, mesh, placements)
+    dim, bad, factor = first_bad_cut(layer.shape, fmt, mesh, placements)
     layout = weight_layout(fmt, layer.shape)
     needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in layout.items() if rels[dim].factor > 1)
     what = {len(layer.shape) - 2: "rows", len(layer.shape) - 1: "columns"}.get(dim, "experts")
@@ -164,7 +164,7 @@ def _legal_at(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> 
     FSDP's ``_StridedShard`` takes the tp size as its split factor and tp 1 is
     no tensor parallelism at all, so a resized mesh gets its own placements.
     """
-    return _first_bad_cut(layer.shape, fmt, *_mesh_and_placements(layer, dp, tp, ep)) is None
+    return first_bad_cut(layer.shape, fmt, *_mesh_and_placements(layer, dp, tp, ep)) is None
 
 
 def nearest_degrees(
@@ -189,7 +189,7 @@ def nearest_degrees(
 
 
 def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
-    dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    dim = first_bad_cut(layer.shape, fmt, mesh, placements)[0]
     dp, tp = mesh[-2:]
     ep = mesh[0] if len(mesh) == 3 else 1
     out = []
@@ -213,15 +213,22 @@ def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
 
 def _padding(layer: Layer, fmt: QuantFormat, mesh, placements) -> tuple[int, int, int] | None:
     """The smallest zero-padding of the refused dim that makes this mesh legal: (dim, length, extra bytes)."""
-    from .padding import legal_length, padding_cost
+    from .padding import legal_length
 
     if len(layer.shape) > 2:  # padding is planned for 2-D SwiGLU weights, not expert stacks
         return None
-    dim = _first_bad_cut(layer.shape, fmt, mesh, placements)[0]
+    dim = first_bad_cut(layer.shape, fmt, mesh, placements)[0]
     length = legal_length(tuple(layer.shape), dim, fmt, tuple(mesh), tuple(placements))
     if length is None:
         return None
     return dim, length, padding_cost(tuple(layer.shape), dim, length, fmt)
+
+
+def padding_cost(shape: tuple[int, int], dim: int, length: int, fmt: QuantFormat) -> int:
+    """Bytes ``fmt`` stores for a ``shape`` weight padded along ``dim`` to ``length``, minus unpadded."""
+    padded = list(shape)
+    padded[dim] = length
+    return stored_bytes(fmt, tuple(padded)) - stored_bytes(fmt, tuple(shape))
 
 
 def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
@@ -240,7 +247,7 @@ def _smaller_block(layer: Layer, fmt: QuantFormat, mesh, placements) -> QuantFor
             try:
                 candidate = dataclasses.replace(fmt, **{name: size})
                 check_shape(candidate, layer.shape)
-                if _first_bad_cut(layer.shape, candidate, mesh, placements) is None:
+                if first_bad_cut(layer.shape, candidate, mesh, placements) is None:
                     return candidate
                 size //= 2
             except ValueError:

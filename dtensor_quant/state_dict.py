@@ -42,7 +42,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .format import QuantFormat, weight_layout
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, inner_slice, partial_refused
-from .ops import canonical_dims, canonical_inner
+from .layout_ops import canonical_dims, canonical_inner
 from .tensor import QuantizedTensor, contiguous_strides
 
 SPEC_KEY = "__quant__"
@@ -138,7 +138,7 @@ def is_quantized(value) -> bool:
     return _quantized_local(value) is not None
 
 
-def _canonical(value, key: str) -> tuple[QuantizedTensor, dict[str, torch.Tensor], tuple[int, ...], tuple[int, ...]]:
+def canonical_view(value, key: str) -> tuple[QuantizedTensor, dict[str, torch.Tensor], tuple[int, ...], tuple[int, ...]]:
     """The local weight, its canonical inner tensors, and the logical->canonical dim map and canonical shape."""
     q = _quantized_local(value)
     inner = canonical_inner(q) if q.ndim >= 2 else None
@@ -229,7 +229,7 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
 
 def to_entries(value, key: str = "weight") -> dict:
     """The state-dict form of a quantized weight (entries alias its inner tensors)."""
-    q, inner, to_canonical, shape = _canonical(value, key)
+    q, inner, to_canonical, shape = canonical_view(value, key)
     spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
     out: dict = {}
     if isinstance(value, DTensor):
@@ -274,7 +274,7 @@ def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
     the result always holds this rank's chunk. Raises
     :class:`CheckpointFormatError` naming both formats if they differ.
     """
-    q, inner, to_canonical, shape = _canonical(like, key)
+    q, inner, to_canonical, shape = canonical_view(like, key)
     expected = quant_record(q.fmt, shape, like.dtype, {n: t.dtype for n, t in inner.items()})
     if SPEC_KEY in entries:
         check_spec(parse_spec(entries[SPEC_KEY], key), expected, key)

@@ -4,9 +4,15 @@ The wrapper carries the *logical* shape, dtype and strides of the weight it
 stands for, so DTensor's sharding propagation, FSDP2's bookkeeping and DCP's
 metadata all see an ordinary ``[out, in]`` tensor of the weight's dtype. The
 bytes live in the inner tensors the format declares. Every op on the wrapper
-goes through :func:`dtensor_quant.ops.dispatch`, which derives the inner ops
-from the format's layout; an op it cannot derive raises instead of
-dequantizing.
+goes through :func:`dtensor_quant.dispatch.dispatch`, to the handler that
+derives the inner ops from the format's layout; an op without one raises
+instead of dequantizing.
+
+The class sits below the modules that implement its behaviour (the op
+handlers, FSDP2's hooks, dequantizing). The handlers register themselves in
+the dispatch table; the two hooks FSDP2 looks up on the tensor and
+:meth:`dequantize` import their implementation when called (the documented
+late bindings of docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 
 import torch
 
+from .dispatch import dispatch
 from .format import QuantFormat
 from .layout import LayoutError, Relation
 
@@ -101,8 +108,6 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops import dispatch
-
         return dispatch(func, args, kwargs or {})
 
     # -- FSDP2 all-gather extension (derived from the layout: dtensor_quant.fsdp) --
@@ -125,7 +130,7 @@ class QuantizedTensor(torch.Tensor):
     # -- user API ----------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense tensor this stands for (in ``dtype``, default the logical dtype)."""
-        from .ops import dequantize
+        from .dequant import dequantize
 
         return dequantize(self, dtype or self.dtype)
 

@@ -1,7 +1,7 @@
 """Dense values of a whole weight at memory speed: the formats' ``unpack`` kernels, in row chunks.
 
 A format's ``dequantize`` is elementwise math on inner tensors repeated to one
-value per element (:func:`dtensor_quant.ops.broadcastable`), which works for
+value per element (:func:`dtensor_quant.layout_ops.broadcastable`), which works for
 any shard, partial block or orientation, but makes a full-size copy of every
 blocked tensor and several passes over the weight. When a weight is in its
 canonical ``[out, in]`` orientation and its packs and column blocks are whole -- a
@@ -20,6 +20,7 @@ import torch
 
 from .format import weight_layout
 from .layout import Blocked, Constant, FlatBlocked, InFlat, OneToOne, Packed, dim_factor
+from .layout_ops import block_sizes, slice_dim
 from .tensor import QuantizedTensor
 
 CHUNK_ELEMENTS = 1 << 20
@@ -59,8 +60,6 @@ def unpack_into(q: QuantizedTensor, out: torch.Tensor) -> bool:
     its format has no ``unpack`` kernel for this case; the caller then
     dequantizes.
     """
-    from .ops import slice_dim
-
     if out.shape != q.shape or not whole_blocks(q) or any(t.device != out.device for t in q.inner.values()):
         return False
     rows, cols = q.shape
@@ -93,8 +92,6 @@ def dense_inner(fmt, inner: dict[str, torch.Tensor], blocks, shape, dtype: torch
     (slices start on block boundaries, so equal blocks and lengths mean the
     same blocks in the same order), and whole column blocks.
     """
-    from .ops import block_sizes
-
     try:
         fresh = weight_layout(fmt, shape)
     except ValueError:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .bits import same_bits
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, Stacked
 
 SHARED = "_dq_shared_outside"  # on a view: {inner index: (relation, dim, start, stop) of the cut}
@@ -116,8 +117,6 @@ def check_copy(dst, src, describe) -> set[str]:
                     "independently quantized pieces, say). Quantize the dense source with the destination's "
                     "layout instead: dtensor_quant.quantize(src.dequantize(), fmt) (not bit-exact: requantized)."
                 )
-    from .ops import same_bits
-
     keep = set()
     for i, (rel, dim, start, stop) in dst.__dict__.get(SHARED, {}).items():
         name = dst.fmt.inner_names[i]

@@ -256,7 +256,8 @@ def test_nf4_extreme_and_non_finite_input():
 def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, shape, monkeypatch):
     """The fast whole-weight path (table lookup, block-grid scales, row chunks) is bit-exact."""
     from dtensor_quant import unpack
-    from dtensor_quant.ops import _broadcastable, same_bits
+    from dtensor_quant.bits import same_bits
+    from dtensor_quant.layout_ops import broadcastable_for as _broadcastable
 
     q = dq.quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(wdtype) * 0.05, fmt)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -271,7 +272,8 @@ def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, s
 def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
     """A column slice of NF4 keeps a factor per row cut short: the flat fast path must not read it in flat order."""
     from dtensor_quant import unpack
-    from dtensor_quant.ops import _broadcastable, same_bits
+    from dtensor_quant.bits import same_bits
+    from dtensor_quant.layout_ops import broadcastable_for as _broadcastable
 
     q = dq.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)), dq.NF4())
     for piece in (q[:, :1024], q[:, 1024:], q[:32]):
@@ -300,7 +302,8 @@ def _hostile_weights():
 def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
     """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite."""
     from dtensor_quant import unpack
-    from dtensor_quant.ops import _broadcastable, same_bits
+    from dtensor_quant.bits import same_bits
+    from dtensor_quant.layout_ops import broadcastable_for as _broadcastable
 
     w = _hostile_weights()[name]
     q = dq.quantize(w, fmt)

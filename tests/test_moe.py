@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 import dtensor_quant as dq
-from dtensor_quant.ops import same_bits
+from dtensor_quant.bits import same_bits
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .. import wire
+from ..bits import same_bits
 from ..format import QuantFormat, check_shape
 from ..layout import LayoutError
-from ..ops import same_bits
 from ..placements import check_placements
 from ..quantize import quantize
 from ..tensor import QuantizedTensor

@@ -287,7 +287,7 @@ _PLACEMENTS = ["R", "S0", "S1", "SS0:2", "SS1:2", "SS1:3"]
 )
 def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shape, specs):
     """DTensor's chunk of each inner entry is the logical chunk's inner range, on every rank."""
-    from dtensor_quant.placements import _first_bad_cut
+    from dtensor_quant.placements import first_bad_cut as _first_bad_cut
     from dtensor_quant.state_dict import check_entry_chunks
 
     fmt = cc.FORMATS.get(fmt_name) or dq.Int4Groupwise(int(fmt_name[5:]))

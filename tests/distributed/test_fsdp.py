@@ -21,7 +21,7 @@ import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.layout import Constant
-from dtensor_quant.ops import same_bits
+from dtensor_quant.bits import same_bits
 
 FORMATS = {
     "int8": dq.Int8Rowwise(),

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.ops import same_bits
+from dtensor_quant.bits import same_bits
 from dtensor_quant.state_dict import register
 
 from helpers import assert_same_bits, mesh, rank, weight
