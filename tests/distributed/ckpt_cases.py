@@ -2,8 +2,8 @@
 
 A small model with three Linears chosen to stress the layout: ``a`` has 10
 rows (uneven over 3 and 4 ranks), ``b`` has a dense bias, ``c`` has 5 rows
-(an empty shard on 4 ranks). Every layout below is legal for every format in
-FORMATS. A reference model is always the same single-process quantization,
+(an empty shard on 4 ranks). Every layout below is legal for int8, int4g32
+and int4g64 of the registry. A reference model is always the same single-process quantization,
 so a loaded model is compared with it bit by bit.
 """
 
@@ -16,9 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_quant as dq
 
-from helpers import assert_same_bits, mesh
-
-FORMATS = {"int8": dq.Int8Rowwise(), "int4g32": dq.Int4Groupwise(32), "int4g64": dq.Int4Groupwise(64)}
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh
 SHAPES = {"a": (10, 256), "b": (24, 128), "c": (5, 64)}  # [out, in]
 
 # name -> (mesh shape or None for a single process, {param: placements})
@@ -83,7 +81,7 @@ def placed(seed: int, fmt_name: str | None, layout: str) -> Net:
     return net
 
 
-def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> bool:
+def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> None:
     """Every parameter of ``net`` holds exactly ``placed(seed, fmt, layout)``'s local bytes and full tensor."""
     expected = dict(placed(seed, fmt_name, layout).named_parameters())
     ref = dict(reference(seed, fmt_name).named_parameters())
@@ -101,4 +99,3 @@ def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> boo
         else:
             assert torch.equal(got_local.view(torch.uint8), want_local.view(torch.uint8)), name
             assert torch.equal(full, ref[name].detach()), name
-    return True

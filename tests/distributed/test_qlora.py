@@ -13,16 +13,16 @@ at the byte floor.
 
 import pytest
 import torch
-from helpers import floor_bytes, mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from training import batches, qlora_model, reference_losses, train
+from training import batches, floor_bytes, qlora_model, reference_losses, train
 
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import lora_tp_plan
+from dtensor_quant.testing import mesh
 
 STEPS = 4
 TOLERANCE = {None: 2e-5, "bfloat16": 5e-3}  # relative, per step
