@@ -21,7 +21,7 @@ For tests of your own, the same toolkit the project's tests use: ``FORMATS``
 (the built-in format instances by name, with :func:`pick` / :func:`where` to
 take a subset), :func:`pool` (live ranks per world size; the pytest fixture
 ``ranks`` is in :mod:`dtensor_quant.testing.fixtures`), :func:`mesh`,
-:func:`weight`, :func:`same_bits`, :func:`assert_same_bits`,
+:func:`placements`, :func:`weight`, :func:`same_bits`, :func:`assert_same_bits`,
 :func:`assert_local_matches` and :func:`reference_dequantize`.
 """
 
@@ -38,6 +38,7 @@ from .tools import (
     assert_same_bits,
     close_pools,
     mesh,
+    placements,
     pool,
     rank,
     reference_dequantize,
@@ -131,6 +132,7 @@ __all__ = [
     "mesh",
     "pick",
     "pick_shape",
+    "placements",
     "pool",
     "rank",
     "reference_dequantize",

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..launch import RankPool
 from ..ops import block_sizes, broadcastable, same_bits
@@ -65,6 +66,25 @@ def mesh(*shape: int) -> DeviceMesh:
         names = ("dp", "tp")[-len(shape) :] if len(shape) <= 2 else None
         _meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _meshes[shape]
+
+
+def placements(specs: str) -> list[Placement]:
+    """``"S0,R"`` -> ``[Shard(0), Replicate()]``: one of ``R``, ``P`` (Partial), ``S<dim>`` or
+    ``SS<dim>:<split_factor>`` (the _StridedShard of FSDP2 + TP) per mesh dim."""
+    out: list[Placement] = []
+    for spec in specs.split(","):
+        if spec == "R":
+            out.append(Replicate())
+        elif spec == "P":
+            out.append(Partial())
+        elif spec.startswith("SS"):
+            dim, split_factor = spec[2:].split(":")
+            out.append(_StridedShard(int(dim), split_factor=int(split_factor)))
+        elif spec.startswith("S"):
+            out.append(Shard(int(spec[1:])))
+        else:
+            raise ValueError(f"placement {spec!r}: expected R, P, S<dim> or SS<dim>:<split_factor>")
+    return out
 
 
 def rank() -> int:
@@ -117,6 +137,7 @@ __all__ = [
     "assert_same_bits",
     "close_pools",
     "mesh",
+    "placements",
     "pool",
     "rank",
     "reference_dequantize",

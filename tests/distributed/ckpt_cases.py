@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, placements
 
-from dtensor_quant.testing import FORMATS, assert_same_bits, mesh
 SHAPES = {"a": (10, 256), "b": (24, 128), "c": (5, 64)}  # [out, in]
 
 # name -> (mesh shape or None for a single process, {param: placements})
@@ -32,19 +31,6 @@ LAYOUTS = {
     # FSDP2 + TP: dp shards what tp already sharded (_StridedShard on the dp dim)
     "fsdp_tp": ((2, 2), {"a.weight": "SS0:2,S0", "b.weight": "S0,S1", "b.bias": "S0,R", "c.weight": "SS0:2,S0"}),
 }
-
-
-def parse(spec: str):
-    out = []
-    for s in spec.split(","):
-        if s == "R":
-            out.append(Replicate())
-        elif s.startswith("SS"):
-            dim, sf = s[2:].split(":")
-            out.append(_StridedShard(int(dim), split_factor=int(sf)))
-        else:
-            out.append(Shard(int(s[1:])))
-    return out
 
 
 class Net(nn.Module):
@@ -76,7 +62,7 @@ def placed(seed: int, fmt_name: str | None, layout: str) -> Net:
     m = mesh(*mesh_shape)
     for name, param in list(net.named_parameters()):
         module_name, attr = name.rsplit(".", 1)
-        dt = distribute_tensor(param.detach(), m, parse(specs[name]), src_data_rank=None)
+        dt = distribute_tensor(param.detach(), m, placements(specs[name]), src_data_rank=None)
         setattr(net.get_submodule(module_name), attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     return net
 

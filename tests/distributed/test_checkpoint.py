@@ -11,12 +11,13 @@ import math
 import os
 from pathlib import Path
 
+import ckpt_cases as cc
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,9 +28,7 @@ from torch.distributed.tensor import DTensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
-
-import ckpt_cases as cc
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, placements, weight
 
 SEED, OTHER = 7, 1234
 # Plain dcp calls in this process (no process group) say they assume a single process: that is the intent.
@@ -282,17 +281,19 @@ _PLACEMENTS = ["R", "S0", "S1", "SS0:2", "SS1:2", "SS1:3"]
 )
 def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shape, specs):
     """DTensor's chunk of each inner entry is the logical chunk's inner range, on every rank."""
-    from dtensor_quant.placements import _first_bad_cut
     from dtensor_quant.state_dict import check_entry_chunks
 
     fmt = FORMATS.get(fmt_name) or dq.Int4Groupwise(int(fmt_name[5:]))
-    shape, placements = (rows, 2 * half_cols), tuple(cc.parse(",".join(specs[: len(mesh_shape)])))
-    if _first_bad_cut(shape, fmt, mesh_shape, list(placements)) is None:
-        check_entry_chunks(fmt, shape, mesh_shape, placements)
+    shape, places = (rows, 2 * half_cols), tuple(placements(",".join(specs[: len(mesh_shape)])))
+    try:
+        dq.check_placements(shape, fmt, mesh_shape, places)
+    except dq.LayoutError:
+        return  # an illegal placement has no checkpoint form to check
+    check_entry_chunks(fmt, shape, mesh_shape, places)
 
 
 def test_entry_chunk_check_rejects_a_cut_block():
     from dtensor_quant.state_dict import check_entry_chunks
 
     with pytest.raises(dq.LayoutError, match="cannot follow"):
-        check_entry_chunks(dq.Int4Groupwise(32), (4, 96), (2,), tuple(cc.parse("S1")))
+        check_entry_chunks(dq.Int4Groupwise(32), (4, 96), (2,), tuple(placements("S1")))

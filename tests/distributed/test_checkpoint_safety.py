@@ -3,19 +3,18 @@
 import os
 import time
 
+import ckpt_cases as cc
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from test_checkpoint import OTHER, SEED, on, save_model
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.launch import RankError, RankPool
-
-import ckpt_cases as cc
-from dtensor_quant.testing import rank
-from test_checkpoint import OTHER, SEED, on, save_model
+from dtensor_quant.testing import placements, rank
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -49,9 +48,9 @@ def per_chunk_scales_differ():
     """Guard for the test above: quantizing each column shard alone gives other bytes."""
     full = cc.dense_net(SEED).a.weight.detach()
     m = cc.mesh(2)
-    local = distribute_tensor(full, m, cc.parse("S1"), src_data_rank=None).to_local()
+    local = distribute_tensor(full, m, placements("S1"), src_data_rank=None).to_local()
     wrong = dq.quantize(local, dq.Int8Rowwise())
-    right = distribute_tensor(dq.quantize(full, dq.Int8Rowwise()), m, cc.parse("S1"), src_data_rank=None).to_local()
+    right = distribute_tensor(dq.quantize(full, dq.Int8Rowwise()), m, placements("S1"), src_data_rank=None).to_local()
     return not torch.equal(wrong.scale, right.scale)
 
 

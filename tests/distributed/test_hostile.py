@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import dtensor_quant as dq
 from dtensor_quant import LayoutError
-from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, pick, rank, weight
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, pick, placements, rank, weight
 
 HOSTILE = list(pick("int8", "int4g32", "int4g128", "nf4b32s4", "f8row", "f8tensor"))  # every relation at (16, 256)
 
@@ -302,10 +302,8 @@ def quantize_poisoned_sharded(fmt_name, shape, dtype, seed, kinds, placement, wo
     fmt = FORMATS[fmt_name]
     w = poisoned(shape, dtype, seed, kinds)
     m = mesh(world)
-    from test_placements import parse
-
-    got = dq.quantize(distribute_tensor(w, m, [parse(placement)]), fmt)
-    want = distribute_tensor(dq.quantize(w, fmt), m, [parse(placement)])
+    got = dq.quantize(distribute_tensor(w, m, placements(placement)), fmt)
+    want = distribute_tensor(dq.quantize(w, fmt), m, placements(placement))
     full = got.full_tensor()  # every collective first: a failed assertion must not leave a rank waiting
     assert_same_bits(got.to_local(), want.to_local(), f"{fmt_name} {kinds} {placement}")
     assert_same_bits(full, dq.quantize(w, fmt), "full")

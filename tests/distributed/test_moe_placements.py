@@ -8,24 +8,19 @@ quantized bytes only on the wire, including uneven expert counts.
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-
-from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, mesh, pick, weight
+from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, mesh, pick, placements, weight
 
 # the (E, 32, 512) sweeps: blocks that fit 512 columns (nf4b64s8: one scaler factor per row)
 TOY_FORMATS = list(pick("int8", "int4g64", "nf4b64s8", "f8row", "f8tensor", "f8block32"))
 
 
-def parse(specs: str):
-    return [Replicate() if s == "R" else Shard(int(s[1:])) for s in specs.split(",")]
-
-
 def _legal(fmt, shape, mesh_shape, specs) -> bool:
     try:
-        dq.check_placements(shape, fmt, mesh_shape, parse(specs))
+        dq.check_placements(shape, fmt, mesh_shape, placements(specs))
     except dq.LayoutError:
         return False
     return True
@@ -38,15 +33,15 @@ def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
     dense = q.dequantize()
     targets = [t for t in targets if _legal(fmt, shape, mesh_shape, t)]
     with wire.record() as log:
-        dt = distribute_tensor(q, m, parse(src))
+        dt = distribute_tensor(q, m, placements(src))
         assert_local_matches(dt, dense, f"distribute {src}")
         assert_same_bits(dt.full_tensor(), q, f"full_tensor from {src}")
         for tgt in targets:
-            moved = dt.redistribute(m, parse(tgt))
+            moved = dt.redistribute(m, placements(tgt))
             assert_local_matches(moved, dense, f"{src} -> {tgt}")
             assert_same_bits(moved.full_tensor(), q, f"full_tensor after {src} -> {tgt}")
         # quantizing the sharded dense stack gives the same bytes (EP needs no reduction at all)
-        got = dq.quantize(distribute_tensor(w, m, parse(src), src_data_rank=None), fmt)
+        got = dq.quantize(distribute_tensor(w, m, placements(src), src_data_rank=None), fmt)
         assert_same_bits(got.to_local(), dt.to_local(), f"quantize on {src}")
     moved_dense = {t.dtype for t in log.transfers if not t.quantized and t.dtype != torch.uint8}
     assert {t.dtype for t in log.transfers if t.quantized} <= {torch.uint8}
@@ -103,7 +98,7 @@ def expert_linear(fmt_name, specs):
     fmt, m = FORMATS[fmt_name], mesh(2, 2)
     w = weight((4, 32, 512), seed=12)
     q = dq.quantize(w, fmt)
-    dt = distribute_tensor(q, m, parse(specs))
+    dt = distribute_tensor(q, m, placements(specs))
     x = weight((3, 512), seed=13)
     local = dt.to_local()
     ep = dt.placements[0]

@@ -12,30 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.launch import RankError
-
-from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, mesh, rank, weight
-
-
-def parse(spec: str):
-    """``"R"``, ``"S0"``, ``"S1"``, ``"SS0:2"`` (_StridedShard(0, split_factor=2)), ``"P"``."""
-    if spec == "R":
-        return Replicate()
-    if spec == "P":
-        return Partial()
-    if spec.startswith("SS"):
-        dim, sf = spec[2:].split(":")
-        return _StridedShard(int(dim), split_factor=int(sf))
-    return Shard(int(spec[1:]))
-
-
-def placements(specs: str):
-    return [parse(s) for s in specs.split(",")]
+from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, mesh, placements, rank, weight
 
 
 def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0, transposed=False):
