@@ -21,7 +21,7 @@ For tests of your own, the same toolkit the project's tests use: ``FORMATS``
 (the built-in format instances by name, with :func:`pick` / :func:`where` to
 take a subset), :func:`pool` (live ranks per world size; the pytest fixture
 ``ranks`` is in :mod:`dtensor_quant.testing.fixtures`), :func:`mesh`,
-:func:`placements`, :func:`weight`, :func:`same_bits`, :func:`assert_same_bits`,
+:func:`placements`, :func:`legal`, :func:`weight`, :func:`same_bits`, :func:`assert_same_bits`,
 :func:`assert_local_matches` and :func:`reference_dequantize`.
 """
 
@@ -37,6 +37,7 @@ from .tools import (
     assert_local_matches,
     assert_same_bits,
     close_pools,
+    legal,
     mesh,
     placements,
     pool,
@@ -129,6 +130,7 @@ __all__ = [
     "close_pools",
     "has_kernel",
     "is_default",
+    "legal",
     "mesh",
     "pick",
     "pick_shape",

@@ -21,7 +21,7 @@ from ..format import QuantFormat
 from ..layout import LayoutError
 from ..placements import check_placements
 from ..quantize import quantize
-from .tools import assert_local_matches, assert_same_bits, mesh, weight
+from .tools import assert_local_matches, assert_same_bits, legal, mesh, weight
 
 CANDIDATE_SHAPES = [(64, 256), (64, 512), (32, 1024), (64, 2048), (16, 4096), (128, 4096), (64, 16384)]
 
@@ -37,14 +37,6 @@ def _accepts(fmt: QuantFormat, shape) -> bool:
     try:
         fmt.check_weight(torch.Size(shape), torch.bfloat16)
     except ValueError:
-        return False
-    return True
-
-
-def legal(fmt: QuantFormat, shape, mesh_shape, placements) -> bool:
-    try:
-        check_placements(shape, fmt, mesh_shape, placements)
-    except LayoutError:
         return False
     return True
 

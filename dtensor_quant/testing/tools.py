@@ -25,8 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..format import QuantFormat
 from ..launch import RankPool
+from ..layout import LayoutError
 from ..ops import block_sizes, broadcastable, same_bits
+from ..placements import check_placements
 from ..tensor import QuantizedTensor
 
 # -- the rank pools (in the test process) -----------------------------------------
@@ -87,6 +90,15 @@ def placements(specs: str) -> list[Placement]:
     return out
 
 
+def legal(fmt: QuantFormat, shape, mesh_shape, specs: str | list[Placement]) -> bool:
+    """Whether ``fmt`` can hold a weight of ``shape`` under ``specs`` (placements, or ``"S0,R"``) on a mesh of ``mesh_shape``."""
+    try:
+        check_placements(shape, fmt, mesh_shape, placements(specs) if isinstance(specs, str) else specs)
+    except LayoutError:
+        return False
+    return True
+
+
 def rank() -> int:
     return dist.get_rank()
 
@@ -136,6 +148,7 @@ __all__ = [
     "assert_local_matches",
     "assert_same_bits",
     "close_pools",
+    "legal",
     "mesh",
     "placements",
     "pool",

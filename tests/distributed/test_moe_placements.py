@@ -12,18 +12,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, mesh, pick, placements, weight
+from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, legal, mesh, pick, placements, weight
 
 # the (E, 32, 512) sweeps: blocks that fit 512 columns (nf4b64s8: one scaler factor per row)
 TOY_FORMATS = list(pick("int8", "int4g64", "nf4b64s8", "f8row", "f8tensor", "f8block32"))
-
-
-def _legal(fmt, shape, mesh_shape, specs) -> bool:
-    try:
-        dq.check_placements(shape, fmt, mesh_shape, placements(specs))
-    except dq.LayoutError:
-        return False
-    return True
 
 
 def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
@@ -31,7 +23,7 @@ def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
     w = weight(shape, seed=11)
     q = dq.quantize(w, fmt)
     dense = q.dequantize()
-    targets = [t for t in targets if _legal(fmt, shape, mesh_shape, t)]
+    targets = [t for t in targets if legal(fmt, shape, mesh_shape, t)]
     with wire.record() as log:
         dt = distribute_tensor(q, m, placements(src))
         assert_local_matches(dt, dense, f"distribute {src}")
@@ -62,9 +54,9 @@ def _cases_1d():
 @pytest.mark.parametrize("world,fmt_name,experts", list(_cases_1d()))
 def test_expert_parallel_1d(ranks, world, fmt_name, experts):
     shape, targets = (experts, 32, 512), ["R", "S0", "S1", "S2"]
-    legal = [t for t in targets if _legal(FORMATS[fmt_name], shape, (world,), t)]
-    for src in legal:
-        assert ranks(world).run(expert_roundtrip, fmt_name, shape, (world,), src, targets) == [len(legal)] * world
+    movable = [t for t in targets if legal(FORMATS[fmt_name], shape, (world,), t)]
+    for src in movable:
+        assert ranks(world).run(expert_roundtrip, fmt_name, shape, (world,), src, targets) == [len(movable)] * world
 
 
 @pytest.mark.parametrize("fmt_name", ["nf4", "int4g128", "int8"])  # nf4: a scaler factor runs across rows
@@ -72,11 +64,11 @@ def test_expert_parallel_1d(ranks, world, fmt_name, experts):
 def test_expert_parallel_at_real_widths(ranks, fmt_name, width):
     """Experts of a real model's width (Mixtral's 14336, Llama-2's 11008) with few rows; every legal move."""
     shape, targets = (3, 8, width), ["R", "S0", "S1", "S2"]
-    legal = [t for t in targets if _legal(FORMATS[fmt_name], shape, (2,), t)]
-    sources = [s for s in ("S0", "S2", "R") if s in legal]
+    movable = [t for t in targets if legal(FORMATS[fmt_name], shape, (2,), t)]
+    sources = [s for s in ("S0", "S2", "R") if s in movable]
     assert sources, f"no legal placement of {shape} for {fmt_name}"
     for src in sources:
-        assert ranks(2).run(expert_roundtrip, fmt_name, shape, (2,), src, targets) == [len(legal)] * 2
+        assert ranks(2).run(expert_roundtrip, fmt_name, shape, (2,), src, targets) == [len(movable)] * 2
 
 
 @pytest.mark.parametrize(
@@ -86,11 +78,11 @@ def test_expert_parallel_at_real_widths(ranks, fmt_name, width):
 def test_expert_and_tensor_parallel_2d(ranks, fmt_name, src):
     """Experts over mesh dim 0 (EP), inside each expert over mesh dim 1 (TP), and every move between them."""
     shape = (3, 32, 512)
-    if not _legal(FORMATS[fmt_name], shape, (2, 2), src):
+    if not legal(FORMATS[fmt_name], shape, (2, 2), src):
         pytest.skip("illegal for this layout")
     targets = ["S0,S1", "S0,S2", "S0,R", "R,S1", "R,R", "S1,S0"]
-    legal = [t for t in targets if _legal(FORMATS[fmt_name], shape, (2, 2), t)]
-    assert ranks(4).run(expert_roundtrip, fmt_name, shape, (2, 2), src, targets) == [len(legal)] * 4
+    movable = [t for t in targets if legal(FORMATS[fmt_name], shape, (2, 2), t)]
+    assert ranks(4).run(expert_roundtrip, fmt_name, shape, (2, 2), src, targets) == [len(movable)] * 4
 
 
 def expert_linear(fmt_name, specs):

@@ -18,7 +18,16 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.launch import RankError
-from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, mesh, placements, rank, weight
+from dtensor_quant.testing import (
+    FORMATS,
+    assert_local_matches,
+    assert_same_bits,
+    legal,
+    mesh,
+    placements,
+    rank,
+    weight,
+)
 
 
 def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0, transposed=False):
@@ -269,11 +278,7 @@ def test_shard_dim_alltoall(ranks, fmt_name, old, new):
 
 
 def _legal(fmt_name, shape, mesh_shape, spec) -> bool:
-    try:
-        dq.check_placements(shape, _fmt(fmt_name), mesh_shape, placements(spec))
-    except dq.LayoutError:
-        return False
-    return True
+    return legal(_fmt(fmt_name), shape, mesh_shape, spec)
 
 
 def _fmt(name):
