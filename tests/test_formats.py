@@ -256,12 +256,11 @@ def test_nf4_extreme_and_non_finite_input():
 def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, shape, monkeypatch):
     """The fast whole-weight path (table lookup, block-grid scales, row chunks) is bit-exact."""
     from dtensor_quant import unpack
-    from dtensor_quant.bits import same_bits
-    from dtensor_quant.layout_ops import broadcastable_for as _broadcastable
+    from dtensor_quant.testing import reference_dequantize, same_bits
 
     q = dq.quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(wdtype) * 0.05, fmt)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        expected = fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype)
+        expected = reference_dequantize(q, dtype)
         for chunk in (1 << 20, 1024):  # one piece; row chunks cut on the layout's row blocks
             monkeypatch.setattr(unpack, "CHUNK_ELEMENTS", chunk)
             got = unpack.dense(q, dtype)
@@ -272,12 +271,11 @@ def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, s
 def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
     """A column slice of NF4 keeps a factor per row cut short: the flat fast path must not read it in flat order."""
     from dtensor_quant import unpack
-    from dtensor_quant.bits import same_bits
-    from dtensor_quant.layout_ops import broadcastable_for as _broadcastable
+    from dtensor_quant.testing import reference_dequantize, same_bits
 
     q = dq.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)), dq.NF4())
     for piece in (q[:, :1024], q[:, 1024:], q[:32]):
-        expected = piece.fmt.dequantize(_broadcastable(piece.inner, piece.rels, piece.shape), torch.float32)
+        expected = reference_dequantize(piece, torch.float32)
         assert same_bits(piece.dequantize(), expected)
         x = torch.randn(3, piece.shape[1], generator=torch.Generator().manual_seed(1))
         assert torch.allclose(torch.nn.functional.linear(x, piece), x @ expected.t(), atol=1e-5)
@@ -302,14 +300,13 @@ def _hostile_weights():
 def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
     """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite."""
     from dtensor_quant import unpack
-    from dtensor_quant.bits import same_bits
-    from dtensor_quant.layout_ops import broadcastable_for as _broadcastable
+    from dtensor_quant.testing import reference_dequantize, same_bits
 
     w = _hostile_weights()[name]
     q = dq.quantize(w, fmt)
     for dtype in (torch.bfloat16, torch.float32, w.dtype):
         got = unpack.dense(q, dtype)
-        assert got is not None and same_bits(got, fmt.dequantize(_broadcastable(q.inner, q.rels, q.shape), dtype))
+        assert got is not None and same_bits(got, reference_dequantize(q, dtype))
 
 
 def test_top_level_dequantize_is_the_inverse_of_quantize():

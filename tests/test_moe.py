@@ -7,59 +7,38 @@ loop and the grouped_mm path) on quantized experts.
 """
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from extra_formats import EXTRA_FORMATS
 from torch.distributed.tensor import Replicate, Shard
 
 import dtensor_quant as dq
-from dtensor_quant.bits import same_bits
+from dtensor_quant.testing import assert_same_bits, pick, weight
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-
-FORMATS = [
-    dq.Int8Rowwise(),
-    dq.Float8Rowwise(),
-    dq.Float8Tensorwise(),
-    dq.Float8Blockwise(32),
-    dq.Int4Groupwise(64),
-    dq.NF4(64, 256),
-    PerTensorInt8(),
-    ColumnInt8(),
-    RowBlockInt8(),
-]
+# every relation at (3, 64, 512): the built-ins at blocks that fit, and the test-only user formats
+EXPERT_FORMATS = [*pick("int8", "f8row", "f8tensor", "f8block32", "int4g64", "nf4").values(), *EXTRA_FORMATS.values()]
 
 
-def _w(shape, seed=0, dtype=torch.bfloat16):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def _same(a: dq.QuantizedTensor, b: dq.QuantizedTensor) -> bool:
-    return a.shape == b.shape and all(same_bits(getattr(a, n), getattr(b, n)) for n in a.fmt.inner_names)
-
-
-@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS, ids=str)
 def test_experts_quantize_like_each_expert_alone(fmt):
-    w = _w((3, 64, 512))
+    w = weight((3, 64, 512))
     q = dq.quantize(w, fmt)
     assert q.shape == w.shape and q.dtype == w.dtype
     for e in range(3):
         alone = dq.quantize(w[e].clone(), fmt)
-        assert _same(q[e], alone), e  # select of one expert: the same bytes as quantizing it alone
+        assert_same_bits(q[e], alone, f"expert {e}")  # select of one expert: the same bytes as quantizing it alone
         assert torch.equal(q[e].dequantize(), alone.dequantize())
     assert torch.equal(q.dequantize(), torch.stack([dq.quantize(w[e], fmt).dequantize() for e in range(3)]))
     # 4-D: two leading dims
     q4 = dq.quantize(w.reshape(3, 1, 64, 512), fmt)
-    assert _same(q4[2][0], dq.quantize(w[2], fmt))
+    assert_same_bits(q4[2][0], dq.quantize(w[2], fmt), "4-D [2][0]")
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS, ids=str)
 def test_expert_ops_along_every_dim(fmt):
-    w = _w((4, 64, 512), seed=1)
+    w = weight((4, 64, 512), seed=1)
     q = dq.quantize(w, fmt)
     dense = q.dequantize()
     for dim, size in ((0, 1), (0, 3), (1, 32), (1, 64 // 2), (2, 256)):
@@ -84,9 +63,9 @@ def test_expert_ops_along_every_dim(fmt):
 
 @pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 256), dq.Float8Rowwise()], ids=str)
 def test_selected_expert_takes_the_linear_kernels(fmt):
-    w = _w((3, 64, 512), seed=2)
+    w = weight((3, 64, 512), seed=2)
     q = dq.quantize(w, fmt)
-    x = _w((5, 512), seed=3)
+    x = weight((5, 512), seed=3)
     for e in range(3):
         expected = F.linear(x, dq.quantize(w[e], fmt))
         assert torch.equal(F.linear(x, q[e]), expected)  # same kernel, same bits
@@ -95,9 +74,9 @@ def test_selected_expert_takes_the_linear_kernels(fmt):
 
 @pytest.mark.parametrize("fmt", [dq.Int8Rowwise(), dq.NF4(64, 256)], ids=str)
 def test_grouped_mm_matches_a_loop_over_experts(fmt):
-    w = _w((4, 64, 512), seed=4)
+    w = weight((4, 64, 512), seed=4)
     q = dq.quantize(w, fmt)
-    x = _w((10, 512), seed=5)
+    x = weight((10, 512), seed=5)
     offs = torch.tensor([3, 3, 7, 9], dtype=torch.int32)  # expert 1 gets no rows; row 9 is past the end
     out = torch._grouped_mm(x, q.transpose(-2, -1), offs=offs)
     starts = [0, 3, 3, 7]
@@ -105,25 +84,25 @@ def test_grouped_mm_matches_a_loop_over_experts(fmt):
         s, e = starts[g], int(offs[g])
         assert torch.equal(out[s:e], F.linear(x[s:e], q[g]))
     assert torch.equal(out[9:], torch.zeros_like(out[9:]))
-    x3 = _w((4, 2, 512), seed=6)
+    x3 = weight((4, 2, 512), seed=6)
     out3 = torch._grouped_mm(x3, q.transpose(-2, -1))
     assert all(torch.equal(out3[g], F.linear(x3[g], q[g])) for g in range(4))
 
 
 def test_empty_expert_stack():
-    w = _w((0, 64, 512))
+    w = weight((0, 64, 512))
     for fmt in (dq.Int8Rowwise(), dq.NF4(64, 256), dq.Int4Groupwise(64)):
         q = dq.quantize(w, fmt)
         assert q.shape == (0, 64, 512) and q.dequantize().shape == (0, 64, 512)
-        full = dq.quantize(_w((2, 64, 512)), fmt)
+        full = dq.quantize(weight((2, 64, 512)), fmt)
         assert torch.equal(torch.cat([full, q]).dequantize(), full.dequantize())
 
 
 def test_bad_expert_shape_names_the_matrix():
     with pytest.raises(ValueError, match=r"each \[out, in\] matrix"):
-        dq.quantize(_w((2, 8, 100)), dq.NF4(64, 256))
+        dq.quantize(weight((2, 8, 100)), dq.NF4(64, 256))
     with pytest.raises(ValueError, match="at least 2 dims"):
-        dq.quantize(_w((64,)), dq.Int8Rowwise())
+        dq.quantize(weight((64,)), dq.Int8Rowwise())
 
 
 # -- transformers MoE models --------------------------------------------------------
@@ -237,7 +216,7 @@ def test_planner_takes_expert_stacks_and_ep():
     assert cells[("experts.down", 1, 3)].legal and cells[("experts.down", 1, 4)].legal
     assert not cells[("wo", 1, 3)].legal and "nearest legal tp" in cells[("wo", 1, 3)].alternatives
     # bytes: 8 experts over ep=2 and dp=2 -> 2 experts per rank, each its 2-D format's bytes
-    one = dq.quantize(_w((2 * 1536, 2048)), fmt).nbytes_stored
+    one = dq.quantize(weight((2 * 1536, 2048)), fmt).nbytes_stored
     assert cells[("experts.gate_up", 2, 1)].nbytes == 2 * one == stored_bytes(fmt, (2, 2 * 1536, 2048))
     text = str(result)
     assert "8x3072x2048" in text and "ep=2" in text

@@ -16,6 +16,13 @@ Or, in pytest, one test per capability::
 The checks run on real local ranks (gloo on CPU) and compare against a
 single-process reference, bit-exactly where the math allows. The format must
 be importable by the spawned ranks (defined at module level).
+
+For tests of your own, the same toolkit the project's tests use: ``FORMATS``
+(the built-in format instances by name, with :func:`pick` / :func:`where` to
+take a subset), :func:`pool` (live ranks per world size; the pytest fixture
+``ranks`` is in :mod:`dtensor_quant.testing.fixtures`), :func:`mesh`,
+:func:`placements`, :func:`legal`, :func:`weight`, :func:`same_bits`, :func:`assert_same_bits`,
+:func:`assert_local_matches` and :func:`reference_dequantize`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,20 @@ from dataclasses import dataclass, field
 from ..format import QuantFormat
 from ..launch import RankError, RankPool
 from .checks import CHECKS, Check, pick_shape
+from .registry import FORMATS, has_kernel, is_default, pick, where
+from .tools import (
+    assert_local_matches,
+    assert_same_bits,
+    close_pools,
+    legal,
+    mesh,
+    placements,
+    pool,
+    rank,
+    reference_dequantize,
+    same_bits,
+    weight,
+)
 
 
 @dataclass
@@ -98,4 +119,27 @@ def check_format(
     return report
 
 
-__all__ = ["CHECKS", "Check", "Report", "check_format", "pick_shape", "run_check"]
+__all__ = [
+    "CHECKS",
+    "FORMATS",
+    "Check",
+    "Report",
+    "assert_local_matches",
+    "assert_same_bits",
+    "check_format",
+    "close_pools",
+    "has_kernel",
+    "is_default",
+    "legal",
+    "mesh",
+    "pick",
+    "pick_shape",
+    "placements",
+    "pool",
+    "rank",
+    "reference_dequantize",
+    "run_check",
+    "same_bits",
+    "weight",
+    "where",
+]

@@ -14,16 +14,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .. import wire
-from ..bits import same_bits
 from ..format import QuantFormat, check_shape
 from ..layout import LayoutError
-from ..placements import check_placements
 from ..quantize import quantize
-from ..tensor import QuantizedTensor
+from .tools import assert_local_matches, assert_same_bits, legal, mesh, weight
 
 CANDIDATE_SHAPES = [(64, 256), (64, 512), (32, 1024), (64, 2048), (16, 4096), (128, 4096), (64, 16384)]
 
@@ -43,14 +40,6 @@ def _accepts(fmt: QuantFormat, shape) -> bool:
     return True
 
 
-def legal(fmt: QuantFormat, shape, mesh_shape, placements) -> bool:
-    try:
-        check_placements(shape, fmt, mesh_shape, placements)
-    except LayoutError:
-        return False
-    return True
-
-
 def pick_shape(fmt: QuantFormat, world_size: int) -> tuple[int, int]:
     """The first candidate weight shape the format holds and can shard both ways over ``world_size``."""
     accepted = [s for s in CANDIDATE_SHAPES if _accepts(fmt, s)]
@@ -60,37 +49,6 @@ def pick_shape(fmt: QuantFormat, world_size: int) -> tuple[int, int]:
         if all(legal(fmt, s, (world_size,), [Shard(d)]) for d in (0, 1)):
             return s
     return accepted[0]
-
-
-# -- helpers run on the ranks -----------------------------------------------------
-
-_meshes: dict = {}
-
-
-def mesh(*shape: int):
-    if shape not in _meshes:
-        _meshes[shape] = init_device_mesh("cpu", shape)
-    return _meshes[shape]
-
-
-def weight(shape, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
-    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def assert_same_bits(actual, expected: QuantizedTensor, what: str) -> None:
-    assert isinstance(actual, QuantizedTensor), f"{what}: got a {type(actual).__name__}, not a QuantizedTensor"
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    for name in expected.fmt.inner_names:
-        a, e = getattr(actual, name), getattr(expected, name)
-        assert same_bits(a, e), f"{what}: inner '{name}' differs from the single-process reference"
-
-
-def assert_local_matches(dt: DTensor, dense: torch.Tensor, what: str) -> None:
-    """The local shard dequantizes to exactly DTensor's shard of the dense reference."""
-    expected = distribute_tensor(dense, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
-    local = dt.to_local()
-    assert isinstance(local, QuantizedTensor), f"{what}: the local shard is a {type(local).__name__}"
-    assert torch.equal(local.dequantize(), expected), f"{what}: the local shard's values differ"
 
 
 def _placements(fmt, shape, world):

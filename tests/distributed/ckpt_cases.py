@@ -2,8 +2,8 @@
 
 A small model with three Linears chosen to stress the layout: ``a`` has 10
 rows (uneven over 3 and 4 ranks), ``b`` has a dense bias, ``c`` has 5 rows
-(an empty shard on 4 ranks). Every layout below is legal for every format in
-FORMATS. A reference model is always the same single-process quantization,
+(an empty shard on 4 ranks). Every layout below is legal for int8, int4g32
+and int4g64 of the registry. A reference model is always the same single-process quantization,
 so a loaded model is compared with it bit by bit.
 """
 
@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, placements
 
-from helpers import assert_same_bits, mesh
-
-FORMATS = {"int8": dq.Int8Rowwise(), "int4g32": dq.Int4Groupwise(32), "int4g64": dq.Int4Groupwise(64)}
 SHAPES = {"a": (10, 256), "b": (24, 128), "c": (5, 64)}  # [out, in]
 
 # name -> (mesh shape or None for a single process, {param: placements})
@@ -34,19 +31,6 @@ LAYOUTS = {
     # FSDP2 + TP: dp shards what tp already sharded (_StridedShard on the dp dim)
     "fsdp_tp": ((2, 2), {"a.weight": "SS0:2,S0", "b.weight": "S0,S1", "b.bias": "S0,R", "c.weight": "SS0:2,S0"}),
 }
-
-
-def parse(spec: str):
-    out = []
-    for s in spec.split(","):
-        if s == "R":
-            out.append(Replicate())
-        elif s.startswith("SS"):
-            dim, sf = s[2:].split(":")
-            out.append(_StridedShard(int(dim), split_factor=int(sf)))
-        else:
-            out.append(Shard(int(s[1:])))
-    return out
 
 
 class Net(nn.Module):
@@ -78,12 +62,12 @@ def placed(seed: int, fmt_name: str | None, layout: str) -> Net:
     m = mesh(*mesh_shape)
     for name, param in list(net.named_parameters()):
         module_name, attr = name.rsplit(".", 1)
-        dt = distribute_tensor(param.detach(), m, parse(specs[name]), src_data_rank=None)
+        dt = distribute_tensor(param.detach(), m, placements(specs[name]), src_data_rank=None)
         setattr(net.get_submodule(module_name), attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     return net
 
 
-def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> bool:
+def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> None:
     """Every parameter of ``net`` holds exactly ``placed(seed, fmt, layout)``'s local bytes and full tensor."""
     expected = dict(placed(seed, fmt_name, layout).named_parameters())
     ref = dict(reference(seed, fmt_name).named_parameters())
@@ -101,4 +85,3 @@ def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> boo
         else:
             assert torch.equal(got_local.view(torch.uint8), want_local.view(torch.uint8)), name
             assert torch.equal(full, ref[name].detach()), name
-    return True

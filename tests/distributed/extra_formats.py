@@ -12,6 +12,7 @@ import torch
 
 from dtensor_quant import Blocked, Constant, OneToOne, QuantFormat
 from dtensor_quant.blocks import block_reduce, expand_blocks
+from dtensor_quant.testing import FORMATS as BUILTIN
 
 
 def _codes(weight, scale):
@@ -73,3 +74,8 @@ class RowBlockInt8(QuantFormat):
     def dequantize(self, inner, dtype):
         # the library hands the scale over repeated per row (see QuantFormat.dequantize)
         return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+
+
+# The test-only formats by name, and the registry the tests that use them run from.
+EXTRA_FORMATS = {"pertensor": PerTensorInt8(), "column": ColumnInt8(), "rowblock4": RowBlockInt8(4)}
+FORMATS = BUILTIN | EXTRA_FORMATS

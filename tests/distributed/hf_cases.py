@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import torch
-from helpers import assert_same_bits
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
+from dtensor_quant.testing import assert_same_bits
 
 # Real width where it matters (768 = an intermediate size of real models); few rows.
 CONFIG = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,

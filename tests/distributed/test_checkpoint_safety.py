@@ -3,19 +3,18 @@
 import os
 import time
 
+import ckpt_cases as cc
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from test_checkpoint import OTHER, SEED, on, save_model
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.launch import RankError, RankPool
-
-import ckpt_cases as cc
-from helpers import rank
-from test_checkpoint import OTHER, SEED, on, save_model
+from dtensor_quant.testing import placements, rank
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def load_dense(fmt_name, layout, path):
     net = cc.placed(OTHER, fmt_name, layout)
     ckpt.load(net, path)
-    return cc.check_against(net, SEED, fmt_name, layout)
+    cc.check_against(net, SEED, fmt_name, layout)
 
 
 DENSE_LOADS = [
@@ -41,22 +40,22 @@ DENSE_LOADS = [
 def test_dense_checkpoint_quantizes_on_load(ranks, tmp_path, src, fmt_name, dst):
     """A plain model's DCP save loads into a quantized sharded model exactly as quantize(full) would."""
     path = str(tmp_path / "dense")
-    assert all(on(ranks, src, save_model, None, src, path, "dcp"))
-    assert all(on(ranks, dst, load_dense, fmt_name, dst, path))
+    on(ranks, src, save_model, None, src, path, "dcp")
+    on(ranks, dst, load_dense, fmt_name, dst, path)
 
 
 def per_chunk_scales_differ():
     """Guard for the test above: quantizing each column shard alone gives other bytes."""
     full = cc.dense_net(SEED).a.weight.detach()
     m = cc.mesh(2)
-    local = distribute_tensor(full, m, cc.parse("S1"), src_data_rank=None).to_local()
+    local = distribute_tensor(full, m, placements("S1"), src_data_rank=None).to_local()
     wrong = dq.quantize(local, dq.Int8Rowwise())
-    right = distribute_tensor(dq.quantize(full, dq.Int8Rowwise()), m, cc.parse("S1"), src_data_rank=None).to_local()
+    right = distribute_tensor(dq.quantize(full, dq.Int8Rowwise()), m, placements("S1"), src_data_rank=None).to_local()
     return not torch.equal(wrong.scale, right.scale)
 
 
 def test_per_chunk_scales_would_be_caught(ranks):
-    assert all(ranks(2).run(per_chunk_scales_differ))
+    assert ranks(2).run(per_chunk_scales_differ) == [True, True], "column shards quantized alone kept the full scales"
 
 
 def load_dense_state_dict(fmt_name, layout, source):
@@ -65,12 +64,12 @@ def load_dense_state_dict(fmt_name, layout, source):
     dense = cc.placed(SEED, None, "s0_2" if source == "dtensor" else "single").state_dict()
     net.load_state_dict({k: v for k, v in dense.items() if k.endswith("weight")}, strict=False)
     net.b.bias = cc.placed(SEED, fmt_name, layout).b.bias  # dense, not what this test is about
-    return cc.check_against(net, SEED, fmt_name, layout)
+    cc.check_against(net, SEED, fmt_name, layout)
 
 
 @pytest.mark.parametrize("fmt_name,layout,source", [("int8", "s1_2", "plain"), ("int4g32", "tp2", "dtensor")])
 def test_dense_state_dict_quantizes_on_load(ranks, fmt_name, layout, source):
-    assert all(ranks(2).run(load_dense_state_dict, fmt_name, layout, source))
+    ranks(2).run(load_dense_state_dict, fmt_name, layout, source)
 
 
 # -- a different format is refused, naming both, on every rank, before any collective ---------
@@ -97,7 +96,7 @@ def load_expecting_error(fmt_name, layout, path):
 )
 def test_format_mismatch_names_both(ranks, tmp_path, saved, loaded, names):
     path = str(tmp_path / "ckpt")
-    assert all(ranks(2).run(save_model, saved, "s0_2", path))
+    ranks(2).run(save_model, saved, "s0_2", path)
     start = time.monotonic()
     results = ranks(2).run(load_expecting_error, loaded, "s0_2", path, timeout=60)
     assert time.monotonic() - start < 30  # no rank waited in a collective for the other
@@ -118,7 +117,7 @@ def load_into_dense(path):
 
 def test_quantized_checkpoint_into_dense_model_is_refused(ranks, tmp_path):
     path = str(tmp_path / "ckpt")
-    assert all(ranks(2).run(save_model, "int8", "s0_2", path))
+    ranks(2).run(save_model, "int8", "s0_2", path)
     for msg in ranks(2).run(load_into_dense, path, timeout=60):
         assert "quantized" in msg and "dense" in msg and "a.weight" in msg, msg
 
@@ -151,7 +150,6 @@ def async_save_then_overwrite(fmt_name, layout, path, api):
         for t in local.inner.values() if isinstance(local, dq.QuantizedTensor) else [local]:
             t.detach().zero_()
     future.result()
-    return True
 
 
 @pytest.mark.parametrize("api", ["dq", "dcp"])
@@ -159,8 +157,8 @@ def test_async_save_is_bit_exact(ranks, tmp_path, api):
     from test_checkpoint import load_model
 
     path = str(tmp_path / "ckpt")
-    assert all(ranks(2).run(async_save_then_overwrite, "int4g32", "tp2", path, api))
-    assert all(ranks(4).run(load_model, "int4g32", "fsdp4", path))
+    ranks(2).run(async_save_then_overwrite, "int4g32", "tp2", path, api)
+    ranks(4).run(load_model, "int4g32", "fsdp4", path)
 
 
 # -- a rank killed mid-save ------------------------------------------------------------------
@@ -188,7 +186,7 @@ def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
     from test_checkpoint import load_model
 
     path = str(tmp_path / "ckpt")
-    assert all(ranks(2).run(save_model, "int8", "s0_2", path))  # the previous checkpoint (SEED)
+    ranks(2).run(save_model, "int8", "s0_2", path)  # the previous checkpoint (SEED)
     pool = RankPool(2, timeout=120, device="cpu", pg_timeout=30)
     try:
         with pytest.raises(RankError) as info:
@@ -200,11 +198,11 @@ def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
     assert isinstance(error, ckpt.CheckpointSaveError), trace
     assert "still holds the previous checkpoint" in str(error)
     assert "died" in str(info.value.errors[dying_rank][0]) or "exited" in info.value.errors[dying_rank][1]
-    assert all(ranks(3).run(load_model, "int8", "s0_3", path))  # SEED's weights, not OTHER's
+    ranks(3).run(load_model, "int8", "s0_3", path)  # SEED's weights, not OTHER's
     # the next save cleans the partial files up and commits
-    assert all(ranks(2).run(save_model, "int8", "s1_2", path, "dq", OTHER))
+    ranks(2).run(save_model, "int8", "s1_2", path, "dq", OTHER)
     assert not ckpt.staging_path(path).exists()
-    assert all(ranks(2).run(load_model, "int8", "s0_2", path, "dq", OTHER))
+    ranks(2).run(load_model, "int8", "s0_2", path, "dq", OTHER)
 
 
 def test_missing_checkpoint_names_the_partial_save(tmp_path):

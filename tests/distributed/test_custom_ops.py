@@ -17,9 +17,7 @@ from dtensor_quant import custom_ops as ops
 from dtensor_quant import wire
 from dtensor_quant.format_ids import format_from_id, format_id
 
-from helpers import assert_same_bits, mesh, weight
-
-FORMATS = {"int8": dq.Int8Rowwise(), "int4g64": dq.Int4Groupwise(64), "int4g128": dq.Int4Groupwise(128)}
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
 
 
 def test_format_ids_are_stable_and_distinct():
@@ -185,18 +183,17 @@ def test_linear_strategy_follows_the_format(ranks):
 def dequantize_keeps_placements():
     m = mesh(2)
     q = dq.quantize(weight((32, 256), seed=10), FORMATS["int4g64"])
-    out = []
     for p in ([Shard(0)], [Shard(1)], [Replicate()]):
         d = ops.dequantize(distribute_tensor(q, m, p), torch.float32)
         assert d.placements == tuple(p)
         assert torch.equal(d.full_tensor(), q.dequantize(torch.float32))
-        out.append(True)
     try:
         ops.quantize(DTensor.from_local(weight((4, 64)), m, [Partial()]), FORMATS["int8"])
     except dq.LayoutError as e:
-        out.append("Partial" in str(e))
-    return out
+        return str(e)
+    return "not refused"
 
 
 def test_dequantize_op_and_partial_refusal(ranks):
-    assert ranks(2).run(dequantize_keeps_placements) == [[True] * 4] * 2
+    for message in ranks(2).run(dequantize_keeps_placements):
+        assert "Partial" in message, message

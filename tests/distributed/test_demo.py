@@ -1,11 +1,6 @@
 """The README's demo command: the whole story on 2 ranks, ending in a bit-exact reshard."""
 
-import pathlib
-import sys
-
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 
 
 @pytest.mark.slow

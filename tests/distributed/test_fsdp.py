@@ -10,8 +10,7 @@ them -- on even, uneven and empty shards, for every relation along dim 0.
 import pytest
 import torch
 import torch.nn.functional as F
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-from helpers import assert_same_bits, mesh, rank, weight
+from extra_formats import FORMATS
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -21,19 +20,7 @@ import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.layout import Constant
-from dtensor_quant.bits import same_bits
-
-FORMATS = {
-    "int8": dq.Int8Rowwise(),
-    "int4g32": dq.Int4Groupwise(32),
-    "int4g128": dq.Int4Groupwise(128),
-    "pertensor": PerTensorInt8(),
-    "column": ColumnInt8(),
-    "rowblock4": RowBlockInt8(4),
-    "nf4": dq.NF4(),
-    "float8": dq.Float8Rowwise(),
-    "float8t": dq.Float8Tensorwise(),
-}
+from dtensor_quant.testing import assert_same_bits, mesh, rank, same_bits, weight
 
 
 def quantized_model(fmt_name, shape, dtype=torch.float32):
@@ -96,7 +83,6 @@ def gather_exact(fmt_name, shape, mp):
     assert same_bits(full.detach(), q.dequantize(dtype)), "second gather"
     y = model(x)
     assert torch.equal(y, y_ref), (y - y_ref).abs().max()
-    return True
 
 
 GATHER_CASES = [
@@ -109,28 +95,28 @@ GATHER_CASES = [
 
 
 @pytest.mark.parametrize("world,shape", GATHER_CASES)
-@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column", "float8", "float8t"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column", "f8row", "f8tensor"])
 def test_unsharded_weight_is_bit_exact(ranks, fmt_name, world, shape):
-    assert all(ranks(world).run(gather_exact, fmt_name, shape, None))
+    ranks(world).run(gather_exact, fmt_name, shape, None)
 
 
 @pytest.mark.parametrize("world,shape", [(2, (128, 256)), (3, (46, 1024)), (4, (126, 512))])
 def test_nf4(ranks, world, shape):
     """NF4: packed codes, per-block scalers, double-quantized factors in row blocks, a global mean."""
-    assert all(ranks(world).run(gather_exact, "nf4", shape, None))
+    ranks(world).run(gather_exact, "nf4", shape, None)
 
 
 @pytest.mark.parametrize("world,shape", [(2, (16, 256)), (3, (22, 256)), (4, (16, 256))])
 def test_row_blocks(ranks, world, shape):
     """Scales per 4 rows: padded shards of 8, 8, 8 (last partial) and 4 rows hold whole blocks."""
-    assert all(ranks(world).run(gather_exact, "rowblock4", shape, None))
+    ranks(world).run(gather_exact, "rowblock4", shape, None)
 
 
 @pytest.mark.parametrize("world,shape", [(2, (16, 256)), (3, (10, 256))])
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
 def test_param_dtype_is_the_logical_dtype(ranks, fmt_name, world, shape):
     """bf16 mixed precision: same bytes on the wire, logical dtype bf16, bf16 kernel."""
-    assert all(ranks(world).run(gather_exact, fmt_name, shape, "bfloat16"))
+    ranks(world).run(gather_exact, fmt_name, shape, "bfloat16")
 
 
 # -- the wire: only stored bytes, measured with dtensor_quant.wire ---------------
@@ -211,7 +197,7 @@ def test_refused_on_every_rank_before_any_all_gather(ranks, kind, world, words):
     assert len({msg for _, _, msg in results}) == 1  # the same verdict everywhere
 
 
-@pytest.mark.parametrize("fmt_name", ["pertensor", "float8t", "nf4"])
+@pytest.mark.parametrize("fmt_name", ["pertensor", "f8tensor", "nf4"])
 def test_unsent_constants_are_not_concatenated_or_compared(fmt_name):
     """A scale FSDP2 never sends is the same tensor in every piece: no cat, no equal (a host sync on CUDA)."""
     from torch.utils._python_dispatch import TorchDispatchMode

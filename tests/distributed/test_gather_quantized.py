@@ -9,24 +9,16 @@ hand the master the dense straight-through gradient.
 import pytest
 import torch
 import torch.nn.functional as F
-from extra_formats import ColumnInt8, PerTensorInt8, RowBlockInt8
-from helpers import assert_same_bits, floor_bytes, mesh, rank, weight
+from extra_formats import FORMATS, RowBlockInt8
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from training import batches, gather_quantized_model, gather_quantized_reference, train
+from training import batches, floor_bytes, gather_quantized_model, gather_quantized_reference, train
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.gather_quantized import GatherQuantized
-
-FORMATS = {
-    "int8": dq.Int8Rowwise(),
-    "int4g32": dq.Int4Groupwise(32),
-    "pertensor": PerTensorInt8(),
-    "column": ColumnInt8(),
-    "rowblock4": RowBlockInt8(4),
-}
+from dtensor_quant.testing import assert_same_bits, mesh, rank, weight
 
 
 def gather_and_grad(fmt_name, shape, mp):
@@ -64,19 +56,18 @@ def gather_and_grad(fmt_name, shape, mp):
         torch.testing.assert_close(local, chunks[rank()].to(local.dtype), rtol=1e-6, atol=1e-6)
     else:  # a rank past the last row (4 ranks, 5 rows) holds no gradient rows
         assert local.numel() == 0, local.shape
-    return True
 
 
 @pytest.mark.parametrize("world,shape", [(2, (16, 256)), (3, (10, 256)), (4, (5, 256))])
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column"])
 def test_gathered_weight_and_gradient(ranks, fmt_name, world, shape):
     """Per-tensor and per-column scales are all-reduced across the shards before quantizing."""
-    assert all(ranks(world).run(gather_and_grad, fmt_name, shape, None))
+    ranks(world).run(gather_and_grad, fmt_name, shape, None)
 
 
 @pytest.mark.parametrize("fmt_name,world,shape", [("int8", 2, (16, 256)), ("rowblock4", 3, (22, 256))])
 def test_gathered_weight_bf16(ranks, fmt_name, world, shape):
-    assert all(ranks(world).run(gather_and_grad, fmt_name, shape, "bfloat16"))
+    ranks(world).run(gather_and_grad, fmt_name, shape, "bfloat16")
 
 
 def scale_reduction_collectives(fmt_name):

@@ -13,18 +13,16 @@ from __future__ import annotations
 import hf_cases as hc
 import pytest
 import torch
-from helpers import mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.testing import FORMATS, mesh
 
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 
-FORMATS = {"int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128), "f8t": dq.Float8Tensorwise(),
-           "fp8b": dq.Float8Blockwise(128), "nf4": dq.NF4()}  # fmt: skip
 WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4, "ep2": 2}
 
 
@@ -34,7 +32,7 @@ def build(kind: str, layout: str, fmt_name: str):
     with dq.hf.init_empty():
         model = model_cls(config_cls(**hc.config_of(kind)))
     model.to(torch.bfloat16)
-    dq.quantize_(model, FORMATS[fmt_name], filter_fn=lambda m, fqn: fqn != "lm_head" or fmt_name != "fp8b")
+    dq.quantize_(model, FORMATS[fmt_name], filter_fn=lambda m, fqn: fqn != "lm_head" or fmt_name != "f8block128")
     if layout == "tp2":
         parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
     elif layout == "ep2":  # expert parallelism: each rank holds half of every fused expert stack
@@ -79,14 +77,14 @@ def checkpoints(tmp_path_factory):
 
 CASES = [
     ("llama", False, "tp2", "int8"),  # per-row scales of row-parallel shards: all-reduced
-    ("qwen2", True, "tp2", "int4"),
-    ("llama", True, "fsdp2", "f8t"),  # one scale for the whole tensor from FSDP's row shards
-    ("qwen2", False, "single", "int4"),
+    ("qwen2", True, "tp2", "int4g128"),
+    ("llama", True, "fsdp2", "f8tensor"),  # one scale for the whole tensor from FSDP's row shards
+    ("qwen2", False, "single", "int4g128"),
     ("llama", False, "single", "nf4"),  # statistics span rows: quantized whole
     pytest.param("llama", True, "2d", "int8", marks=pytest.mark.slow),
     # MoE: fused [E, out, in] experts read from the file's per-expert tensors; FSDP2 shards the experts
     ("qwen3moe", True, "ep2", "int8"),
-    pytest.param("qwen3moe", False, "single", "int4", marks=pytest.mark.slow),
+    pytest.param("qwen3moe", False, "single", "int4g128", marks=pytest.mark.slow),
 ]
 
 
@@ -118,7 +116,7 @@ def fp8_checkpoints(tmp_path_factory, checkpoints):
 
 @pytest.mark.parametrize("sharded,layout", [(True, "tp2"), (False, "fsdp2"), (True, "single")])
 def test_load_fp8_block_checkpoint_as_stored(ranks, fp8_checkpoints, sharded, layout):
-    for r in on(ranks, layout, load_and_check, "llama", layout, "fp8b", fp8_checkpoints[sharded]):
+    for r in on(ranks, layout, load_and_check, "llama", layout, "f8block128", fp8_checkpoints[sharded]):
         assert r["read"] == r["expected"], r
 
 
@@ -138,7 +136,7 @@ def test_fp8_dequantization_equals_torch_reader(fp8_checkpoints):
     from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 
     path = fp8_checkpoints[True]  # torch's reader needs the index
-    ours = dequantized_full("llama", "single", "fp8b", path)
+    ours = dequantized_full("llama", "single", "f8block128", path)
     state = {k: torch.empty_like(v) for k, v in ours.items()}
     with pytest.warns(UserWarning, match="disabled"):
         dcp.load(
@@ -165,7 +163,7 @@ def save_and_report(kind, layout, fmt_name, src, out):
 def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, kind, layout):
     _, model_cls = hc.model_class(kind)
     out = str(tmp_path / "export")
-    fmt_name = "int8" if kind == "qwen3moe" else "int4"
+    fmt_name = "int8" if kind == "qwen3moe" else "int4g128"
     expected = on(ranks, layout, save_and_report, kind, layout, fmt_name, checkpoints[kind, True], out)[0]
     from pathlib import Path
 
@@ -181,7 +179,7 @@ def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_pa
 
 def test_save_fp8_block_writes_the_stored_bytes(ranks, fp8_checkpoints, tmp_path):
     out = str(tmp_path / "export")
-    ranks(2).run(save_and_report, "llama", "tp2", "fp8b", fp8_checkpoints[True], out)
+    ranks(2).run(save_and_report, "llama", "tp2", "f8block128", fp8_checkpoints[True], out)
     src, back = hc.read_all(fp8_checkpoints[True]), hc.read_all(out)
     assert set(src) == set(back)
     for k, v in src.items():
@@ -231,7 +229,7 @@ def test_reads_only_the_slice(tmp_path):
 
 def qlora_roundtrip(path, out, layout):
     """QLoRA on a HF checkpoint: load, wrap in adapters, shard with FSDP2, load again (by HF names), save merged."""
-    model = build("qwen2", "single", "int4")
+    model = build("qwen2", "single", "int4g128")
     dq.hf.load(model, path)
     dq.lora.add_lora_(model, rank=4, filter_fn=lambda m, fqn: fqn.endswith(("q_proj", "down_proj")))
     with torch.no_grad():
@@ -278,11 +276,10 @@ def quantize_meta_dtensors():
     parallelize_module(other, mesh(2), dq.hf.tp_plan(other))
     with pytest.raises(dq.LayoutError, match="o_proj.*not a multiple of 256"):  # 128 columns per rank
         dq.quantize_(other, dq.Int4Groupwise(256))
-    return True
 
 
 def test_quantize_after_parallelize_on_meta(ranks):
-    assert ranks(2).run(quantize_meta_dtensors) == [True, True]
+    ranks(2).run(quantize_meta_dtensors)
 
 
 def test_save_replaces_a_previous_export(checkpoints, tmp_path):

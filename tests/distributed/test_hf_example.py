@@ -26,7 +26,6 @@ def test_hf_tp_inference_example(tmp_path):
 
 @pytest.mark.slow
 def test_qlora_example_from_hf(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
     import hf_tp_inference
     import qlora_fsdp2
     import transformers

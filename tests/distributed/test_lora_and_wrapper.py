@@ -12,7 +12,7 @@ import dtensor_quant as dq
 from dtensor_quant.gather_quantized import GatherQuantized, gather_quantized_
 from dtensor_quant.lora import LoRALinear, add_lora_, lora_parameters, lora_tp_plan
 
-from helpers import assert_same_bits, weight
+from dtensor_quant.testing import assert_same_bits, weight
 
 
 def small_model():

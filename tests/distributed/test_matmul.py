@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import dtensor_quant as dq
 
-from helpers import weight
+from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
-FORMATS = {"int8": dq.Int8Rowwise(), "int4g32": dq.Int4Groupwise(32), "int4g128": dq.Int4Groupwise(128)}
+KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -42,7 +42,7 @@ def assert_close(actual, expected, dtype):
     assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.0e} in {dtype}"
 
 
-@pytest.mark.parametrize("fmt_name", list(FORMATS))
+@pytest.mark.parametrize("fmt_name", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 5, 16])
 def test_kernel_matches_dequantize(monkeypatch, fmt_name, dtype, batch):

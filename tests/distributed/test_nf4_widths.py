@@ -16,10 +16,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.bits import same_bits
 from dtensor_quant.state_dict import register
-
-from helpers import assert_same_bits, mesh, rank, weight
+from dtensor_quant.testing import assert_same_bits, mesh, rank, same_bits, weight
 
 WIDTHS = [768, 3584, 5632, 11008, 14336, 18944, 29568]
 
@@ -119,7 +117,6 @@ def fsdp_gather(shape):
     assert same_bits(model[0].weight.detach(), q.dequantize()), "unsharded"
     model.reshard()
     assert torch.equal(model(x), y_ref)
-    return True
 
 
 FSDP_CASES = [
@@ -129,13 +126,13 @@ FSDP_CASES = [
 
 @pytest.mark.parametrize("world,shape", FSDP_CASES)
 def test_fsdp2_bit_exact(ranks, world, shape):
-    assert all(ranks(world).run(fsdp_gather, shape))
+    ranks(world).run(fsdp_gather, shape)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cols", [(2, 29568), (2, 5632)])
 def test_fsdp2_widest(ranks, world, cols):
-    assert all(ranks(world).run(fsdp_gather, (2 * rows_per_cut(cols), cols)))
+    ranks(world).run(fsdp_gather, (2 * rows_per_cut(cols), cols))
 
 
 def fsdp_refused(shape):
@@ -159,7 +156,6 @@ def dcp_save(shape, path, world_src):
     model[0].weight = nn.Parameter(distribute_tensor(q, mesh(world_src), [Shard(0)]), requires_grad=False)
     register(model)
     dq.checkpoint.save(model, path)
-    return True
 
 
 def dcp_load(shape, path):
@@ -174,12 +170,11 @@ def dcp_load(shape, path):
     expected = torch.chunk(q.dequantize(), world)
     if rank() < len(expected):
         assert torch.equal(model[0].weight.to_local().dequantize(), expected[rank()])
-    return True
 
 
 @pytest.mark.parametrize("src,dst", [(2, 3), (4, 2)])
 def test_dcp_reshard_bit_exact(ranks, tmp_path, src, dst):
     shape = (128, 3584) if 4 in (src, dst) else (48, 14336)  # whole factors per shard at both degrees
     path = str(tmp_path / "ckpt")
-    assert all(ranks(src).run(dcp_save, shape, path, src))
-    assert all(ranks(dst).run(dcp_load, shape, path))
+    ranks(src).run(dcp_save, shape, path, src)
+    ranks(dst).run(dcp_load, shape, path)

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dtensor_quant as dq
 from dtensor_quant.padding import mlp_padding, pad_for_tp
 
-from helpers import assert_same_bits, mesh
+from dtensor_quant.testing import assert_same_bits, mesh
 
 INTER, HIDDEN = 29568, 64
 INT4 = dq.Int4Groupwise(128)

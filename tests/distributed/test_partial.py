@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import dtensor_quant as dq
 from dtensor_quant import custom_ops
 
-from helpers import mesh, weight
+from dtensor_quant.testing import mesh, weight
 
 STYLE = ("dtensor_quant: ", "cannot be Partial", "holds no partial sums", "Reduce the dense tensor first")
 

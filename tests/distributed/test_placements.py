@@ -12,65 +12,37 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.launch import RankError
-
-from helpers import assert_same_bits, mesh, rank, weight
-
-FORMATS = {
-    "int8": dq.Int8Rowwise(),
-    "int4g32": dq.Int4Groupwise(32),
-    "int4g64": dq.Int4Groupwise(64),
-    "nf4rows": dq.NF4(32, 16),  # on 256 columns: a scaler block spans 2 rows
-    "nf4cols": dq.NF4(32, 4),  # on 256 columns: 2 scaler blocks per row
-    "f8row": dq.Float8Rowwise(),
-    "f8tensor": dq.Float8Tensorwise(),
-}
-
-
-def parse(spec: str):
-    """``"R"``, ``"S0"``, ``"S1"``, ``"SS0:2"`` (_StridedShard(0, split_factor=2)), ``"P"``."""
-    if spec == "R":
-        return Replicate()
-    if spec == "P":
-        return Partial()
-    if spec.startswith("SS"):
-        dim, sf = spec[2:].split(":")
-        return _StridedShard(int(dim), split_factor=int(sf))
-    return Shard(int(spec[1:]))
-
-
-def placements(specs: str):
-    return [parse(s) for s in specs.split(",")]
-
-
-def check_local(dt: DTensor, dense: torch.Tensor, what: str) -> None:
-    """``dt``'s local shard dequantizes to exactly DTensor's shard of the dense reference."""
-    expected = distribute_tensor(dense, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
-    local = dt.to_local()
-    assert isinstance(local, dq.QuantizedTensor), f"{what}: local is {type(local).__name__}"
-    assert local.shape == expected.shape, f"{what}: local {tuple(local.shape)} vs {tuple(expected.shape)}"
-    assert torch.equal(local.dequantize(), expected), f"{what}: local values differ"
+from dtensor_quant.testing import (
+    FORMATS,
+    assert_local_matches,
+    assert_same_bits,
+    legal,
+    mesh,
+    placements,
+    rank,
+    weight,
+)
 
 
 def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0, transposed=False):
     """distribute_tensor, full_tensor and redistribute to each target; all checked bit-exactly."""
-    fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
+    fmt, m = _fmt(fmt_name), mesh(*mesh_shape)
     q = dq.quantize(weight(shape, seed), fmt)
     q = q.t() if transposed else q
     dense = q.dequantize()
     dt = distribute_tensor(q, m, placements(src), src_data_rank=src_data_rank)
-    check_local(dt, dense, f"distribute {src}")
+    assert_local_matches(dt, dense, f"distribute {src}")
     assert_same_bits(dt.full_tensor(), q, f"full_tensor from {src}")
     for tgt in targets:
         moved = dt.redistribute(m, placements(tgt))
-        check_local(moved, dense, f"{src} -> {tgt}")
+        assert_local_matches(moved, dense, f"{src} -> {tgt}")
         assert_same_bits(moved.full_tensor(), q, f"full_tensor after {src} -> {tgt}")
-    return True
 
 
 PAIRS_1D = ["R", "S0", "S1"]
@@ -83,8 +55,8 @@ PAIRS_1D = ["R", "S0", "S1"]
         ("int8", (10, 36)),
         ("int4g32", (10, 254)),
         ("int4g64", (8, 512)),
-        ("nf4rows", (10, 256)),
-        ("nf4cols", (10, 256)),
+        ("nf4b32s16", (10, 256)),
+        ("nf4b32s4", (10, 256)),
         ("f8row", (10, 36)),
         ("f8tensor", (10, 36)),
     ],
@@ -95,22 +67,22 @@ def test_distribute_redistribute_1d(ranks, world, fmt_name, shape, src):
     if not _legal(fmt_name, shape, (world,), src):
         pytest.skip("source placement illegal for this layout (covered by the error tests)")
     targets = [t for t in PAIRS_1D if _legal(fmt_name, shape, (world,), t)]
-    assert all(ranks(world).run(roundtrip, fmt_name, shape, (world,), src, targets))
+    ranks(world).run(roundtrip, fmt_name, shape, (world,), src, targets)
 
 
-@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "nf4rows", "f8row"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "nf4b32s16", "f8row"])
 @pytest.mark.parametrize("src", PAIRS_1D)
 def test_transposed_weight(ranks, fmt_name, src):
     """A weight after .t(): its row scale is constant along dim 0 but varies along dim 1."""
-    assert all(ranks(2).run(roundtrip, fmt_name, (8, 128), (2,), src, PAIRS_1D, transposed=True))
+    ranks(2).run(roundtrip, fmt_name, (8, 128), (2,), src, PAIRS_1D, transposed=True)
 
 
 @pytest.mark.parametrize("src_data_rank", [None, 1])
 def test_distribute_src_data_rank(ranks, src_data_rank):
-    assert all(ranks(2).run(roundtrip, "int4g32", (6, 128), (2,), "S1", ["S0"], src_data_rank=src_data_rank))
+    ranks(2).run(roundtrip, "int4g32", (6, 128), (2,), "S1", ["S0"], src_data_rank=src_data_rank)
 
 
-@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "nf4rows", "f8tensor"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "nf4b32s16", "f8tensor"])
 @pytest.mark.parametrize(
     "src,targets",
     [
@@ -126,21 +98,21 @@ def test_2d_mesh(ranks, fmt_name, src, targets):
     if not _legal(fmt_name, (12, 256), (2, 2), src):
         pytest.skip("source placement illegal for this layout (covered by the error tests)")
     targets = [t for t in targets if _legal(fmt_name, (12, 256), (2, 2), t)]
-    assert all(ranks(4).run(roundtrip, fmt_name, (12, 256), (2, 2), src, targets))
+    ranks(4).run(roundtrip, fmt_name, (12, 256), (2, 2), src, targets)
 
 
-@pytest.mark.parametrize("fmt_name,shape,transposed", [("nf4rows", (9, 256), False), ("int4g32", (8, 254), True)])
+@pytest.mark.parametrize("fmt_name,shape,transposed", [("nf4b32s16", (9, 256), False), ("int4g32", (8, 254), True)])
 def test_gather_when_blocks_do_not_continue(ranks, fmt_name, shape, transposed):
     """Gathering along dim 1 first stacks whole pieces along dim 0, where their blocks need not line up:
     9 rows with 2-row scaler blocks, or a transposed weight whose last group is partial. Still bit-exact."""
-    assert all(ranks(2).run(roundtrip, fmt_name, shape, (2,), "S1", ["R"], transposed=transposed))
+    ranks(2).run(roundtrip, fmt_name, shape, (2,), "S1", ["R"], transposed=transposed)
 
 
-@pytest.mark.parametrize("fmt_name,shape,src", [("f8tensor", (1, 64), "S0"), ("nf4cols", (1, 256), "S0"), ("f8row", (4, 2), "S1")])
+@pytest.mark.parametrize("fmt_name,shape,src", [("f8tensor", (1, 64), "S0"), ("nf4b32s4", (1, 256), "S0"), ("f8row", (4, 2), "S1")])
 def test_empty_shards_keep_shared_scales(ranks, fmt_name, shape, src):
     """Trailing ranks get empty shards (torch makes them with new_zeros); their copies of the
     scales every shard shares must stay the real ones, or a later gather diverges between ranks."""
-    assert all(ranks(3).run(roundtrip, fmt_name, shape, (3,), src, ["R", src]))
+    ranks(3).run(roundtrip, fmt_name, shape, (3,), src, ["R", src])
 
 
 def from_local_uneven(fmt_name, shape):
@@ -151,11 +123,10 @@ def from_local_uneven(fmt_name, shape):
     dt = DTensor.from_local(local, m, [Shard(0)], shape=q.shape, stride=q.stride())
     assert_same_bits(dt.full_tensor(), q, "from_local uneven")
     assert_same_bits(dt.redistribute(m, [Shard(1)]).full_tensor(), q, "uneven S0 -> S1")
-    return True
 
 
 def test_from_local_uneven(ranks):
-    assert all(ranks(3).run(from_local_uneven, "int4g32", (7, 96)))
+    ranks(3).run(from_local_uneven, "int4g32", (7, 96))
 
 
 def quantize_sharded(fmt_name, shape, mesh_shape, src):  # noqa: D103
@@ -182,9 +153,9 @@ def quantize_sharded(fmt_name, shape, mesh_shape, src):  # noqa: D103
         ("f8row", "S1", 1),
         ("f8tensor", "S0", 1),  # one scale for the whole weight: always reduced
         ("f8tensor", "S1", 1),
-        ("nf4rows", "S0", 1),  # the global mean of the block scales
-        ("nf4rows", "S1", 2),  # the mean, and each scaler block's maximum across columns
-        ("nf4cols", "S0", 1),
+        ("nf4b32s16", "S0", 1),  # the global mean of the block scales
+        ("nf4b32s16", "S1", 2),  # the mean, and each scaler block's maximum across columns
+        ("nf4b32s4", "S0", 1),
     ],
 )
 def test_quantize_sharded_dtensor(ranks, fmt_name, src, collectives):
@@ -295,28 +266,23 @@ def alltoall(fmt_name, shape, old, new):
     out = torch.ops._dtensor.shard_dim_alltoall(dt.to_local(), old, new, group.group_name)
     expected = distribute_tensor(q, m, [Shard(new)]).to_local()
     assert_same_bits(out, expected, f"alltoall S{old} -> S{new}")
-    return True
 
 
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
 @pytest.mark.parametrize("old,new", [(0, 1), (1, 0)])
 def test_shard_dim_alltoall(ranks, fmt_name, old, new):
-    assert all(ranks(2).run(alltoall, fmt_name, (8, 128), old, new))
+    ranks(2).run(alltoall, fmt_name, (8, 128), old, new)
 
 
 # -- property: gather(shard(x)) == x, over shapes, groups, meshes and placement pairs
 
 
 def _legal(fmt_name, shape, mesh_shape, spec) -> bool:
-    try:
-        dq.check_placements(shape, FORMATS.get(fmt_name) or _fmt(fmt_name), mesh_shape, placements(spec))
-    except dq.LayoutError:
-        return False
-    return True
+    return legal(_fmt(fmt_name), shape, mesh_shape, spec)
 
 
 def _fmt(name):
-    """``int8``, ``int4gG``, ``nf4:B:S``, ``f8row``, ``f8tensor``."""
+    """A name of the registry, ``int4gG`` or ``nf4:B:S``."""
     if name in FORMATS:
         return FORMATS[name]
     if name.startswith("nf4:"):
@@ -335,11 +301,11 @@ def _padded_cut_gap(fmt_name, shape, world, src, tgt) -> bool:
 
 
 def property_case(fmt_name, shape, world, src, tgt, seed):
-    FORMATS.setdefault(fmt_name, _fmt(fmt_name))
     try:
-        return roundtrip(fmt_name, shape, (world,), src, [tgt], seed)
+        roundtrip(fmt_name, shape, (world,), src, [tgt], seed)
     except dq.LayoutError:
         return "LayoutError"
+    return "round trip"
 
 
 # No shrinking: a failing case involves live ranks and is already small; report it as drawn.
@@ -376,8 +342,8 @@ def test_property_gather_of_shard_is_identity(ranks, fmt_name, rows, half_cols, 
         # move and cuts the padding at chunk multiples, which can fall inside a partial last block
         # that torch.chunk itself never cuts. The library refuses that on every rank (no hang, no
         # wrong bytes); it must not do anything else.
-        assert results in ([True] * world, ["LayoutError"] * world)
+        assert results in (["round trip"] * world, ["LayoutError"] * world)
     elif legal:
-        assert results == [True] * world
+        assert results == ["round trip"] * world
     else:
         assert results == ["LayoutError"] * world

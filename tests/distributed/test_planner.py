@@ -83,7 +83,6 @@ def test_bytes_per_rank_are_the_shards_stored_bytes():
 
 
 def test_plan_a_model_with_its_tp_plan():
-    sys.path.insert(0, str(ROOT / "examples"))
     import llama
     import tp_inference
 

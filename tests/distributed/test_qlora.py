@@ -13,16 +13,15 @@ at the byte floor.
 
 import pytest
 import torch
-from helpers import floor_bytes, mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from training import batches, qlora_model, reference_losses, train
+from training import batches, floor_bytes, qlora_model, reference_losses, train
 
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import lora_tp_plan
+from dtensor_quant.testing import mesh
 
 STEPS = 4
 TOLERANCE = {None: 2e-5, "bfloat16": 5e-3}  # relative, per step
@@ -115,8 +114,8 @@ def test_compiled_qlora(ranks):
 def fsdp_layout(fmt_name, mp, layout):
     world = torch.distributed.get_world_size()
     model = qlora_model(fmt_name, "even")
-    if layout == "hsdp":  # replicate over dim 0, shard over dim 1
-        m, extra = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")), {}
+    if layout == "hsdp":  # a 2-D mesh: FSDP2 replicates over dim 0 and shards over dim 1
+        m, extra = mesh(2, world // 2), {}
     else:
         m, extra = mesh(world), {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
     param_dtype = getattr(torch, mp) if mp else None

@@ -1,11 +1,6 @@
 """examples/qlora_fsdp2.py runs end to end: trains, logs, saves the whole quantized model and reloads it."""
 
-import pathlib
-import sys
-
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 
 
 @pytest.mark.slow

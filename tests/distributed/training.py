@@ -8,34 +8,25 @@ the parallelism. Losses are global-batch means in float32.
 from __future__ import annotations
 
 import functools
-import pathlib
-import sys
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 import dtensor_quant as dq
 from dtensor_quant.lora import add_lora_
 
-from extra_formats import PerTensorInt8
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
-import llama  # noqa: E402
+import llama
+from extra_formats import FORMATS  # the built-in formats and the test-only ones
 
 CFG = llama.Config(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=32)
 # w1/w3 have 250 rows: uneven (and on 4 ranks a 61-row shard) under FSDP2 over 3 or 4 ranks.
 UNEVEN = replace(CFG, hidden_dim=250)
 CONFIGS = {"even": CFG, "uneven": UNEVEN}
 BATCH, SEQ = 12, 16  # 12 splits over 1, 2, 3 and 4 data-parallel ranks
-FORMATS = {
-    "int8": dq.Int8Rowwise(),
-    "pertensor": PerTensorInt8(),
-    "int4g32": dq.Int4Groupwise(32),
-    "int4g128": dq.Int4Groupwise(128),
-}
 
 
 def in_layers(module, fqn: str) -> bool:
@@ -113,3 +104,29 @@ def gather_quantized_reference(fmt_name, cfg_name, steps, mp=None, lr=3e-3) -> t
     mp_dtype = getattr(torch, mp) if mp else None
     model = gather_quantized_model(fmt_name, cfg_name, quant_dtype=mp_dtype)
     return tuple(train(model, batches(steps, cfg_name), lr=lr, mp_dtype=mp_dtype))
+
+
+def floor_bytes(unit: torch.nn.Module, shard: int, param_dtype=None) -> int:
+    """Bytes one rank sends to all-gather ``unit`` over ``shard`` ranks: the physical floor.
+
+    Quantized weights (frozen, or trainable ones gathered quantized) send the
+    stored bytes of their padded shard, except inner tensors constant along
+    every dim; dense parameters their padded shard in ``param_dtype``.
+    Parameters may already be tensor-parallel DTensors (their local shard counts).
+    """
+    from dtensor_quant.gather_quantized import GatherQuantized
+    from dtensor_quant.layout import Constant
+
+    total = 0
+    for p in unit.parameters():
+        p = p.to_local() if isinstance(p, DTensor) else p
+        rows = -(-p.shape[0] // shard)
+        q = p.quantized() if isinstance(p, GatherQuantized) else p
+        if isinstance(q, dq.QuantizedTensor):
+            for name, rels in zip(q.fmt.inner_names, q.rels):
+                if not all(isinstance(r, Constant) for r in rels):
+                    inner = getattr(q, name)
+                    total += rels[0].inner_len(rows) * inner[0].numel() * inner.element_size()
+        else:
+            total += rows * p[0].numel() * (param_dtype or p.dtype).itemsize
+    return total
