@@ -80,10 +80,10 @@ def measure(layers: int, dim: int, repeat: int, root: str):
         path = str(Path(root) / name)
         saved = model(layers, dim, fmt, Shard(0), seed=0)
         target = model(layers, dim, fmt, Shard(1), seed=1)
-        save_s = timed(lambda: ckpt.save(saved, path), repeat)
+        save_s = timed(lambda saved=saved, path=path: ckpt.save(saved, path), repeat)
         nbytes = sum(f.stat().st_size for f in Path(path).iterdir())
-        async_s = timed(lambda: ckpt.async_save(saved, path + ".async"), repeat, then=lambda f: f.result())
-        load_s = timed(lambda: ckpt.load(target, path), repeat)
+        async_s = timed(lambda saved=saved, path=path: ckpt.async_save(saved, path + ".async"), repeat, then=lambda f: f.result())
+        load_s = timed(lambda target=target, path=path: ckpt.load(target, path), repeat)
         payload = weight_bytes(saved) * dist.get_world_size()
         rows.append((name, nbytes, payload, save_s, async_s, load_s, same(saved, target)))
     return rows

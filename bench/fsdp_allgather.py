@@ -47,7 +47,7 @@ def measure(layers: int, dim: int, repeat: int):
         fully_shard(model, mesh=mesh)
         x = torch.randn(8, dim, dtype=torch.bfloat16, requires_grad=True)
 
-        def step():
+        def step(model=model, x=x):
             model(x).float().sum().backward()
 
         step()  # lazy init, kernels

@@ -31,7 +31,7 @@ from dtensor_quant.gather_quantized import gather_quantized_
 from dtensor_quant.launch import run
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import llama  # noqa: E402
+import llama
 
 CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=64)
 FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(32)": dq.Int4Groupwise(32)}
@@ -75,7 +75,7 @@ def main():
         print(f"{i:>5}" + "".join(f"{results[name][0][i]:>20.4f}" for name in FORMATS))
     print(f"\n{'format':<20}{'block all-gather B/step':>24}{'x bf16':>8}{'mean |dloss|':>14}{'final (last 5)':>16}{'x bf16':>8}  wire")
     base_final = sum(base_losses[-5:]) / 5
-    for name, (losses, nbytes, dtypes, seconds) in results.items():
+    for name, (losses, nbytes, dtypes, _seconds) in results.items():
         diff = sum(abs(a - b) for a, b in zip(losses, base_losses)) / len(losses)
         final = sum(losses[-5:]) / 5
         print(

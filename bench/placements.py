@@ -41,7 +41,7 @@ def measure(shape, repeat):
         for name, fmt in FORMATS.items():
             tensor = weight if fmt is None else dq.quantize(weight, fmt)
             dt = distribute_tensor(tensor, mesh, src)
-            step = (lambda: dt.full_tensor()) if dst is None else (lambda: dt.redistribute(mesh, dst).to_local())
+            step = (lambda dt=dt: dt.full_tensor()) if dst is None else (lambda dt=dt, dst=dst: dt.redistribute(mesh, dst).to_local())
             with wire.record() as log:
                 step()
             times = []

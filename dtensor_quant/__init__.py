@@ -6,14 +6,14 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import aten as _aten  # noqa: F401  (registers the layout handlers: slicing, views, factories, copies)
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
-from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, wire
+from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from .custom_ops import dequantize
+from .dispatch import UnsupportedOpError
 from .format import QuantFormat
 from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
-from .dispatch import UnsupportedOpError
 from .model import quantize_
 from .padding import pad_for_tp
 from .placements import check_placements, legal_mesh_sizes
@@ -21,6 +21,7 @@ from .quantize import quantize
 from .tensor import QuantizedTensor
 
 __all__ = [
+    "NF4",
     "Blocked",
     "Constant",
     "FlatBlocked",
@@ -32,7 +33,6 @@ __all__ = [
     "Int4Groupwise",
     "Int8Rowwise",
     "LayoutError",
-    "NF4",
     "OneToOne",
     "Packed",
     "QuantFormat",

@@ -308,7 +308,7 @@ def async_save(state, path, *, process_group=None) -> Future:
     def done(f):
         try:
             outer.set_result(f.result())
-        except BaseException as e:  # noqa: BLE001  (DCP's CheckpointException is one): the future must complete
+        except BaseException as e:
             outer.set_exception(_save_error(path, e))
 
     inner.add_done_callback(done)
@@ -494,7 +494,7 @@ def _on_every_rank(check, process_group):
     error = None
     try:
         result = check()
-    except Exception as e:  # noqa: BLE001  (any failure: the other ranks must hear of it)
+    except Exception as e:
         error, result = e, None
     if dist.is_initialized():
         errors: list = [None] * dist.get_world_size(process_group)

@@ -200,7 +200,7 @@ def _linear_local(func, x, weight, bias, fmt_id):
 
 
 def _setup_linear(ctx, inputs, output):
-    x, weight, bias, fmt_id = inputs
+    _x, weight, bias, _fmt_id = inputs
     ctx.weight, ctx.has_bias = weight, bias is not None
 
 

@@ -46,6 +46,7 @@ tensors. Here every byte is written once, in parallel, at its final place.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -183,12 +184,12 @@ class Checkpoint:
             shape = (1,) * (len(at) - len(self.tensors[key].shape)) + self.tensors[key].shape
             lo = [max(a, o) for a, o in zip(at, offsets)]
             hi = [min(a + n, o + m) for a, n, o, m in zip(at, shape, offsets, lengths)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            if any(h <= lo_i for lo_i, h in zip(lo, hi)):
                 continue
             k = len(at) - len(self.tensors[key].shape)  # leading dims the piece adds (its expert index)
-            part = self.read(key, [l - a for l, a in zip(lo[k:], at[k:])], [h - l for l, h in zip(lo[k:], hi[k:])])
-            out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))] = part.reshape(
-                [h - l for l, h in zip(lo, hi)]
+            part = self.read(key, [lo_i - a for lo_i, a in zip(lo[k:], at[k:])], [h - lo_i for lo_i, h in zip(lo[k:], hi[k:])])
+            out[tuple(slice(lo_i - o, h - o) for lo_i, h, o in zip(lo, hi, offsets))] = part.reshape(
+                [h - lo_i for lo_i, h in zip(lo, hi)]
             )
         return out
 
@@ -405,7 +406,7 @@ def _plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             kind = "prequantized"
             errors += _check_prequantized(key, t, src, ckpt, suffixes)
             used.update(src + s for s in suffixes.values())
-        elif is_quantized(t) and not dense_float or companions and not dense_float:
+        elif (is_quantized(t) and not dense_float) or (companions and not dense_float):
             kind = "error"
             errors.append(f"{key}: the checkpoint holds it stored quantized ({names[0]} is {info.dtype}"
                           f"{', with ' + ', '.join(companions) if companions else ''}), the model's weight is "
@@ -661,9 +662,9 @@ def _export_tensors(model: nn.Module, dtype: torch.dtype, merge_lora: bool):
                 yield key + suffixes[name], inner[name].dtype, g_shape, offset, writes_e, lambda x=inner[name]: x
             continue
         if lora is not None and merge_lora and t is lora.base.weight:
-            fetch = lambda t=t, lora=lora: _merged(t, lora, dtype)
+            fetch = functools.partial(_merged, t, lora, dtype)
         else:
-            fetch = lambda t=t: _local(t)
+            fetch = functools.partial(_local, t)
         yield from _dense_item(key, t, dtype, writes, fetch)
 
 

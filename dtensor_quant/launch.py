@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 

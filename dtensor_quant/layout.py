@@ -132,7 +132,7 @@ class Stacked:
     """
 
     n: int
-    rel: "Relation" = Constant()
+    rel: Relation = Constant()
 
     @property
     def factor(self) -> int:

@@ -152,7 +152,7 @@ def pad_for_tp(
         if padded != inter:
             plans.append((fqn, module, gate, up, down, inter, padded))
     new = {}
-    for fqn, module, gate, up, down, inter, padded in plans:  # compute every new weight before changing any
+    for fqn, _module, gate, up, down, _inter, padded in plans:  # compute every new weight before changing any
         new[fqn] = [_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
     done = {}
     for fqn, module, gate, up, down, inter, padded in plans:

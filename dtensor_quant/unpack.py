@@ -99,7 +99,7 @@ def dense_inner(fmt, inner: dict[str, torch.Tensor], blocks, shape, dtype: torch
     rels = [fresh[name] for name in fmt.inner_names]
     if block_sizes(rels) != list(blocks) or any(b > 0 and shape[1] % b for b in blocks[1::2]):
         return None
-    for (name, t), row in zip(inner.items(), rels):
+    for t, row in zip(inner.values(), rels):
         if tuple(t.shape) != tuple(rel.inner_len(n) for rel, n in zip(row, shape)):
             return None
     out = torch.empty(tuple(shape), dtype=dtype, device=next(iter(inner.values())).device)

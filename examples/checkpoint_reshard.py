@@ -29,12 +29,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
-import llama  # noqa: E402
+import llama
 
-import dtensor_quant as dq  # noqa: E402
-from dtensor_quant import checkpoint as ckpt  # noqa: E402
-from dtensor_quant.launch import run  # noqa: E402
-from dtensor_quant.model import weight_bytes  # noqa: E402
+import dtensor_quant as dq
+from dtensor_quant import checkpoint as ckpt
+from dtensor_quant.launch import run
+from dtensor_quant.model import weight_bytes
 
 FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise()}
 ROW_WISE = ("wo", "w2")  # tensor parallelism splits their inputs

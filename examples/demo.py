@@ -34,14 +34,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llama  # noqa: E402
-import qlora_fsdp2  # noqa: E402
-import tp_inference  # noqa: E402
+import llama
+import qlora_fsdp2
+import tp_inference
 
-import dtensor_quant as dq  # noqa: E402
-from dtensor_quant import wire  # noqa: E402
-from dtensor_quant.launch import run  # noqa: E402
-from dtensor_quant.lora import lora_parameters, lora_tp_plan  # noqa: E402
+import dtensor_quant as dq
+from dtensor_quant import wire
+from dtensor_quant.launch import run
+from dtensor_quant.lora import lora_parameters, lora_tp_plan
 
 CFG = qlora_fsdp2.CFG  # 2 blocks, dim 256, 8 heads (4 kv), SwiGLU 768, vocab 512
 FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise(), "nf4": dq.NF4(64, 256)}

@@ -40,11 +40,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import dtensor_quant as dq  # noqa: E402
-import llama  # noqa: E402
-from dtensor_quant import launch  # noqa: E402
-from dtensor_quant.fsdp import fully_shard  # noqa: E402
-from dtensor_quant.lora import add_lora_, lora_parameters  # noqa: E402
+import llama
+
+import dtensor_quant as dq
+from dtensor_quant import launch
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.lora import add_lora_, lora_parameters
 
 CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
 FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise()}

@@ -39,12 +39,12 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import llama  # noqa: E402
+import llama
 
-import dtensor_quant as dq  # noqa: E402
-from dtensor_quant.format_spec import parse_format  # noqa: E402
-from dtensor_quant.launch import device_type  # noqa: E402
-from dtensor_quant.model import quantized_fqns, weight_bytes  # noqa: E402
+import dtensor_quant as dq
+from dtensor_quant.format_spec import parse_format
+from dtensor_quant.launch import device_type
+from dtensor_quant.model import quantized_fqns, weight_bytes
 
 
 def tp_plan(model: llama.Transformer, sequence_parallel: bool = False) -> dict:

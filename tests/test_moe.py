@@ -187,7 +187,7 @@ def test_quantize_never_skips_silently():
     dense = []
     dq.quantize_(tiny_moe("mixtral"), dq.Int8Rowwise(), lambda m, fqn: "experts" not in fqn, left_dense=dense)
     assert sum(why == "excluded by filter_fn" for _, why in dense) == 4
-    with pytest.raises(ValueError, match="no nn.Linear weight and no fused expert"):
+    with pytest.raises(ValueError, match=r"no nn.Linear weight and no fused expert"):
         dq.quantize_(torch.nn.Sequential(torch.nn.LayerNorm(8)), dq.Int8Rowwise())
 
 

@@ -1,11 +1,10 @@
 """The conformance kit on every built-in format and on the documented custom format."""
 
 import pytest
+from custom_format import Ternary  # examples/custom_format.py, the format docs/custom_format.md writes
 
 import dtensor_quant as dq
 from dtensor_quant.testing import CHECKS, check_format, is_default, run_check, where
-
-from custom_format import Ternary  # examples/custom_format.py, the format docs/custom_format.md writes
 
 # every built-in format as a user first meets it (its default parameters), and the documented custom one
 KIT_FORMATS = [*where(is_default).values(), Ternary()]

@@ -16,7 +16,6 @@ import dtensor_quant as dq
 from dtensor_quant import custom_ops as ops
 from dtensor_quant import wire
 from dtensor_quant.format_ids import format_from_id, format_id
-
 from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
 
 

@@ -36,7 +36,7 @@ def build(kind: str, layout: str, fmt_name: str):
     if layout == "tp2":
         parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
     elif layout == "ep2":  # expert parallelism: each rank holds half of every fused expert stack
-        for fqn, module in model.named_modules():
+        for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.ndim == 3:
                     dt = distribute_tensor(p.detach(), mesh(2), [Shard(0)], src_data_rank=None)
@@ -274,7 +274,7 @@ def quantize_meta_dtensors():
     with dq.hf.init_empty():
         other = model_cls(config_cls(**hc.CONFIG))
     parallelize_module(other, mesh(2), dq.hf.tp_plan(other))
-    with pytest.raises(dq.LayoutError, match="o_proj.*not a multiple of 256"):  # 128 columns per rank
+    with pytest.raises(dq.LayoutError, match=r"o_proj.*not a multiple of 256"):  # 128 columns per rank
         dq.quantize_(other, dq.Int4Groupwise(256))
 
 

@@ -289,7 +289,7 @@ def poisoned(shape, dtype, seed, kinds):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g).to(dtype)
     values = {"nan": float("nan"), "-nan": -float("nan"), "inf": float("inf"), "-inf": float("-inf")}
-    for i, kind in enumerate(kinds):
+    for kind in kinds:
         r = int(torch.randint(shape[0], (1,), generator=g))
         c = int(torch.randint(shape[1], (1,), generator=g))
         w[r, c] = values[kind]

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-
 from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.fsdp import fully_shard
-
 from dtensor_quant.testing import FORMATS, assert_same_bits, mesh
+
 EXPERTS, HIDDEN, INTER = 3, 512, 64  # 3 experts: uneven over 2 ranks, one rank empty over 4
 
 

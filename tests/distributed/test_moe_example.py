@@ -1,8 +1,7 @@
 """examples/moe_inference.py: a tiny transformers MoE served with quantized experts over 2 and 4 ranks."""
 
-import pytest
-
 import moe_inference
+import pytest
 
 
 def _run(ranks, world, argv):

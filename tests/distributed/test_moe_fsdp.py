@@ -8,21 +8,20 @@ LoRA adapters on the attention projections train. Losses equal one process.
 
 import functools
 
+import llama
+import moe_inference
 import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
+from training import train
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import add_lora_
-
-import llama
-import moe_inference
 from dtensor_quant.testing import FORMATS, mesh
-from training import train
 
 STEPS, BATCH, SEQ = 3, 8, 8
 

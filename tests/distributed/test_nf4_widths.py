@@ -53,11 +53,11 @@ def test_fp32_differs_only_by_torchs_float32_mean():
 
 def test_column_cut_refused_with_legal_alternatives():
     q = dq.quantize(weight((8, 14336)), dq.NF4())
-    with pytest.raises(dq.LayoutError, match="'factor' is blocked over the flattened weight.*cannot be sharded at all"):
+    with pytest.raises(dq.LayoutError, match=r"'factor' is blocked over the flattened weight.*cannot be sharded at all"):
         torch.chunk(q, 2, dim=1)
     with pytest.raises(dq.LayoutError, match=r"multiple of 8.*n = 1, 2, 4"):
         torch.split(dq.quantize(weight((32, 14336)), dq.NF4()), 11)
-    with pytest.raises(dq.LayoutError, match="mesh dim 0 .* legal with size 1, 2, 4"):
+    with pytest.raises(dq.LayoutError, match=r"mesh dim 0 .* legal with size 1, 2, 4"):
         dq.check_placements((32, 14336), dq.NF4(), (3,), [Shard(0)])
     # where the blocks fit the rows, column shards (row-parallel TP) stay legal
     dq.check_placements((8, 32768), dq.NF4(), (2,), [Shard(1)])

@@ -18,7 +18,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dtensor_quant as dq
 from dtensor_quant.padding import mlp_padding, pad_for_tp
-
 from dtensor_quant.testing import assert_same_bits, mesh
 
 INTER, HIDDEN = 29568, 64
@@ -90,7 +89,7 @@ def test_pad_refused_where_inexact():
     from dtensor_quant.padding import _padded
 
     q = dq.quantize(torch.randn(64, 1024).to(torch.bfloat16), dq.NF4())
-    with pytest.raises(ValueError, match="exact zeros|statistics|Pad the dense model"):
+    with pytest.raises(ValueError, match=r"exact zeros|statistics|Pad the dense model"):
         _padded(q, 1, 1152, "down_proj")
     # NF4 at TP 3 would need an intermediate size far out of reach: said, and nothing changed
     model = dq.quantize_(MLP(hidden=8, inter=1024).to(torch.bfloat16), dq.NF4())
@@ -107,7 +106,7 @@ def test_checkpoint_records_padding(tmp_path):
     fresh = MLP().float()
     torch.manual_seed(5)
     fresh = dq.quantize_(fresh, INT4)
-    with pytest.raises(Exception, match="29696|29568|size|shape"):
+    with pytest.raises(Exception, match=r"29696|29568|size|shape"):
         dq.checkpoint.load(fresh, str(tmp_path / "ckpt"))  # an unpadded model cannot load it
     pad_for_tp(fresh, 2, INT4)
     dq.checkpoint.load(fresh, str(tmp_path / "ckpt"))
@@ -127,7 +126,7 @@ def tp_forward(pad_when, dtype_name):
     plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
     try:
         parallelize_module(copy.deepcopy(reference), m, plan)
-        raise AssertionError("the unpadded MLP was accepted at TP %d" % world)
+        raise AssertionError(f"the unpadded MLP was accepted at TP {world}")
     except dq.LayoutError:
         pass
     tp = copy.deepcopy(model) if pad_when == "before" else copy.deepcopy(reference)

@@ -129,7 +129,7 @@ def test_from_local_uneven(ranks):
     ranks(3).run(from_local_uneven, "int4g32", (7, 96))
 
 
-def quantize_sharded(fmt_name, shape, mesh_shape, src):  # noqa: D103
+def quantize_sharded(fmt_name, shape, mesh_shape, src):
     """quantize(DTensor) == distribute_tensor(quantize(full)), inner tensor by inner tensor."""
     fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
     w = weight(shape, seed=3)

@@ -64,10 +64,10 @@ def test_refusal_explains_and_suggests():
 def test_fsdp_dim0_and_strided_shard_with_tp():
     """FSDP2 shards dim 0; with column-parallel TP that is a _StridedShard of the TP shards."""
     fmt = dq.Int8Rowwise()
-    (layer, cells), = plan([("w", (10, 64), "colwise")], fmt, tp=[2], dp=[3]).rows
+    (_layer, cells), = plan([("w", (10, 64), "colwise")], fmt, tp=[2], dp=[3]).rows
     (cell,) = cells
     assert cell.legal and type(cell.placements[0]).__name__ == "_StridedShard"
-    (layer, cells), = plan([("w", (64, 96), "rowwise")], dq.Int4Groupwise(32), tp=[3], dp=[2]).rows
+    (_layer, cells), = plan([("w", (64, 96), "rowwise")], dq.Int4Groupwise(32), tp=[3], dp=[2]).rows
     assert cells[0].legal and cells[0].placements == (Shard(0), Shard(1))
 
 
@@ -143,7 +143,7 @@ def test_hints_on_a_2d_mesh_use_each_sizes_own_placements():
     from dtensor_quant.planner import _placements
 
     fmt = dq.NF4()  # on 4096 columns a factor covers 4 whole rows: rows must be cut on multiples of 4
-    (layer, cells), = plan([("w1", (64, 4096), "colwise")], fmt, tp=[3], dp=[2]).rows
+    (_layer, cells), = plan([("w1", (64, 4096), "colwise")], fmt, tp=[3], dp=[2]).rows
     (cell,) = cells
     assert not cell.legal and cell.alternatives.startswith("nearest legal tp: 2 or 4"), cell.alternatives
     for tp in (1, 2, 4):

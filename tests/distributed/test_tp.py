@@ -9,20 +9,18 @@ explains. Quantized weights are compared byte for byte.
 
 import time
 
+import llama
 import pytest
 import torch
 import torch.nn.functional as F
+import tp_inference
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-
 from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
-
-import llama
-import tp_inference
 
 PROMPT = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(3))
 
