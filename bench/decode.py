@@ -57,6 +57,11 @@ def config(layers: int, vocab: int) -> llama.Config:
 
 
 def build(cfg, spec: str | None, mesh, compiled: bool):
+    if compiled:
+        # torch 2.13's AOT autograd cache keys a DTensor input by its spec alone (DTensor._stable_hash_for_caching),
+        # not by its local tensor: a second model whose weights differ only in format would reuse the first
+        # one's compiled graph. See docs/performance.md, "Compiled decode".
+        torch._functorch.config.enable_autograd_cache = False
     model = tp_inference.build_tp(cfg, parse_format(spec) if spec else None, mesh, dtype=torch.bfloat16)
     model.eval()
     return torch.compile(model, backend="inductor") if compiled else model
@@ -118,17 +123,18 @@ def plot(rows, path: Path) -> bool:
     modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "skipped"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.2), squeeze=False, sharey=True)
     for ax, mode in zip(axes[0], modes):
-        fmts = [f for f in dict.fromkeys(r["format"] for r in rows) if f != "bf16"]
+        fmts = [f for f in dict.fromkeys(r["format"] for r in rows if r["mode"] == mode) if f != "bf16"]
         tps = sorted({r["tp"] for r in rows})
         width = 0.8 / max(len(fmts), 1)
         for i, fmt in enumerate(fmts):
-            vals = [next((r["ratio_vs_bf16"] for r in rows if r["mode"] == mode and r["format"] == fmt and r["tp"] == tp), 0)
-                    for tp in tps]
+            vals = [next((r["ratio_vs_bf16"] for r in rows if r["mode"] == mode and r["format"] == fmt and r["tp"] == tp),
+                         float("nan")) for tp in tps]  # nan: not measured, or the layout cannot hold the TP plan
             ax.bar([j + i * width for j in range(len(tps))], vals, width, label=fmt)
         ax.axhline(1.0, color="grey", linewidth=1)
         ax.axhline(GOAL, color="red", linewidth=1, linestyle="--", label=f"goal {GOAL}x")
+        ax.set_yscale("log")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tps))], [f"TP={tp}" for tp in tps])
-        ax.set_ylabel(f"one-token decode time / {mode} bf16")
+        ax.set_ylabel(f"one-token decode time / {mode} bf16 (log)")
         ax.set_title(f"{mode}: dim 2048, MLP 5632, one token")
         ax.legend(fontsize=7)
     fig.tight_layout()
