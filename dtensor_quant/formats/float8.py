@@ -73,19 +73,6 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     codes_into(qdata, out)
     out.mul_(scale)
     return True
-    key = (out.dtype, str(out.device))
-    table = _TABLES.get(key)
-    if table is None:
-        codes = torch.arange(256, dtype=torch.uint8, device=out.device).view(torch.float8_e4m3fn)
-        table = _TABLES[key] = torch.empty(256, dtype=out.dtype, device=out.device).copy_(codes)
-    codes, flat = qdata.reshape(-1).view(torch.uint8), out.view(-1)
-    # int32 indices a chunk at a time: one buffer that stays in cache, not a fresh 4-byte copy of every code
-    index = torch.empty(min(_CHUNK, codes.numel()), dtype=torch.int32, device=out.device)
-    for start in range(0, codes.numel(), _CHUNK):
-        n = min(_CHUNK, codes.numel() - start)
-        torch.index_select(table, 0, index[:n].copy_(codes[start : start + n]), out=flat[start : start + n])
-    out.mul_(scale)
-    return True
 
 
 @dataclass(frozen=True)

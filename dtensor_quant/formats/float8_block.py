@@ -65,7 +65,7 @@ class Float8Blockwise(QuantFormat):
         return (inner["qdata"].to(torch.float32) * inner["scale_inv"]).to(dtype)
 
     def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
-        """``dequantize``'s bits: the codes by table lookup into float32, one multiply per 128x128 block.
+        """``dequantize``'s bits: the codes by table lookup into float32, one multiply per block.
 
         Column blocks are whole (unpack's contract); the last row block may be partial.
         """
