@@ -67,11 +67,15 @@ def table_fits(out: torch.Tensor) -> bool:
 def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     """``scaled_into``'s bits, the codes read by :func:`codes_into`, the scale multiplied in ``out``'s dtype."""
     qdata, scale = inner["qdata"], inner["scale"]
-    if out.dtype != scale.dtype or not table_fits(out):
+    if not table_fits(out):
         scaled_into(qdata, scale, out)
-        return True
-    codes_into(qdata, out)
-    out.mul_(scale)
+    elif out.dtype == scale.dtype:  # the product rounds once in out's dtype, as in scaled_into
+        codes_into(qdata, out)
+        out.mul_(scale)
+    else:  # float32 product, one rounding into out (an fp32 weight gathered as bf16, say)
+        values = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        codes_into(qdata, values)
+        out.copy_(values.mul_(scale.float()))
     return True
 
 
