@@ -249,7 +249,10 @@ def test_nf4_extreme_and_non_finite_input():
 
 
 @pytest.mark.parametrize(
-    "fmt", [dq.NF4(), dq.NF4(64, 4), dq.Int4Groupwise(32), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str
+    "fmt",
+    [dq.NF4(), dq.NF4(64, 4), dq.Int4Groupwise(32), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise(),
+     dq.Float8Blockwise(32)],
+    ids=str,
 )
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(64, 512), (46, 1024), (32, 96)], ids=str)  # (32, 96): NF4 blocks across rows
@@ -295,7 +298,9 @@ def _hostile_weights():
 
 @pytest.mark.parametrize("name", list(_hostile_weights()))
 @pytest.mark.parametrize(
-    "fmt", [dq.NF4(), dq.Int4Groupwise(128), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str
+    "fmt",
+    [dq.NF4(), dq.Int4Groupwise(128), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(32)],
+    ids=str,
 )
 def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
     """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite."""

@@ -33,6 +33,52 @@ def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Ten
     return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
 
 
+_TABLES: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+_TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # every e4m3fn value is exact in these
+_CHUNK = 1 << 18
+
+
+def codes_into(qdata: torch.Tensor, out: torch.Tensor) -> None:
+    """``out.copy_(qdata)`` for e4m3fn codes and a contiguous bf16/fp16/fp32 ``out``, through a 256-entry table.
+
+    torch 2.13 converts float8 to float one element at a time on CPU (about
+    10 ns each); one ``index_select`` per byte is 5-7x faster (a 5632x2048
+    weight: 10-16 ms instead of 70-110 ms on one loaded AVX-512 core). The
+    table holds exactly what ``copy_`` gives for each code, NaN included.
+    """
+    key = (out.dtype, str(out.device))
+    table = _TABLES.get(key)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.uint8, device=out.device).view(torch.float8_e4m3fn)
+        table = _TABLES[key] = torch.empty(256, dtype=out.dtype, device=out.device).copy_(codes)
+    codes, flat = qdata.reshape(-1).view(torch.uint8), out.view(-1)
+    # int32 indices a chunk at a time: one buffer that stays in cache, not a fresh 4-byte copy of every code
+    index = torch.empty(min(_CHUNK, codes.numel()), dtype=torch.int32, device=out.device)
+    for start in range(0, codes.numel(), _CHUNK):
+        n = min(_CHUNK, codes.numel() - start)
+        torch.index_select(table, 0, index[:n].copy_(codes[start : start + n]), out=flat[start : start + n])
+
+
+def table_fits(out: torch.Tensor) -> bool:
+    """Whether :func:`codes_into` can write ``out``."""
+    return out.dtype in _TABLE_DTYPES and out.is_contiguous() and out.device.type == "cpu"
+
+
+def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
+    """``scaled_into``'s bits, the codes read by :func:`codes_into`, the scale multiplied in ``out``'s dtype."""
+    qdata, scale = inner["qdata"], inner["scale"]
+    if not table_fits(out):
+        scaled_into(qdata, scale, out)
+    elif out.dtype == scale.dtype:  # the product rounds once in out's dtype, as in scaled_into
+        codes_into(qdata, out)
+        out.mul_(scale)
+    else:  # float32 product, one rounding into out (an fp32 weight gathered as bf16, say)
+        values = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        codes_into(qdata, values)
+        out.copy_(values.mul_(scale.float()))
+    return True
+
+
 @dataclass(frozen=True)
 class Float8Rowwise(QuantFormat):
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (OneToOne(), Constant())}
@@ -45,8 +91,7 @@ class Float8Rowwise(QuantFormat):
         return _dequantize(inner, dtype)
 
     def unpack(self, inner, out):
-        scaled_into(inner["qdata"], inner["scale"], out)
-        return True
+        return _unpack(inner, out)
 
     def __str__(self) -> str:
         return "Float8Rowwise()"
@@ -65,8 +110,7 @@ class Float8Tensorwise(QuantFormat):
         return _dequantize(inner, dtype)
 
     def unpack(self, inner, out):
-        scaled_into(inner["qdata"], inner["scale"], out)
-        return True
+        return _unpack(inner, out)
 
     def __str__(self) -> str:
         return "Float8Tensorwise()"

@@ -26,6 +26,7 @@ import torch
 from ..blocks import block_reduce, expand_blocks
 from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne
+from .float8 import codes_into, table_fits
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -64,6 +65,28 @@ class Float8Blockwise(QuantFormat):
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (inner["qdata"].to(torch.float32) * inner["scale_inv"]).to(dtype)
+
+    def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
+        """``dequantize``'s bits: the codes by table lookup into float32, one multiply per block.
+
+        Column blocks are whole (unpack's contract); the last row block may be partial.
+        """
+        qdata, scale, b = inner["qdata"], inner["scale_inv"], self.block_size
+        rows, cols = out.shape
+        if cols % b or scale.dtype != torch.float32 or tuple(scale.shape) != (-(-rows // b), cols // b):
+            return False
+        fits = out.dtype == torch.float32 and table_fits(out)
+        values = out if fits else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        if not table_fits(values):
+            return False
+        codes_into(qdata, values)
+        whole = rows // b
+        values[: whole * b].view(whole, b, cols // b, b).mul_(scale[:whole, None, :, None])
+        if rows % b:
+            values[whole * b :].view(rows - whole * b, cols // b, b).mul_(scale[whole, None, :, None])
+        if not fits:
+            out.copy_(values)
+        return True
 
     def __str__(self) -> str:
         return f"Float8Blockwise({self.block_size})"
