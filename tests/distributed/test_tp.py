@@ -74,7 +74,7 @@ def test_tp_bf16_within_rounding(ranks, fmt_name):
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
 def test_tp_four_ranks(ranks, fmt_name):
     """TP=4: w2 holds 384 = 3 groups of 128 columns per rank, wo 128 = 1 group."""
-    for equal, noise, tie in ranks(4).run(tp_generate, fmt_name, 4, False, True, new_tokens=4):
+    for equal, _noise, tie in ranks(4).run(tp_generate, fmt_name, 4, False, True, new_tokens=4):
         assert equal, tie
 
 
@@ -244,7 +244,7 @@ def two_formats_compiled(cache: bool):
             parallelize_module(dq.quantize_(model, fmt), m, {"0": ColwiseParallel()})
             try:
                 outs.append(torch.equal(torch.compile(model, backend="inductor")(x), model(x)))
-            except Exception as e:  # noqa: BLE001 - the collision fails inside the wrong compiled graph
+            except Exception as e:  # the collision fails inside the wrong compiled graph
                 outs.append(type(e).__name__)
     return outs
 
