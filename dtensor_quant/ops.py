@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import unpack, writes
+from . import fastpath, unpack, writes
 from .layout import (
     Blocked,
     Constant,
@@ -56,6 +56,10 @@ _BY_OP: dict = {}  # OpOverload -> handler, filled on first use (schema names co
 
 
 def dispatch(func, args, kwargs):
+    if fastpath.ENABLED:  # the hot ops' decisions, made once per layout (dtensor_quant.fastpath)
+        out = fastpath.run(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
     handler = _BY_OP.get(func)
     if handler is None:
         handler = _BY_OP[func] = HANDLERS.get(func._schema.name)

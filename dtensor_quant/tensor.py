@@ -101,9 +101,7 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return ops.dispatch(func, args, kwargs or {})
 
     # -- FSDP2 all-gather extension (derived from the layout: dtensor_quant.fsdp) --
     @property
@@ -138,3 +136,6 @@ class QuantizedTensor(torch.Tensor):
         inner = ", ".join(f"{n}={tuple(t.shape)}:{t.dtype}" for n, t in self.inner.items())
         orient = "" if self.dims == tuple((i,) for i in range(len(self.dims))) else f", dims={self.dims}"
         return f"QuantizedTensor({self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}{orient}, {inner})"
+
+
+from . import ops  # noqa: E402  (ops imports this module; an import inside __torch_dispatch__ costs 1 us per op)
