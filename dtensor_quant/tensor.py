@@ -138,4 +138,5 @@ class QuantizedTensor(torch.Tensor):
         return f"QuantizedTensor({self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}{orient}, {inner})"
 
 
-from . import ops  # noqa: E402  (ops imports this module; an import inside __torch_dispatch__ costs 1 us per op)
+# Last: ops imports this module. A call-time import inside __torch_dispatch__ cost ~1 us per op.
+from . import ops
