@@ -6,6 +6,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
+from . import fastpath as _fastpath  # noqa: F401  (installs the fast path into ops.dispatch)
 from . import custom_ops, fsdp, hf, interop, lora, wire
 from .custom_ops import dequantize
 from .format import QuantFormat

@@ -41,7 +41,8 @@ from collections.abc import Iterator
 
 import torch
 
-from . import ops
+from . import collectives, matmul, ops, wire
+from .layout import Constant, Stacked
 from .tensor import QuantizedTensor
 from .writes import FACTORY, SHARED
 
@@ -84,6 +85,9 @@ def run(func, args, kwargs):
     return fast(func, args, kwargs)
 
 
+ops.FAST_PATH = run
+
+
 def _fast(*names: str):
     def register(fn):
         for name in names:
@@ -106,10 +110,10 @@ def _key(q) -> tuple:
     return (id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
 
 
-def _remember(key, plan, q):
+def _remember(key, plan, *tensors):
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = (plan, (q.rels, q.dims, q.fmt))  # pins the objects whose ids are in the key
+    _PLANS[key] = (plan, [(q.rels, q.dims, q.fmt) for q in tensors])  # pins the objects whose ids are in the key
     return plan
 
 
@@ -265,14 +269,12 @@ def _all_gather(func, args, kwargs):
     q, group_size, group_name = args
     if kwargs or group_size == 1 or not _plain(q):
         return NotImplemented
-    from . import collectives, wire
-
     inner = _inner(q)
     key = ("all_gather", _key(q), tuple((t.dtype, t.shape) for t in inner), group_size, group_name)
     hit = _PLANS.get(key)
     if hit is None:
         out = collectives.all_gather_into_tensor(func, q, group_size, group_name)
-        _remember(key, _gather_plan(q, out, group_size, collectives), q)
+        _remember(key, _gather_plan(q, out), q)
         return out
     plan = hit[0]
     if plan is _SLOW:
@@ -294,10 +296,8 @@ def _all_gather(func, args, kwargs):
     return _make(q, joined, meta)
 
 
-def _gather_plan(q, out, group_size, collectives):
+def _gather_plan(q, out):
     """``(result layout, per inner (byte offset, bytes) in the buffer or None if not sent)``, or _SLOW."""
-    from .layout import Constant, Stacked
-
     sent, offset = [], 0
     for name, t, row in zip(q.fmt.inner_names, _inner(q), q.rels):
         if not collectives._varies(q, name):
@@ -309,3 +309,31 @@ def _gather_plan(q, out, group_size, collectives):
         sent.append((offset, nbytes))
         offset += -(-nbytes // collectives._ALIGN) * collectives._ALIGN
     return _meta(out), tuple(sent)
+
+
+# -- the linear: mm of an activation and a transposed weight -----------------------
+
+
+@_fast("aten::mm")
+def _mm(func, args, kwargs):
+    """``matmul.linear`` for a 2-D activation and ``w.t()``: the kernel on the weight's own inner tensors."""
+    x, w_t = args
+    if kwargs or type(x) is not torch.Tensor or type(w_t) is not QuantizedTensor or x.ndim != 2 or x.is_meta:
+        return NotImplemented
+    owner = w_t.__dict__.get("_transposed_from")
+    if type(owner) is not QuantizedTensor:
+        return NotImplemented
+    key = ("mm", _key(w_t), id(owner.rels), id(owner.dims), id(owner.fmt), owner.shape)
+    hit = _PLANS.get(key)
+    if hit is None:
+        inner, _ = matmul._plan(w_t)
+        _remember(key, inner is not None and all(a is b for a, b in zip(inner.values(), _inner(owner))), w_t, owner)
+        return NotImplemented  # this call: the handler
+    if not hit[0]:
+        return NotImplemented
+    inner = owner.inner
+    first = next(iter(inner.values()))
+    if type(first) is not torch.Tensor or first.is_meta:
+        return NotImplemented
+    out = w_t.fmt.linear(x, matmul.prepared(w_t.fmt, inner), None)
+    return NotImplemented if out is None else out  # no kernel for this activation: the handler dequantizes

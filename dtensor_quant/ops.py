@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import fastpath, unpack, writes
+from . import unpack, writes
 from .layout import (
     Blocked,
     Constant,
@@ -55,9 +55,14 @@ def implements(*names: str):
 _BY_OP: dict = {}  # OpOverload -> handler, filled on first use (schema names cost a lookup)
 
 
+# dtensor_quant.fastpath sets this: it replays the hot ops' decisions made once per layout, or returns
+# NotImplemented for the handler to run.
+FAST_PATH: Callable | None = None
+
+
 def dispatch(func, args, kwargs):
-    if fastpath.ENABLED:  # the hot ops' decisions, made once per layout (dtensor_quant.fastpath)
-        out = fastpath.run(func, args, kwargs)
+    if FAST_PATH is not None:
+        out = FAST_PATH(func, args, kwargs)
         if out is not NotImplemented:
             return out
     handler = _BY_OP.get(func)

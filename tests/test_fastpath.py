@@ -85,8 +85,13 @@ def _ops(q):
     yield "view same", lambda x: x.view(tuple(x.shape))
     yield "view(-1)", lambda x: x.view(-1)
     yield "wait", lambda x: torch.ops._c10d_functional.wait_tensor(x)
+    if nd == 2:
+        act = _weight((3, q.shape[1]), 7)
+        yield "linear", lambda x: torch.nn.functional.linear(act, x)  # t, then mm on the weight's inner tensors
+        if q.shape[0] == 32:
+            yield "linear fp32", lambda x: torch.nn.functional.linear(act.float(), x)  # no kernel: dequantizes
     for dim in range(nd):
-        for size in (1, 8, 16, 32, 64, 100):
+        for size in (8, 32, 100):
             yield f"split({size}, {dim})", lambda x, s=size, d=dim: x.split(s, d)
         n = q.shape[dim]
         yield f"split_with_sizes({dim})", lambda x, d=dim, n=n: x.split([n // 2, n - n // 2], d)
