@@ -1,12 +1,10 @@
 """The fast path's gathers and redistributes equal the handlers' on live ranks: bytes, layout, wire log, agreement checks."""
 
-import torch
+from helpers import assert_same_bits, mesh, weight
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import agree, fastpath, wire
-
-from helpers import assert_same_bits, mesh, weight
 
 FORMATS = [dq.Int8Rowwise(), dq.Int4Groupwise(32), dq.NF4(32, 4), dq.Float8Rowwise(), dq.Float8Tensorwise()]
 
