@@ -214,7 +214,11 @@ def _view(func, args, kwargs):
         return out
     if hit[0] is _SLOW:
         return NotImplemented
-    return _make(q, [t.reshape(-1) for t in _inner(q)], hit[0])
+    rels, dims, shape, stride, dtype = hit[0]
+    # A flatten that does not follow the flat index is an ops._Opaque, which equals only itself:
+    # a fresh one per result, as the handler makes, so two results never look like one grid.
+    rels = tuple((type(row[0])(),) if isinstance(row[0], ops._Opaque) else row for row in rels)
+    return _make(q, [t.reshape(-1) for t in _inner(q)], (rels, dims, shape, stride, dtype))
 
 
 # -- split ---------------------------------------------------------------------

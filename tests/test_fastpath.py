@@ -157,6 +157,21 @@ def test_in_place_writes_reach_fast_views_and_kernels():
         assert not torch.equal(before, torch.nn.functional.linear(x, a)), fmt
 
 
+def test_flattened_views_stay_distinct_grids():
+    """Two view(-1) results whose flatten does not follow the flat index never compare as one grid (as the handler makes them)."""
+    q = dq.quantize(_weight((64, 256), 6), dq.NF4(32, 4))[:, :64]  # its factors then do not follow the flat index
+    for _ in range(3):
+        a, b = q.view(-1), q.view(-1)
+        opaque = [i for i, row in enumerate(a.rels) if isinstance(row[0], ops._Opaque)]
+        assert opaque and all(a.rels[i][0] is not b.rels[i][0] for i in opaque)
+        with fastpath.disabled():
+            with pytest.raises(LayoutError) as slow:
+                a.copy_(b)
+        with pytest.raises(LayoutError) as fast:
+            a.copy_(b)
+        assert str(fast.value) == str(slow.value)
+
+
 def test_switch_off():
     assert fastpath.ENABLED
     with fastpath.disabled():
