@@ -341,3 +341,12 @@ def _mm(func, args, kwargs):
         return NotImplemented
     out = w_t.fmt.linear(x, matmul.prepared(w_t.fmt, inner), None)
     return NotImplemented if out is None else out  # no kernel for this activation: the handler dequantizes
+
+
+@_fast("aten::addmm")
+def _addmm(func, args, kwargs):
+    """``F.linear`` with a bias: the fast mm plus the bias, as ``matmul._addmm`` adds it (``beta = alpha = 1``)."""
+    if kwargs or len(args) != 3 or type(args[0]) is not torch.Tensor:
+        return NotImplemented
+    out = _mm(func, args[1:], kwargs)
+    return out if out is NotImplemented else out + args[0]

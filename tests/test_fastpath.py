@@ -88,6 +88,8 @@ def _ops(q):
     if nd == 2:
         act = _weight((3, q.shape[1]), 7)
         yield "linear", lambda x: torch.nn.functional.linear(act, x)  # t, then mm on the weight's inner tensors
+        bias = _weight((q.shape[0],), 8)
+        yield "linear+bias", lambda x: torch.nn.functional.linear(act, x, bias)  # t, then addmm
         if q.shape[0] == 32:
             yield "linear fp32", lambda x: torch.nn.functional.linear(act.float(), x)  # no kernel: dequantizes
     for dim in range(nd):
