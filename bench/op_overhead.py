@@ -16,13 +16,14 @@ gain is measured under the same load. Every op is timed as the median of
 ``--repeat`` calls, all variants interleaved call by call; printed as ratios
 to dense. Target (issue 15): every ratio <= 1.2.
 
-The local views have a floor that no library of Python tensor subclasses
-avoids: a dense view is one C++ call (about 1 us); a subclass view enters
+The views have a floor that no library of Python tensor subclasses avoids: a
+dense view is one C++ call (about 1 us); a subclass view enters
 ``__torch_dispatch__`` from C++ and builds a wrapper tensor in Python (about
 5 us more for a one-field subclass that does nothing else). So those rows
 are also compared with torchao's ``NF4Tensor`` (a Python subclass of the same
-kind, the one QLoRA users pick) in the same run, when torchao is installed;
-the dense ratio is printed, but the fair comparison there is the torchao one.
+kind, the one QLoRA users pick; as a DTensor's local tensor too) in the same
+run, when torchao is installed; the dense ratio is printed, but the fair
+comparison there is the torchao one.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dtensor_quant.launch import run
 FORMATS = {"bf16": None, "int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128)}  # Int8Rowwise, Int4Groupwise(128)
 SLOW = " off"  # suffix of the variants run without the fast path
 TORCHAO = "torchao NF4"
-LOCAL_VIEWS = ("local .t()", "local view(-1)")
+VIEWS = ("DTensor .t()", "local .t()", "local view(-1)")
 TARGET = 1.2
 
 
@@ -90,8 +91,9 @@ def measure(size: int, repeat: int):
             fast[name + SLOW] = False
     to_nf4 = torchao_nf4()
     if to_nf4 is not None:
-        nf4 = to_nf4(dense.view(size, size)[: size // world].contiguous())
-        calls[TORCHAO] = {"local .t()": lambda: nf4.t(), "local view(-1)": lambda: nf4.view(-1)}
+        nf4 = distribute_tensor(to_nf4(dense), mesh, [Shard(0)])
+        local_nf4 = nf4.to_local()
+        calls[TORCHAO] = {"DTensor .t()": lambda: nf4.t(), "local .t()": lambda: local_nf4.t(), "local view(-1)": lambda: local_nf4.view(-1)}
         fast[TORCHAO] = True
     times = {name: {op: [] for op in c} for name, c in calls.items()}
     for op in calls["bf16"]:
@@ -130,8 +132,8 @@ def main():
         print(f"{op:<26}{base * 1e6:>9.1f}" + "".join(f"{res[n][op] * 1e6:>13.1f}" for n in quant) + "".join(f"{r:>12.2f}" for r in ratios))
         missed += [f"{op} {n} {r:.2f}x" for n, r in zip(quant, ratios) if r > TARGET and SLOW not in n]
     if TORCHAO in res:
-        print("local views against another Python tensor subclass, torchao's NF4Tensor (same run):")
-        for op in LOCAL_VIEWS:
+        print("views against another Python tensor subclass, torchao's NF4Tensor (same run):")
+        for op in VIEWS:
             ao = res[TORCHAO][op]
             rel = ", ".join(f"{n} {res[n][op] / ao:.2f}x" for n in quant)
             print(f"{op:<26}{TORCHAO} {ao * 1e6:.1f} us; {rel}")
