@@ -320,7 +320,11 @@ def _gather_plan(q, out):
 
 @_fast("aten::mm")
 def _mm(func, args, kwargs):
-    """``matmul.linear`` for a 2-D activation and ``w.t()``: the kernel on the weight's own inner tensors."""
+    """``matmul.linear`` for a 2-D activation and ``w.t()``: its kernel call on the weight's own inner tensors.
+
+    What ``matmul._plan`` decides (which inner tensors, the block sizes) is kept per layout; the
+    call itself is ``matmul.kernel_linear_impl``, so the kernel choice and its fallback stay matmul's.
+    """
     x, w_t = args
     if kwargs or type(x) is not torch.Tensor or type(w_t) is not QuantizedTensor or x.ndim != 2 or x.is_meta:
         return NotImplemented
@@ -330,17 +334,17 @@ def _mm(func, args, kwargs):
     key = ("mm", _key(w_t), id(owner.rels), id(owner.dims), id(owner.fmt), owner.shape)
     hit = _PLANS.get(key)
     if hit is None:
-        inner, _ = matmul._plan(w_t)
-        _remember(key, inner is not None and all(a is b for a, b in zip(inner.values(), _inner(owner))), w_t, owner)
+        inner, blocks = matmul._plan(w_t)
+        own = inner is not None and all(a is b for a, b in zip(inner.values(), _inner(owner)))
+        _remember(key, blocks if own else _SLOW, w_t, owner)
         return NotImplemented  # this call: the handler
-    if not hit[0]:
+    if hit[0] is _SLOW:
         return NotImplemented
     inner = owner.inner
     first = next(iter(inner.values()))
     if type(first) is not torch.Tensor or first.is_meta:
         return NotImplemented
-    out = w_t.fmt.linear(x, matmul.prepared(w_t.fmt, inner), None)
-    return NotImplemented if out is None else out  # no kernel for this activation: the handler dequantizes
+    return matmul.kernel_linear_impl(x, w_t.fmt, inner, w_t.shape[1], None, hit[0])
 
 
 @_fast("aten::addmm")
