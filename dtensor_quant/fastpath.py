@@ -8,7 +8,12 @@ Decode and small layers issue the same few ops on the same few layouts over
 and over (``t``/``mm`` for every linear; all-gather, alias and ``split`` for
 every gather), so this module keeps, per (op, layout, static arguments), what
 the handler decided, and on a hit only runs the inner tensors' own ops and
-builds the wrapper directly.
+builds the wrapper directly. Covered: ``t``/``transpose``, the aliases
+(``detach``, ``alias``, ``lift_fresh``, ``wait_tensor``,
+``_wrap_tensor_autograd``, ``view`` to the same shape), ``view(-1)``,
+``split``/``split_with_sizes``, the functional all-gather, and ``mm``/``addmm``
+of an activation and ``w.t()``. Only decisions are kept, never results or
+bytes: every call reads the inner tensors as they are.
 
 A layout here is what the decision depends on: the format, relation rows and
 orientation (by object identity: a plan pins the objects it was made for, so
