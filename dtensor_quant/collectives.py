@@ -49,7 +49,7 @@ def all_gather_into_tensor(func, q, group_size, group_name):
     """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ."""
     if group_size == 1:
         return alias(q)
-    _agree(q, group_name, "all-gather")
+    agree_layout(q, group_name, "all-gather")
     names = [n for n in q.fmt.inner_names if varies(q, n)]
     sent = [getattr(q, n) for n in names]
     buf = pack(sent)
@@ -66,7 +66,7 @@ def all_gather_into_tensor(func, q, group_size, group_name):
 def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, timeout=-1):
     """distribute_tensor's Shard path: the source sends each rank its piece's bytes."""
     (out,) = outputs
-    _agree(out, process_group, "distribute_tensor (scatter)")
+    agree_layout(out, process_group, "distribute_tensor (scatter)")
     names = out.fmt.inner_names
     like = [getattr(out, n) for n in names]
     out_buf = torch.empty(packed_size(like), dtype=torch.uint8, device=out.device)
@@ -83,7 +83,7 @@ def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, tim
 def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
     """distribute_tensor's Replicate path: every inner tensor from the source, in place."""
     (q,) = tensors
-    _agree(q, process_group, "distribute_tensor (broadcast)")
+    agree_layout(q, process_group, "distribute_tensor (broadcast)")
     like = list(q.inner.values())
     buf = pack(like)
     wire.note(func._schema.name, buf)
@@ -96,7 +96,7 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
 
 @implements("_c10d_functional::broadcast")
 def broadcast(func, q, src, group_name):
-    _agree(q, group_name, "broadcast")
+    agree_layout(q, group_name, "broadcast")
     like = list(q.inner.values())
     buf = pack(like)
     wire.note(func._schema.name, buf)
@@ -109,7 +109,7 @@ def broadcast(func, q, src, group_name):
 def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     """Shard(i) -> Shard(j) on NCCL: every rank sends piece k of its shard to rank k."""
     group = _group(group_name)
-    _agree(q, group_name, "all-to-all", shape=False)  # the pieces' shapes may differ between ranks
+    agree_layout(q, group_name, "all-to-all", shape=False)  # the pieces' shapes may differ between ranks
     n, me = group.size(), torch.distributed.get_rank(group)
     # Split first: a misaligned target placement raises on every rank before any collective.
     pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
@@ -131,7 +131,7 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     return cat_dim(received, gather_dim).contiguous()
 
 
-def _agree(q: QuantizedTensor, group, what: str, shape: bool = True) -> None:
+def agree_layout(q: QuantizedTensor, group, what: str, shape: bool = True) -> None:
     """Every rank of ``group`` must hold ``q`` in the same layout (a clear error on all of them if not)."""
     key = agree.layout_key(q)
     if not shape:

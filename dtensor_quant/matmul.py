@@ -146,7 +146,7 @@ def _kernel_inner(w_t: QuantizedTensor) -> dict[str, torch.Tensor] | None:
     return canonical_inner(w_t)
 
 
-def _plan(w_t: QuantizedTensor):
+def plan_linear(w_t: QuantizedTensor):
     """``(canonical inner tensors or None, block sizes)`` for ``w_t``, decided once per persistent weight.
 
     Both depend only on the weight's relations and orientation, which never
@@ -169,7 +169,7 @@ _PLAN_ATTR = "_dtensor_quant_linear_plan"
 
 def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
-    inner, blocks = _plan(w_t)
+    inner, blocks = plan_linear(w_t)
     if inner is None:
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out

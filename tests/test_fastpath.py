@@ -1,0 +1,192 @@
+"""The fast path (dtensor_quant.fastpath) gives what the ordinary handlers give, bit for bit and annotation for annotation.
+
+Plans are keyed by layout; these tests interleave many layouts, shapes,
+strides and annotations of the same ops (so a stale or shared plan would
+show) and compare every result with the same op run with the fast path off:
+inner bytes, inner views (storage, offset, strides), relations, orientation,
+logical shape and strides, and the annotations later ops read.
+"""
+
+import random
+
+import pytest
+import torch
+
+import dtensor_quant as dq
+from dtensor_quant import fastpath, writes
+from dtensor_quant.fsdp_padding import PADDED_ROWS
+from dtensor_quant.layout import LayoutError, Opaque
+from dtensor_quant.layout_ops import VIEW_OF
+from dtensor_quant.tensor import QuantizedTensor
+from dtensor_quant.testing import pick
+
+FORMATS = list(pick("int8", "int4g32", "int4g64", "nf4b32s4", "f8row", "f8tensor").values())
+ANNOTATIONS = (writes.SHARED, writes.FACTORY, PADDED_ROWS, "_transposed_from")
+
+
+def _weight(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def _inputs():
+    """Quantized tensors of one op's many layouts: orientations, slices (annotated), stacks, copies."""
+    out = []
+    for i, fmt in enumerate(FORMATS):
+        for shape in ((64, 256), (48, 128)):
+            q = dq.quantize(_weight(shape, i), fmt)
+            out += [q, q.t(), q.t().t(), q[:32], q[16:48], q.detach(), q.clone(), q[:, :64] if q.shape[1] > 64 else q]
+            pad = q.new_zeros((shape[0] + 16, shape[1]))
+            out.append(pad[: shape[0]])  # a factory's leading narrow: padded rows, FSDP2's uneven shard
+        stack = dq.quantize(_weight((2, 32, 128), i), fmt)
+        out += [stack, stack.transpose(-2, -1), stack[1]]
+    return out
+
+
+def _rels(q):
+    # Opaque (after a flatten that does not follow the flat index) has no equality of its own.
+    return tuple(tuple("opaque" if isinstance(r, Opaque) else r for r in row) for row in q.rels)
+
+
+def _same_tensor(a, b, what, same_objects=True):
+    assert type(a) is type(b), what
+    if not isinstance(a, torch.Tensor):
+        assert a == b, what
+        return
+    if isinstance(a, QuantizedTensor):
+        assert a.fmt == b.fmt and _rels(a) == _rels(b) and a.dims == b.dims, what
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, what
+        assert a.device == b.device and a.requires_grad == b.requires_grad, what
+        for name in a.fmt.inner_names:
+            _same_tensor(getattr(a, name), getattr(b, name), f"{what}.{name}", same_objects)
+        for k in ANNOTATIONS:
+            va, vb = a.__dict__.get(k, "absent"), b.__dict__.get(k, "absent")
+            if isinstance(va, torch.Tensor) and not same_objects:
+                assert isinstance(vb, torch.Tensor) and va.data_ptr() == vb.data_ptr(), f"{what}: annotation {k}"
+            else:
+                assert (va is vb) if isinstance(va, torch.Tensor) else (va == vb), f"{what}: annotation {k}: {va!r} vs {vb!r}"
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), what
+    assert a.data_ptr() == b.data_ptr() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), what
+    if a.data_ptr() != b.data_ptr():  # copies (clone of a constant scale): same bytes
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), what
+    else:
+        assert a.storage_offset() == b.storage_offset(), what
+    oa, ob = a.__dict__.get(VIEW_OF), b.__dict__.get(VIEW_OF)
+    if same_objects:
+        assert oa is ob, f"{what}: view owner"
+    else:  # results of separately made intermediates: owners of the same bytes
+        assert (oa is None) == (ob is None) and (oa is None or oa.data_ptr() == ob.data_ptr()), f"{what}: view owner"
+
+
+def _ops(q):
+    nd = q.ndim
+    yield "t", lambda x: x.t()
+    yield "transpose", lambda x: x.transpose(-2, -1) if nd >= 2 else x.transpose(0, 0)
+    yield "detach", lambda x: x.detach()
+    yield "alias", lambda x: torch.ops.aten.alias(x)
+    yield "view same", lambda x: x.view(tuple(x.shape))
+    yield "view(-1)", lambda x: x.view(-1)
+    yield "wait", lambda x: torch.ops._c10d_functional.wait_tensor(x)
+    if nd == 2:
+        act = _weight((3, q.shape[1]), 7)
+        yield "linear", lambda x: torch.nn.functional.linear(act, x)  # t, then mm on the weight's inner tensors
+        bias = _weight((q.shape[0],), 8)
+        yield "linear+bias", lambda x: torch.nn.functional.linear(act, x, bias)  # t, then addmm
+        if q.shape[0] == 32:
+            yield "linear fp32", lambda x: torch.nn.functional.linear(act.float(), x)  # no kernel: dequantizes
+    for dim in range(nd):
+        for size in (8, 32, 100):
+            yield f"split({size}, {dim})", lambda x, s=size, d=dim: x.split(s, d)
+        n = q.shape[dim]
+        yield f"split_with_sizes({dim})", lambda x, d=dim, n=n: x.split([n // 2, n - n // 2], d)
+
+
+def _outcome(fn, q):
+    try:
+        return fn(q), None
+    except (LayoutError, NotImplementedError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def test_fast_path_equals_the_handlers_across_interleaved_layouts():
+    fastpath.clear()
+    cases = [(q, name, fn) for q in _inputs() for name, fn in _ops(q)]
+    random.Random(0).shuffle(cases)
+    assert fastpath.ENABLED
+    hits_before = None
+    for rnd in range(3):  # the first round makes the plans, the later ones replay them
+        for q, name, fn in cases:
+            with fastpath.disabled():
+                want, want_err = _outcome(fn, q)
+            got, got_err = _outcome(fn, q)
+            what = f"round {rnd}, {name} of {q!r}"
+            assert got_err == want_err, what
+            if want_err is None:
+                if isinstance(want, (list, tuple)):
+                    assert len(got) == len(want), what
+                    for j, (g, w) in enumerate(zip(got, want)):
+                        _same_tensor(g, w, f"{what} [{j}]")
+                else:
+                    _same_tensor(got, want, what)
+        if rnd == 0:
+            hits_before = len(fastpath._PLANS)
+    assert hits_before and len(fastpath._PLANS) == hits_before  # replays made no new plans
+
+
+def test_fast_path_results_chain_like_the_handlers():
+    """Results of fast ops fed to further ops (t of a t, split of a gathered alias, mm after t) stay exact."""
+    fastpath.clear()
+    x = _weight((3, 256), 9)
+    for fmt in FORMATS:
+        q = dq.quantize(_weight((64, 256), 1), fmt)
+        for _ in range(3):
+            with fastpath.disabled():
+                want = [q.t().t().detach(), q.detach().split(16, 0)[1].t(), torch.nn.functional.linear(x, q)]
+            got = [q.t().t().detach(), q.detach().split(16, 0)[1].t(), torch.nn.functional.linear(x, q)]
+            _same_tensor(got[0], want[0], f"{fmt} t.t.detach", same_objects=False)
+            _same_tensor(got[1], want[1], f"{fmt} split.t", same_objects=False)
+            assert torch.equal(got[2], want[2]), f"{fmt} linear"
+
+
+def test_in_place_writes_reach_fast_views_and_kernels():
+    """A copy_ into a weight changes what its fast views and linear see (no result is cached, only decisions)."""
+    x = _weight((2, 256), 3)
+    for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(32)):
+        a, b = dq.quantize(_weight((64, 256), 4), fmt), dq.quantize(_weight((64, 256), 5), fmt)
+        before = torch.nn.functional.linear(x, a)
+        va = a.t()
+        a.copy_(b)
+        assert torch.equal(va.t().dequantize(), b.dequantize()), fmt
+        assert torch.equal(torch.nn.functional.linear(x, a), torch.nn.functional.linear(x, b)), fmt
+        assert not torch.equal(before, torch.nn.functional.linear(x, a)), fmt
+
+
+def test_flattened_views_stay_distinct_grids():
+    """Two view(-1) results whose flatten does not follow the flat index never compare as one grid (as the handler makes them)."""
+    q = dq.quantize(_weight((64, 256), 6), dq.NF4(32, 4))[:, :64]  # its factors then do not follow the flat index
+    for _ in range(3):
+        a, b = q.view(-1), q.view(-1)
+        opaque = [i for i, row in enumerate(a.rels) if isinstance(row[0], Opaque)]
+        assert opaque and all(a.rels[i][0] is not b.rels[i][0] for i in opaque)
+        with fastpath.disabled(), pytest.raises(LayoutError) as slow:
+            a.copy_(b)
+        with pytest.raises(LayoutError) as fast:
+            a.copy_(b)
+        assert str(fast.value) == str(slow.value)
+
+
+def test_switch_off():
+    assert fastpath.ENABLED
+    with fastpath.disabled():
+        assert not fastpath.ENABLED
+        assert fastpath.run(torch.ops.aten.t.default, (dq.quantize(_weight((16, 64), 0), dq.Int8Rowwise()),), {}) is NotImplemented
+    assert fastpath.ENABLED
+
+
+@pytest.mark.parametrize("fmt", [dq.Int4Groupwise(64), dq.NF4(64, 4)])
+def test_misaligned_split_raises_on_every_call(fmt):
+    q = dq.quantize(_weight((64, 256), 2), fmt)
+    for _ in range(3):
+        with pytest.raises(LayoutError):
+            q.split(100, 1)
