@@ -82,7 +82,9 @@ def measure(layers: int, dim: int, repeat: int, root: str):
         target = model(layers, dim, fmt, Shard(1), seed=1)
         save_s = timed(lambda saved=saved, path=path: ckpt.save(saved, path), repeat)
         nbytes = sum(f.stat().st_size for f in Path(path).iterdir())
-        async_s = timed(lambda saved=saved, path=path: ckpt.async_save(saved, path + ".async"), repeat, then=lambda f: f.result())
+        async_s = timed(
+            lambda saved=saved, path=path: ckpt.async_save(saved, path + ".async"), repeat, then=lambda f: f.result()
+        )
         load_s = timed(lambda target=target, path=path: ckpt.load(target, path), repeat)
         payload = weight_bytes(saved) * dist.get_world_size()
         rows.append((name, nbytes, payload, save_s, async_s, load_s, same(saved, target)))

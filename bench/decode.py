@@ -52,8 +52,9 @@ GOAL = 0.85
 
 def config(layers: int, vocab: int) -> llama.Config:
     """TinyLlama-1.1B's widths (head_dim 64); few layers and a small vocabulary keep five engineers' RAM free."""
-    return llama.Config(vocab_size=vocab, dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4,
-                        hidden_dim=5632, max_seq_len=16)
+    return llama.Config(
+        vocab_size=vocab, dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, hidden_dim=5632, max_seq_len=16
+    )
 
 
 def build(cfg, spec: str | None, mesh, compiled: bool):
@@ -103,12 +104,29 @@ def measure(cfg, specs, rounds: int, calls: int, compile_too: bool, threads: int
     ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     rows = []
     for (mode, name), t in ms.items():
-        rows.append({"tp": tp, "mode": mode, "format": str(parse_format(name)) if name != "bf16" else "bf16",
-                     "ms": t, "ratio_vs_bf16": t / ms[mode, "bf16"], "setup_s": compile_s[mode, name],
-                     "max_abs_diff_vs_eager": compile_s.get((mode, name, "max_abs_diff"), "")})
+        rows.append(
+            {
+                "tp": tp,
+                "mode": mode,
+                "format": str(parse_format(name)) if name != "bf16" else "bf16",
+                "ms": t,
+                "ratio_vs_bf16": t / ms[mode, "bf16"],
+                "setup_s": compile_s[mode, name],
+                "max_abs_diff_vs_eager": compile_s.get((mode, name, "max_abs_diff"), ""),
+            }
+        )
     for name, why in skipped.items():
-        rows.append({"tp": tp, "mode": "skipped", "format": name, "ms": float("nan"), "ratio_vs_bf16": float("nan"),
-                     "setup_s": 0.0, "max_abs_diff_vs_eager": why})
+        rows.append(
+            {
+                "tp": tp,
+                "mode": "skipped",
+                "format": name,
+                "ms": float("nan"),
+                "ratio_vs_bf16": float("nan"),
+                "setup_s": 0.0,
+                "max_abs_diff_vs_eager": why,
+            }
+        )
     return rows
 
 
@@ -127,8 +145,13 @@ def plot(rows, path: Path) -> bool:
         tps = sorted({r["tp"] for r in rows})
         width = 0.8 / max(len(fmts), 1)
         for i, fmt in enumerate(fmts):
-            vals = [next((r["ratio_vs_bf16"] for r in rows if r["mode"] == mode and r["format"] == fmt and r["tp"] == tp),
-                         float("nan")) for tp in tps]  # nan: not measured, or the layout cannot hold the TP plan
+            vals = [
+                next(
+                    (r["ratio_vs_bf16"] for r in rows if r["mode"] == mode and r["format"] == fmt and r["tp"] == tp),
+                    float("nan"),
+                )
+                for tp in tps
+            ]  # nan: not measured, or the layout cannot hold the TP plan
             ax.bar([j + i * width for j in range(len(tps))], vals, width, label=fmt)
         ax.axhline(1.0, color="grey", linewidth=1)
         ax.axhline(GOAL, color="red", linewidth=1, linestyle="--", label=f"goal {GOAL}x")
@@ -167,35 +190,54 @@ def main(argv=None) -> int:
         for r in rows:
             if r["tp"] == tp:
                 print(f"  {r['mode']:<9}{r['format']:<44}{r['ms']:>9.2f} ms{r['ratio_vs_bf16']:>7.2f}x", flush=True)
-    print(f"\none-token decode, dim {cfg.dim}, MLP {cfg.hidden_dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
-          f"bf16 activations, {args.threads} thread(s) per rank, {os.cpu_count()} CPU cores, "
-          f"median of {args.rounds}x{args.calls} calls, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\none-token decode, dim {cfg.dim}, MLP {cfg.hidden_dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
+        f"bf16 activations, {args.threads} thread(s) per rank, {os.cpu_count()} CPU cores, "
+        f"median of {args.rounds}x{args.calls} calls, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'TP':>3}  {'mode':<9}{'format':<32}{'ms':>9}{'x bf16':>8}  {'max|compiled-eager|':>20}")
     for r in rows:
         diff = r["max_abs_diff_vs_eager"]
         if r["mode"] == "skipped":
             print(f"{r['tp']:>3}  {'skipped':<9}{r['format']:<32}  {diff}")
             continue
-        print(f"{r['tp']:>3}  {r['mode']:<9}{r['format']:<32}{r['ms']:>9.2f}{r['ratio_vs_bf16']:>8.2f}"
-              f"  {diff if diff == '' else f'{diff:.3g}':>20}")
+        print(
+            f"{r['tp']:>3}  {r['mode']:<9}{r['format']:<32}{r['ms']:>9.2f}{r['ratio_vs_bf16']:>8.2f}"
+            f"  {diff if diff == '' else f'{diff:.3g}':>20}"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "decode.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\nwrote {args.out / 'decode.csv'}" + (f" and {args.out / 'decode.png'}" if plot(rows, args.out / "decode.png") else ""))
+    print(
+        f"\nwrote {args.out / 'decode.csv'}"
+        + (f" and {args.out / 'decode.png'}" if plot(rows, args.out / "decode.png") else "")
+    )
     quant = [r for r in rows if r["format"] != "bf16" and r["mode"] != "skipped"]
     worst = max((r for r in quant if r["mode"] == "eager"), key=lambda r: r["ratio_vs_bf16"], default=None)
     if worst:
-        print(f"goal, eager decode <= {GOAL}x bf16 at every TP degree for every format: "
-              f"{'met' if worst['ratio_vs_bf16'] <= GOAL else 'MISSED'} (worst: {worst['format']} TP={worst['tp']} "
-              f"at {worst['ratio_vs_bf16']:.2f}x)")
+        print(
+            f"goal, eager decode <= {GOAL}x bf16 at every TP degree for every format: "
+            f"{'met' if worst['ratio_vs_bf16'] <= GOAL else 'MISSED'} (worst: {worst['format']} TP={worst['tp']} "
+            f"at {worst['ratio_vs_bf16']:.2f}x)"
+        )
     if args.compile:
         eager = {(r["tp"], r["format"]): r["ratio_vs_bf16"] for r in quant if r["mode"] == "eager"}
         behind = [r for r in quant if r["mode"] == "compiled" and r["ratio_vs_bf16"] > eager[r["tp"], r["format"]]]
-        print("goal, compiled ratio <= eager ratio: " + ("met" if not behind else "MISSED for " + ", ".join(
-            f"{r['format']} TP={r['tp']} ({r['ratio_vs_bf16']:.2f}x vs eager {eager[r['tp'], r['format']]:.2f}x)"
-            for r in behind)))
+        print(
+            "goal, compiled ratio <= eager ratio: "
+            + (
+                "met"
+                if not behind
+                else "MISSED for "
+                + ", ".join(
+                    f"{r['format']} TP={r['tp']} "
+                    f"({r['ratio_vs_bf16']:.2f}x vs eager {eager[r['tp'], r['format']]:.2f}x)"
+                    for r in behind
+                )
+            )
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
 """FSDP2 all-gather per training step: bytes and time, quantized vs bf16, 2 and 4 ranks, one run.
 
-    python bench/fsdp_allgather.py [--worlds 2 4] [--layers 8] [--dim 1024] [--repeat 3] [--plot docs/fsdp_allgather.png]
+    python bench/fsdp_allgather.py [--worlds 2 4] [--layers 8] [--dim 1024] [--repeat 3]
+        [--plot docs/fsdp_allgather.png]
 
 A stack of ``--layers`` frozen ``dim x dim`` bf16 Linears, each its own FSDP2
 unit (the QLoRA situation: the base weights only move, never train), in bf16,
@@ -116,7 +117,10 @@ def main():
         limit = TARGETS.get(row["format"])
         if limit is not None and (row["bytes_ratio"] > limit or row["dtypes"] != ["uint8"]):
             missed.append(f"{row['world']} ranks {row['format']}: {row['bytes_ratio']:.3f} {row['dtypes']}")
-    print("byte targets (Int8Rowwise <= 0.51, Int4Groupwise(128) <= 0.27, uint8 only):", "MISSED " + "; ".join(missed) if missed else "met")
+    print(
+        "byte targets (Int8Rowwise <= 0.51, Int4Groupwise(128) <= 0.27, uint8 only):",
+        "MISSED " + "; ".join(missed) if missed else "met",
+    )
     if args.plot:
         plot(rows, args.plot, f"{args.layers} x {args.dim}x{args.dim} Linears, gloo/CPU")
 

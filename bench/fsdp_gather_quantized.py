@@ -43,7 +43,9 @@ def train(fmt_name: str, steps: int):
     mesh = init_device_mesh("cpu", (world,))
     model = llama.build(CFG, seed=0, dtype=torch.float32)
     if FORMATS[fmt_name] is not None:
-        gather_quantized_(model, FORMATS[fmt_name], quant_dtype=torch.bfloat16, filter_fn=lambda m, n: n.startswith("layers."))
+        gather_quantized_(
+            model, FORMATS[fmt_name], quant_dtype=torch.bfloat16, filter_fn=lambda m, n: n.startswith("layers.")
+        )
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -55,7 +57,12 @@ def train(fmt_name: str, steps: int):
             losses.append(llama.train_step(model, opt, tokens.chunk(world)[rank]))
         # the blocks' all-gathers (the root unit holds embeddings, norm and output, never wrapped)
         layer_bytes.append(sum(t.nbytes for t in log.all_gathers().transfers[1:]))
-    return losses, layer_bytes[-1], sorted({str(t.dtype) for t in log.all_gathers().transfers[1:]}), time.perf_counter() - t0
+    return (
+        losses,
+        layer_bytes[-1],
+        sorted({str(t.dtype) for t in log.all_gathers().transfers[1:]}),
+        time.perf_counter() - t0,
+    )
 
 
 def main():
@@ -73,7 +80,10 @@ def main():
     print(f"{'step':>5}" + "".join(f"{name:>20}" for name in FORMATS))
     for i in range(args.steps):
         print(f"{i:>5}" + "".join(f"{results[name][0][i]:>20.4f}" for name in FORMATS))
-    print(f"\n{'format':<20}{'block all-gather B/step':>24}{'x bf16':>8}{'mean |dloss|':>14}{'final (last 5)':>16}{'x bf16':>8}  wire")
+    print(
+        f"\n{'format':<20}{'block all-gather B/step':>24}{'x bf16':>8}"
+        f"{'mean |dloss|':>14}{'final (last 5)':>16}{'x bf16':>8}  wire"
+    )
     base_final = sum(base_losses[-5:]) / 5
     for name, (losses, nbytes, dtypes, _seconds) in results.items():
         diff = sum(abs(a - b) for a, b in zip(losses, base_losses)) / len(losses)

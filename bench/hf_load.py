@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     same = all(r["digest"] == d["digest"] for a, b in zip(hf, dense) for r, d in zip(a, b))
     file_bytes = hf[0][0]["file"]
     print(f"Llama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}: "
-          f"{file_bytes / 2**20:.1f} MiB bf16 on disk; {args.format}, TP {args.world}, {args.repeat} runs (medians)")  # fmt: skip
+          f"{file_bytes / 2**20:.1f} MiB bf16 on disk; {args.format}, TP {args.world}, "
+          f"{args.repeat} runs (medians)")  # fmt: skip
     print(f"same quantized bytes both ways: {same}")
     print(
         "rank | peak added: dq.hf.load / dense+quantize (ratio) | time: dq.hf.load / dense+quantize (ratio) | "
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
         med = {k: {f: statistics.median(r[rank][f] for r in v) for f in ("peak", "seconds", "read")}
                for k, v in runs.items()}  # fmt: skip
         h, d = med["hf"], med["dense"]
-        print(f"{rank:4d} | {h['peak'] / 2**20:8.1f} MiB / {d['peak'] / 2**20:8.1f} MiB ({h['peak'] / d['peak']:.3f}x) | "
+        print(f"{rank:4d} | {h['peak'] / 2**20:8.1f} MiB / {d['peak'] / 2**20:8.1f} MiB "
+              f"({h['peak'] / d['peak']:.3f}x) | "
               f"{h['seconds']:6.2f} s / {d['seconds']:6.2f} s ({h['seconds'] / d['seconds']:.3f}x) | "
               f"{h['read'] / file_bytes:.3f}x")  # fmt: skip
     return 0 if same else 1

@@ -28,16 +28,28 @@ MODELS = {
     "Gemma-2-9B": (42, 3584, 14336, 4096, 2048, 256000),
     "Qwen2-72B": (80, 8192, 29568, 8192, 1024, 152064),
 }
-FORMATS = [dq.Int8Rowwise(), dq.Int4Groupwise(128), dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise()]
+FORMATS = [
+    dq.Int8Rowwise(),
+    dq.Int4Groupwise(128),
+    dq.NF4(),
+    dq.Float8Rowwise(),
+    dq.Float8Tensorwise(),
+    dq.Float8Blockwise(),
+]
 TP = (1, 2, 4, 8)
 
 
 def layers(n_layers, hidden, inter, q, kv, vocab, per_layer_only=False) -> list[Layer]:
     """One transformer block's Linears (gate/up/q/k/v column-parallel, o/down row-parallel), times n_layers."""
-    block = [("q_proj", (q, hidden), "colwise"), ("k_proj", (kv, hidden), "colwise"),
-             ("v_proj", (kv, hidden), "colwise"), ("o_proj", (hidden, q), "rowwise"),
-             ("gate_proj", (inter, hidden), "colwise"), ("up_proj", (inter, hidden), "colwise"),
-             ("down_proj", (hidden, inter), "rowwise")]
+    block = [
+        ("q_proj", (q, hidden), "colwise"),
+        ("k_proj", (kv, hidden), "colwise"),
+        ("v_proj", (kv, hidden), "colwise"),
+        ("o_proj", (hidden, q), "rowwise"),
+        ("gate_proj", (inter, hidden), "colwise"),
+        ("up_proj", (inter, hidden), "colwise"),
+        ("down_proj", (hidden, inter), "rowwise"),
+    ]
     out = [Layer(f"layers.{i}.{n}", s, st) for i in range(1 if per_layer_only else n_layers) for n, s, st in block]
     return out + [Layer("lm_head", (vocab, hidden), "colwise")]
 

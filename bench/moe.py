@@ -135,7 +135,8 @@ def main():
 
     times, nbytes, refused = layer_forward(args)
     print()
-    print(f"MixtralExperts forward: {args.experts} experts, H {args.hidden}, I {args.inter}, {args.tokens} tokens top-2, "
+    print(f"MixtralExperts forward: {args.experts} experts, H {args.hidden}, I {args.inter}, "
+          f"{args.tokens} tokens top-2, "
           f"bf16 activations, 1 process, median of {args.repeat} interleaved")  # fmt: skip
     print(f"{'experts impl':<14}{'format':<20}{'weight bytes':>14}{'x bf16':>8}{'ms':>9}{'x bf16':>8}")
     for impl in ("eager", "grouped_mm"):
@@ -144,7 +145,10 @@ def main():
                 print(f"{impl:<14}{name:<20}  not quantizable here: {refused[name]}")
                 continue
             t, b = times[(impl, name)], nbytes[name]
-            print(f"{impl:<14}{name:<20}{b:>14,}{b / nbytes['bf16']:>8.3f}{t * 1e3:>9.2f}{t / times[(impl, 'bf16')]:>8.2f}")
+            print(
+                f"{impl:<14}{name:<20}{b:>14,}{b / nbytes['bf16']:>8.3f}"
+                f"{t * 1e3:>9.2f}{t / times[(impl, 'bf16')]:>8.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -93,7 +93,11 @@ def measure(size: int, repeat: int):
     if to_nf4 is not None:
         nf4 = distribute_tensor(to_nf4(dense), mesh, [Shard(0)])
         local_nf4 = nf4.to_local()
-        calls[TORCHAO] = {"DTensor .t()": lambda: nf4.t(), "local .t()": lambda: local_nf4.t(), "local view(-1)": lambda: local_nf4.view(-1)}
+        calls[TORCHAO] = {
+            "DTensor .t()": lambda: nf4.t(),
+            "local .t()": lambda: local_nf4.t(),
+            "local view(-1)": lambda: local_nf4.view(-1),
+        }
         fast[TORCHAO] = True
     times = {name: {op: [] for op in c} for name, c in calls.items()}
     for op in calls["bf16"]:
@@ -124,12 +128,20 @@ def main():
         f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format with the fast path off"
     )
     quant = [n for n in res if n not in ("bf16", TORCHAO)]
-    print(f"{'op':<26}{'bf16 us':>9}" + "".join(f"{n + ' us':>13}" for n in quant) + "".join(f"{n + ' x':>12}" for n in quant))
+    print(
+        f"{'op':<26}{'bf16 us':>9}"
+        + "".join(f"{n + ' us':>13}" for n in quant)
+        + "".join(f"{n + ' x':>12}" for n in quant)
+    )
     missed = []
     for op in res["bf16"]:
         base = res["bf16"][op]
         ratios = [res[n][op] / base for n in quant]
-        print(f"{op:<26}{base * 1e6:>9.1f}" + "".join(f"{res[n][op] * 1e6:>13.1f}" for n in quant) + "".join(f"{r:>12.2f}" for r in ratios))
+        print(
+            f"{op:<26}{base * 1e6:>9.1f}"
+            + "".join(f"{res[n][op] * 1e6:>13.1f}" for n in quant)
+            + "".join(f"{r:>12.2f}" for r in ratios)
+        )
         missed += [f"{op} {n} {r:.2f}x" for n, r in zip(quant, ratios) if r > TARGET and SLOW not in n]
     if TORCHAO in res:
         print("views against another Python tensor subclass, torchao's NF4Tensor (same run):")

@@ -41,7 +41,11 @@ def measure(shape, repeat):
         for name, fmt in FORMATS.items():
             tensor = weight if fmt is None else dq.quantize(weight, fmt)
             dt = distribute_tensor(tensor, mesh, src)
-            step = (lambda dt=dt: dt.full_tensor()) if dst is None else (lambda dt=dt, dst=dst: dt.redistribute(mesh, dst).to_local())
+            step = (
+                (lambda dt=dt: dt.full_tensor())
+                if dst is None
+                else (lambda dt=dt, dst=dst: dt.redistribute(mesh, dst).to_local())
+            )
             with wire.record() as log:
                 step()
             times = []
@@ -74,7 +78,10 @@ def main():
             )
             if name in TARGETS and base[2] and nbytes / base[2] > TARGETS[name]:
                 failed.append(f"{label} {name}: {nbytes / base[2]:.3f} > {TARGETS[name]}")
-    print("byte targets (Int8Rowwise <= 0.51, Int4Groupwise(128) <= 0.27):", "MISSED " + "; ".join(failed) if failed else "met")
+    print(
+        "byte targets (Int8Rowwise <= 0.51, Int4Groupwise(128) <= 0.27):",
+        "MISSED " + "; ".join(failed) if failed else "met",
+    )
 
 
 if __name__ == "__main__":

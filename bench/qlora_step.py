@@ -85,7 +85,9 @@ def peak_bytes(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     level = peak = 0
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     for e in events:
         level += e.nbytes()
         peak = max(peak, level)
@@ -100,7 +102,9 @@ def resident_bytes(model, opt) -> int:
     while tensors:
         t = tensors.pop()
         if hasattr(t, "__tensor_flatten__"):  # a wrapper subclass: its inner tensors hold the bytes
-            tensors += [i for i in (getattr(t, name) for name in t.__tensor_flatten__()[0]) if isinstance(i, torch.Tensor)]
+            tensors += [
+                i for i in (getattr(t, name) for name in t.__tensor_flatten__()[0]) if isinstance(i, torch.Tensor)
+            ]
             continue
         key = t.untyped_storage().data_ptr()
         if key not in seen:
@@ -155,11 +159,14 @@ def main():
             f"\nQLoRA step, FSDP2 on {args.world} gloo ranks x 1 thread, {args.layers} frozen {dim}x{dim} Linears "
             f"+ LoRA r16, bf16 mixed precision, {args.tokens} tokens/rank, median of {args.repeat} interleaved"
         )
-        print(f"{'variant':<20}{'step ms':>9}{'x bf16':>8}{'all-gather B':>14}{'x bf16':>8}{'peak MiB':>10}{'x bf16':>8}")
+        print(
+            f"{'variant':<20}{'step ms':>9}{'x bf16':>8}{'all-gather B':>14}{'x bf16':>8}{'peak MiB':>10}{'x bf16':>8}"
+        )
         for v, row in rows.items():
             ratio = row["step_s"] / base["step_s"]
             print(
-                f"{v:<20}{row['step_s'] * 1e3:>9.1f}{ratio:>8.2f}{row['bytes']:>14,}{row['bytes'] / base['bytes']:>8.3f}"
+                f"{v:<20}{row['step_s'] * 1e3:>9.1f}{ratio:>8.2f}"
+                f"{row['bytes']:>14,}{row['bytes'] / base['bytes']:>8.3f}"
                 f"{row['peak'] / 2**20:>10.1f}{row['peak'] / base['peak']:>8.2f}"
             )
             if v in OURS and v != "Int8Rowwise" and ratio > 1.3:
@@ -171,7 +178,10 @@ def main():
             print(f"NF4 vs torchao NF4: {vs:.2f}x step time")
             if vs >= 1:
                 missed.append(f"dim {dim} NF4: {vs:.2f}x torchao's step")
-    print("\ntargets (NF4 < torchao NF4, 4-bit <= 1.3x bf16, peak <= bf16):", "MISSED " + "; ".join(missed) if missed else "met")
+    print(
+        "\ntargets (NF4 < torchao NF4, 4-bit <= 1.3x bf16, peak <= bf16):",
+        "MISSED " + "; ".join(missed) if missed else "met",
+    )
 
 
 if __name__ == "__main__":

@@ -88,10 +88,20 @@ def measure(layers, tokens, repeat, threads) -> list[dict]:
             x = torch.randn(n, in_local, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
             ms = interleaved_ms(modules, x, repeat if n in DECODE else max(3, repeat // 3))
             for fmt_name in FORMATS:
-                rows.append(dict(tp=tp, threads_per_rank=threads, layer=name, shape=f"{out_f}x{in_f}",
-                                 style=style, tokens=n,
-                                 phase="decode" if n in DECODE else "prefill", format=fmt_name,
-                                 ms=ms[fmt_name], ratio_vs_bf16=ms[fmt_name] / ms["bf16"]))
+                rows.append(
+                    dict(
+                        tp=tp,
+                        threads_per_rank=threads,
+                        layer=name,
+                        shape=f"{out_f}x{in_f}",
+                        style=style,
+                        tokens=n,
+                        phase="decode" if n in DECODE else "prefill",
+                        format=fmt_name,
+                        ms=ms[fmt_name],
+                        ratio_vs_bf16=ms[fmt_name] / ms["bf16"],
+                    )
+                )
         del modules
     return rows
 
@@ -108,8 +118,11 @@ def plot(rows, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.2), squeeze=False)
     for ax, name in zip(axes[0], layers):
         for (fmt, tp), style in _series(rows, name):
-            pts = sorted((r["tokens"], r["ratio_vs_bf16"]) for r in rows
-                         if r["layer"] == name and r["format"] == fmt and r["tp"] == tp)
+            pts = sorted(
+                (r["tokens"], r["ratio_vs_bf16"])
+                for r in rows
+                if r["layer"] == name and r["format"] == fmt and r["tp"] == tp
+            )
             ax.plot(*zip(*pts), marker="o", linestyle=style, label=f"{fmt}, TP={tp}")
         first = next(r for r in rows if r["layer"] == name)
         ax.axhline(1.0, color="grey", linewidth=1)
@@ -134,8 +147,12 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--tokens", type=int, nargs="+", default=[*DECODE, *PREFILL])
     ap.add_argument("--shape", nargs="+", metavar="OUTxIN", help="layers to bench both ways instead of wq/wo")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="threads per rank (default: CPU cores / TP degree); 1 is steadier on a busy machine")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads per rank (default: CPU cores / TP degree); 1 is steadier on a busy machine",
+    )
     ap.add_argument("--out", type=Path, default=DOCS, help="where tp_linear.csv / .png go")
     return ap.parse_args(argv)
 
@@ -155,8 +172,10 @@ def main(argv=None) -> int:
     print(f"\nbf16 activations, {os.cpu_count()} CPU cores, threads per rank {threads}, median of {args.repeat}")
     print(f"{'layer':<20}{'TP':>3}{'tokens':>8}  {'format':<20}{'ms':>10}{'x bf16':>8}")
     for r in rows:
-        print(f"{r['layer'] + ' ' + r['shape']:<20}{r['tp']:>3}{r['tokens']:>8}  {r['format']:<20}"
-              f"{r['ms']:>10.2f}{r['ratio_vs_bf16']:>8.2f}")
+        print(
+            f"{r['layer'] + ' ' + r['shape']:<20}{r['tp']:>3}{r['tokens']:>8}  {r['format']:<20}"
+            f"{r['ms']:>10.2f}{r['ratio_vs_bf16']:>8.2f}"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "tp_linear.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -164,14 +183,21 @@ def main(argv=None) -> int:
         writer.writerows(rows)
     decode = [r for r in rows if r["phase"] == "decode" and r["format"] != "bf16"]
     worst = max(decode, key=lambda r: r["ratio_vs_bf16"]) if decode else None
-    print(f"\nwrote {args.out / 'tp_linear.csv'}"
-          + (f" and {args.out / 'tp_linear.png'}" if plot(rows, args.out / "tp_linear.png") else
-             " (install matplotlib for the plot: pip install dtensor_quant[bench])"))
+    print(
+        f"\nwrote {args.out / 'tp_linear.csv'}"
+        + (
+            f" and {args.out / 'tp_linear.png'}"
+            if plot(rows, args.out / "tp_linear.png")
+            else " (install matplotlib for the plot: pip install dtensor_quant[bench])"
+        )
+    )
     if worst:
         met = worst["ratio_vs_bf16"] < 1
-        print(f"goal, quantized decode faster than dense bf16 at every TP degree: {'met' if met else 'MISSED'} "
-              f"(slowest: {worst['format']} {worst['layer']} TP={worst['tp']} tokens={worst['tokens']} "
-              f"at {worst['ratio_vs_bf16']:.2f}x bf16)")
+        print(
+            f"goal, quantized decode faster than dense bf16 at every TP degree: {'met' if met else 'MISSED'} "
+            f"(slowest: {worst['format']} {worst['layer']} TP={worst['tp']} tokens={worst['tokens']} "
+            f"at {worst['ratio_vs_bf16']:.2f}x bf16)"
+        )
     return 0
 
 

@@ -39,8 +39,10 @@ def _shape(text: str) -> list[Layer]:
         shape = tuple(int(v) for v in dims.lower().split("x"))
         assert len(shape) in (2, 3)
     except (ValueError, AssertionError):
-        raise SystemExit(f"bad --shape {text!r}: expected [NAME=][EXPERTSx]OUTxIN[:colwise|rowwise], "
-                         "e.g. wo=4096x4096:rowwise or experts=8x28672x4096") from None
+        raise SystemExit(
+            f"bad --shape {text!r}: expected [NAME=][EXPERTSx]OUTxIN[:colwise|rowwise], "
+            "e.g. wo=4096x4096:rowwise or experts=8x28672x4096"
+        ) from None
     if style and style not in STYLES:
         raise SystemExit(f"bad --shape {text!r}: style must be colwise or rowwise")
     return [Layer(name or dims, shape, s) for s in ([style] if style else STYLES)]
@@ -51,8 +53,13 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="which TP/FSDP degrees each quantized weight can take, and why not")
     p.add_argument("--format", required=True, help="int8, int4, int4:64, Int4Groupwise(32), ...")
-    p.add_argument("--shape", action="append", default=[], metavar="[NAME=]OUTxIN[:STYLE]",
-                   help="a Linear weight [out, in]; STYLE colwise or rowwise (default: both)")
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="[NAME=]OUTxIN[:STYLE]",
+        help="a Linear weight [out, in]; STYLE colwise or rowwise (default: both)",
+    )
     p.add_argument("--model", metavar="MODULE:FN", help="a function returning the model (built on the meta device)")
     p.add_argument("--tp-plan", metavar="MODULE:FN", help="a function model -> {fqn: ParallelStyle} (the TP styles)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="tensor-parallel degrees")

@@ -41,7 +41,10 @@ def block_reduce(x: torch.Tensor, dim: int, block: int | None, op: str) -> torch
 
 
 def canonical_nan(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with every NaN as the one canonical NaN (the input's sign and payload would depend on which shard held it)."""
+    """``x`` with every NaN as the one canonical NaN.
+
+    The input's sign and payload would depend on which shard held it.
+    """
     return torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
 
 

@@ -383,7 +383,9 @@ def _read_specs(path, keys: list[str]) -> dict[str, dict]:
     records = {k + "." + SPEC_KEY: "" for k in keys}
     with _quiet_single_process():
         try:
-            dcp.load(records, storage_reader=VerifyingFileSystemReader(path), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+            dcp.load(
+                records, storage_reader=VerifyingFileSystemReader(path), planner=WeightsOnlyLoadPlanner(), no_dist=True
+            )
         except CheckpointException as e:
             raise _load_error(path, e) from None
     return {k: parse_spec(records[k + "." + SPEC_KEY], k) for k in keys}
@@ -498,7 +500,9 @@ def _on_every_rank(check, process_group):
         error, result = e, None
     if dist.is_initialized():
         errors: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=process_group)
+        dist.all_gather_object(
+            errors, None if error is None else (type(error).__name__, str(error)), group=process_group
+        )
         if error is None:
             failed = [(r, e) for r, e in enumerate(errors) if e is not None]
             if failed:

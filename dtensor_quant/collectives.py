@@ -136,12 +136,15 @@ def agree_layout(q: QuantizedTensor, group, what: str, shape: bool = True) -> No
     key = agree.layout_key(q)
     if not shape:
         key = key[:4] + (None, tuple(d for d, _ in key[5]))
-    agree.check_same(agree.group_name_of(group), key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key)
+    agree.check_same(
+        agree.group_name_of(group), key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key
+    )
 
 
 def _describe_key(key) -> str:
     if key[4] is None:
-        return f"{key[0]!r}, {key[3]}, inner dtypes {[str(d) for d in key[5]]}, relations {[[str(r) for r in row] for row in key[1]]}"
+        relations = [[str(r) for r in row] for row in key[1]]
+        return f"{key[0]!r}, {key[3]}, inner dtypes {[str(d) for d in key[5]]}, relations {relations}"
     return agree.describe_key(key)
 
 

@@ -174,7 +174,9 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
         if _fewer_than_shards(weight.shape, mesh.shape, _shard_dims(placements, weight.ndim)):
             # As in quantize(): DTensor would replicate (gather) a dim shorter than its shard count.
             dense = dequantize_local(local, dtype or weight.dtype)
-            return DTensor.from_local(dense, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
+            return DTensor.from_local(
+                dense, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride()
+            )
     return torch.ops.dtensor_quant.dequantize(weight, format_id(local.fmt), dtype or weight.dtype)
 
 

@@ -141,7 +141,10 @@ def _inner(q: QuantizedTensor) -> list[torch.Tensor]:
 
 # -- aliases and views --------------------------------------------------------
 
-_KEEP_ON_ALIAS = (SHARED, PADDED_ROWS)  # what layout_ops.alias keeps (writes.keep_shared, fsdp_padding.keep_padded_rows)
+_KEEP_ON_ALIAS = (
+    SHARED,
+    PADDED_ROWS,
+)  # what layout_ops.alias keeps (writes.keep_shared, fsdp_padding.keep_padded_rows)
 
 
 def _alias(q: QuantizedTensor) -> QuantizedTensor:
@@ -154,7 +157,13 @@ def _alias(q: QuantizedTensor) -> QuantizedTensor:
     return out
 
 
-@_fast("aten::detach", "aten::alias", "aten::lift_fresh", "_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
+@_fast(
+    "aten::detach",
+    "aten::alias",
+    "aten::lift_fresh",
+    "_c10d_functional::wait_tensor",
+    "_c10d_functional::_wrap_tensor_autograd",
+)
 def _alias_op(func, args, kwargs):
     q = args[0]
     if not _plain(q):

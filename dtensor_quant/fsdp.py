@@ -99,7 +99,9 @@ def _agreed(result, mesh):
     if meta.world > 1:
         key = ("fsdp", meta.fmt, tuple(meta.rels), tuple(meta.shape), meta.sent, meta.dtypes, meta.shapes)
         group = mesh.get_group(mesh.ndim - 1).group_name
-        agree.check_same(group, key, inputs[0], f"FSDP2 all-gather of a {meta.fmt} shard of {tuple(meta.shape)}", _describe_key)
+        agree.check_same(
+            group, key, inputs[0], f"FSDP2 all-gather of a {meta.fmt} shard of {tuple(meta.shape)}", _describe_key
+        )
     return result
 
 
@@ -173,13 +175,16 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     for buf in buffers:
         never_cache(buf)  # FSDP2 frees and refills it: no kernel may cache a copy
     joined = {  # [world * rows, ...] in each inner tensor's own trailing shape (N-D expert stacks)
-        n: buf.view(dtype).view(-1, *shape[1:]) for n, dtype, buf, shape in zip(meta.sent, meta.dtypes, outputs, meta.shapes)
+        n: buf.view(dtype).view(-1, *shape[1:])
+        for n, dtype, buf, shape in zip(meta.sent, meta.dtypes, outputs, meta.shapes)
     }
     rows = {n: shape[0] for n, shape in zip(meta.sent, meta.shapes)}
     pieces = []
     for r in range(world):
         inner = {n: joined[n].narrow(0, r * rows[n], rows[n]) if n in joined else meta.kept[n] for n in names}
-        pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(len(meta.shape)), meta.shape, param_dtype))
+        pieces.append(
+            QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(len(meta.shape)), meta.shape, param_dtype)
+        )
     full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
     if meta.dense:
         return _dequantize_gathered(full, buffers, out)
@@ -379,4 +384,3 @@ def _shard_size(mesh, kwargs) -> int | None:
     if mesh is None:
         return dist.get_world_size() if dist.is_initialized() else None
     return mesh.size(mesh.ndim - 1)
-

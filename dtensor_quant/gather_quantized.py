@@ -73,7 +73,9 @@ class GatherQuantized(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed=False, full_shape=None, tp_axes=()):
+    def __new__(
+        cls, data: torch.Tensor, fmt: QuantFormat, quant_dtype=None, transposed=False, full_shape=None, tp_axes=()
+    ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,

@@ -187,7 +187,9 @@ class Checkpoint:
             if any(h <= lo_i for lo_i, h in zip(lo, hi)):
                 continue
             k = len(at) - len(self.tensors[key].shape)  # leading dims the piece adds (its expert index)
-            part = self.read(key, [lo_i - a for lo_i, a in zip(lo[k:], at[k:])], [h - lo_i for lo_i, h in zip(lo[k:], hi[k:])])
+            part = self.read(
+                key, [lo_i - a for lo_i, a in zip(lo[k:], at[k:])], [h - lo_i for lo_i, h in zip(lo[k:], hi[k:])]
+            )
             out[tuple(slice(lo_i - o, h - o) for lo_i, h, o in zip(lo, hi, offsets))] = part.reshape(
                 [h - lo_i for lo_i, h in zip(lo, hi)]
             )

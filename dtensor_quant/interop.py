@@ -37,7 +37,10 @@ def _from_nf4(t) -> QuantizedTensor:
     fmt = NF4(t.block_size, t.scaler_block_size)
     layout = fmt.layout_for(t.shape)  # torchao's inner tensors are the flat, row-major ones
     torchao_names = {
-        "qdata": "quantized_data", "scaler": "quantized_scalers", "factor": "quantization_factor", "mean": "scaler_mean"
+        "qdata": "quantized_data",
+        "scaler": "quantized_scalers",
+        "factor": "quantization_factor",
+        "mean": "scaler_mean",
     }
     inner = {}
     for name, rels in layout.items():
@@ -58,7 +61,12 @@ def _from_int8(t) -> QuantizedTensor:
         raise ValueError("from_torchao: an asymmetric Int8Tensor (nonzero zero_point) has no Int8Rowwise equivalent")
     fmt = Int8Rowwise()
     return QuantizedTensor(
-        {"qdata": qdata, "scale": scale}, fmt, tuple(fmt.layout_for(t.shape).values()), canonical_dims(2), tuple(t.shape), t.dtype
+        {"qdata": qdata, "scale": scale},
+        fmt,
+        tuple(fmt.layout_for(t.shape).values()),
+        canonical_dims(2),
+        tuple(t.shape),
+        t.dtype,
     )
 
 

@@ -326,7 +326,8 @@ MAX_LISTED_MESH_SIZE = 64
 
 
 def legal_chunk_counts(length: int, factor: int) -> list[int]:
-    """The shard counts (up to MAX_LISTED_MESH_SIZE) whose ``torch.chunk`` of ``length`` cuts on multiples of ``factor``."""
+    """The shard counts (up to MAX_LISTED_MESH_SIZE) whose ``torch.chunk`` of ``length`` cuts on multiples of
+    ``factor``."""
     return [n for n in range(1, MAX_LISTED_MESH_SIZE + 1) if legal_chunk(length, n, factor)]
 
 

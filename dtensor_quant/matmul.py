@@ -103,7 +103,9 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
     return result
 
 
-def kernel_linear_impl(x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks):
+def kernel_linear_impl(
+    x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks
+):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
     ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations.
@@ -230,7 +232,11 @@ def _batched(func, a, b):
         return dequantize(unbroadcast(a), b.dtype) @ b
     if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and matrix_dims(b) == 1:
         # One matrix per batch entry (transformers' batched_mm experts: ``bmm(x, w[ids])``).
-        return torch.stack([linear(a[i], select_dim(b, 0, i)) for i in range(b.shape[0])]) if b.shape[0] else a.new_empty((0, a.shape[1], b.shape[2]))
+        return (
+            torch.stack([linear(a[i], select_dim(b, 0, i)) for i in range(b.shape[0])])
+            if b.shape[0]
+            else a.new_empty((0, a.shape[1], b.shape[2]))
+        )
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and matrix_dims(a) == 1:
         # ``bmm(w[ids], x)``: ``W_i @ x_i = (x_i.T @ W_i.T).T``, the weight-only kernel on ``x_i.T``.
         if not a.shape[0]:

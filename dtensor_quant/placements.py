@@ -183,7 +183,9 @@ def _explain(fmt, shape, mesh_shape, placements, dim, bad, factor) -> str:
     hints = []
     for m in mesh_dims:
         sizes = legal_mesh_sizes(shape, fmt, mesh_shape, placements, m)
-        hints.append(f"mesh dim {m} (now {mesh_shape[m]}) would be legal with size " + (", ".join(map(str, sizes)) or "none"))
+        hints.append(
+            f"mesh dim {m} (now {mesh_shape[m]}) would be legal with size " + (", ".join(map(str, sizes)) or "none")
+        )
     return (
         f"{fmt}: placements {list(placements)} on mesh {tuple(mesh_shape)} cut dim {dim} "
         f"(size {shape[dim]}) of a {tuple(shape)} weight at index {bad}, which is not a multiple of "

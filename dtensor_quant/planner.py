@@ -142,9 +142,14 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), alternatives="leave this layer unquantized (filter_fn)")
     if first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
-        return Cell(dp, tp, placements, why=_why(layer, fmt, mesh, placements),
-                    alternatives=_alternatives(layer, fmt, mesh, placements),
-                    padding=_padding(layer, fmt, mesh, placements))
+        return Cell(
+            dp,
+            tp,
+            placements,
+            why=_why(layer, fmt, mesh, placements),
+            alternatives=_alternatives(layer, fmt, mesh, placements),
+            padding=_padding(layer, fmt, mesh, placements),
+        )
     local = _local_shape(shape, mesh, placements)
     return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
@@ -154,8 +159,9 @@ def _why(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
     layout = weight_layout(fmt, layer.shape)
     needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in layout.items() if rels[dim].factor > 1)
     what = {len(layer.shape) - 2: "rows", len(layer.shape) - 1: "columns"}.get(dim, "experts")
-    return (f"the {layer.shape[dim]} {what} are cut at {what[:-1]} {bad}, not a multiple of {factor} "
-            f"({needs}; dim {dim})")
+    return (
+        f"the {layer.shape[dim]} {what} are cut at {what[:-1]} {bad}, not a multiple of {factor} ({needs}; dim {dim})"
+    )
 
 
 def _legal_at(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> bool:
@@ -351,15 +357,21 @@ def render(p: Plan) -> str:
         table.append(row)
     if len({layer.name for layer, _ in p.rows}) == len(p.rows):  # one style per layer: totals make sense
         totals = [p.total_bytes(d, t) for d, t in p.meshes]
-        bf16 = [sum(2 * _numel(layer.shape) // (d * t * (p.ep if len(layer.shape) > 2 else 1)) for layer, _ in p.rows)
-                for d, t in p.meshes]
+        bf16 = [
+            sum(2 * _numel(layer.shape) // (d * t * (p.ep if len(layer.shape) > 2 else 1)) for layer, _ in p.rows)
+            for d, t in p.meshes
+        ]
         table.append(["total per rank", "", "", *("--" if t is None else _size(t) for t in totals)])
         table.append(["bf16 per rank", "", "", *(_size(b) for b in bf16)])
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    lines = [f"{p.fmt}: bytes each rank stores per weight (largest shard); NO = refused, see notes"
-             + (f"; expert stacks over ep={p.ep}" if p.ep > 1 else "")]
-    lines += ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
-              for r in table]
+    lines = [
+        f"{p.fmt}: bytes each rank stores per weight (largest shard); NO = refused, see notes"
+        + (f"; expert stacks over ep={p.ep}" if p.ep > 1 else "")
+    ]
+    lines += [
+        "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+        for r in table
+    ]
     lines += [""] if notes else []
     for (shape, style, why, alternatives, padding), (number, names, meshes) in notes.items():
         who = names[0] + (f" (and {len(names) - 1} more like it)" if len(names) > 1 else "")
@@ -374,9 +386,11 @@ def render(p: Plan) -> str:
 def padding_hint(shape, padding: tuple[int, int, int]) -> str:
     dim, length, extra = padding
     what = "rows" if dim == 0 else "columns"
-    return (f"Or zero-pad its {what} from {shape[dim]} to {length} (+{_size(extra)} for the whole weight): "
-            f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
-            f"together, which changes no output.")
+    return (
+        f"Or zero-pad its {what} from {shape[dim]} to {length} (+{_size(extra)} for the whole weight): "
+        f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
+        f"together, which changes no output."
+    )
 
 
 def _numel(shape) -> int:

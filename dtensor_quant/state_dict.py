@@ -138,7 +138,9 @@ def is_quantized(value) -> bool:
     return _quantized_local(value) is not None
 
 
-def canonical_view(value, key: str) -> tuple[QuantizedTensor, dict[str, torch.Tensor], tuple[int, ...], tuple[int, ...]]:
+def canonical_view(
+    value, key: str
+) -> tuple[QuantizedTensor, dict[str, torch.Tensor], tuple[int, ...], tuple[int, ...]]:
     """The local weight, its canonical inner tensors, and the logical->canonical dim map and canonical shape."""
     q = _quantized_local(value)
     inner = canonical_inner(q) if q.ndim >= 2 else None
@@ -295,7 +297,9 @@ def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
             )
         local[name] = _local_chunk(e, like, rels, to_canonical) if isinstance(like, DTensor) else _full(e)
     rels = tuple(layout.values())
-    rebuilt = QuantizedTensor(local, q.fmt, rels, canonical_dims(len(shape)), _local_shape(like, to_canonical), like.dtype)
+    rebuilt = QuantizedTensor(
+        local, q.fmt, rels, canonical_dims(len(shape)), _local_shape(like, to_canonical), like.dtype
+    )
     if to_canonical != tuple(range(len(shape))):
         rebuilt = rebuilt.transpose(-2, -1)
     if not isinstance(like, DTensor):

@@ -97,7 +97,17 @@ class QuantizedTensor(torch.Tensor):
         ``hash()``; inner tensors contribute their metadata, not their values.
         """
         inner = [(n, t.dtype, tuple(t.shape), t.stride(), t.device.type) for n, t in self.inner.items()]
-        key = (type(self.fmt).__module__, repr(self.fmt), self.rels, self.dims, self.dtype, tuple(self.shape), self.stride(), self.requires_grad, inner)
+        key = (
+            type(self.fmt).__module__,
+            repr(self.fmt),
+            self.rels,
+            self.dims,
+            self.dtype,
+            tuple(self.shape),
+            self.stride(),
+            self.requires_grad,
+            inner,
+        )
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     @staticmethod

@@ -56,7 +56,9 @@ def same_bytes(a, b) -> bool:
     a = a.full_tensor() if hasattr(a, "full_tensor") else a
     b = b.full_tensor() if hasattr(b, "full_tensor") else b
     if isinstance(a, dq.QuantizedTensor):
-        return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values()))
+        return all(
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values())
+        )
     return torch.equal(a, b)
 
 
@@ -87,7 +89,9 @@ def train(model, steps: int) -> tuple[list[float], wire.WireLog]:
         for step, batch in enumerate(qlora_fsdp2.synthetic_batches(steps, 8, 64), start=1):
             losses.append(llama.train_step(model, opt, batch.chunk(world)[rank]))
             if rank == 0:
-                print(f"\r    step {step}/{steps}  loss {losses[-1]:.3f}", end="\n" if step == steps else "", flush=True)
+                print(
+                    f"\r    step {step}/{steps}  loss {losses[-1]:.3f}", end="\n" if step == steps else "", flush=True
+                )
     return losses, log
 
 
@@ -147,12 +151,20 @@ def table(fmt_name: str, r: dict) -> str:
     q_tok, d_tok = s["tok_s"]
     match = "yes" if s["tokens_match"] else ("a near-tie flipped by bf16 rounding" if s["near_tie"] else "NO")
     rows = [
-        ("Linear weight bytes per rank (TP=2)", f"{b['quantized'] / 2**20:.2f} MiB", f"{b['bf16'] / 2**20:.2f} MiB",
-         f"{b['quantized'] / b['bf16']:.3f}x"),
+        (
+            "Linear weight bytes per rank (TP=2)",
+            f"{b['quantized'] / 2**20:.2f} MiB",
+            f"{b['bf16'] / 2**20:.2f} MiB",
+            f"{b['quantized'] / b['bf16']:.3f}x",
+        ),
         ("TP decode tokens/s (no KV cache)", f"{q_tok:.1f}", f"{d_tok:.1f}", f"{q_tok / d_tok:.2f}x"),
         ("TP tokens == one-process quantized model", match, "", ""),
-        ("FSDP2 all-gather bytes per step, whole model*", f"{r['gathered'][0] / 2**20:.2f} MiB",
-         f"{r['gathered'][1] / 2**20:.2f} MiB", f"{r['gathered'][0] / r['gathered'][1]:.3f}x"),
+        (
+            "FSDP2 all-gather bytes per step, whole model*",
+            f"{r['gathered'][0] / 2**20:.2f} MiB",
+            f"{r['gathered'][1] / 2**20:.2f} MiB",
+            f"{r['gathered'][0] / r['gathered'][1]:.3f}x",
+        ),
         ("FSDP2 all-gather dtypes", ", ".join(sorted(str(d).removeprefix("torch.") for d in r["dtypes"])), "", ""),
         ("QLoRA loss, first -> last step", f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", "", ""),
         ("checkpoint on disk (whole model)", f"{r['size'] / 2**20:.2f} MiB", "", ""),
@@ -161,10 +173,14 @@ def table(fmt_name: str, r: dict) -> str:
     width = max(len(row[0]) for row in rows)
     out = [f"\n{'':<{width}}  {fmt_name:>22}  {'bf16':>12}  {'ratio':>7}"]
     out += [f"{name:<{width}}  {a:>22}  {b_:>12}  {c:>7}" for name, a, b_, c in rows]
-    out.append("\n* the block Linears are quantized; embeddings, norms, the output layer and the LoRA adapters stay "
-               "bf16 on the wire\n  (blocks with adapters travel as one uint8 buffer: FSDP2 packs mixed dtypes).")
-    out.append(f"reloaded base weights under TP placements {', '.join(r['placements'])}; bytes are per rank, "
-               "measured with dtensor_quant.wire; tokens/s vary with machine load.")
+    out.append(
+        "\n* the block Linears are quantized; embeddings, norms, the output layer and the LoRA adapters stay "
+        "bf16 on the wire\n  (blocks with adapters travel as one uint8 buffer: FSDP2 packs mixed dtypes)."
+    )
+    out.append(
+        f"reloaded base weights under TP placements {', '.join(r['placements'])}; bytes are per rank, "
+        "measured with dtensor_quant.wire; tokens/s vary with machine load."
+    )
     return "\n".join(out)
 
 

@@ -121,7 +121,8 @@ def parse_args(argv=None):
     ap.add_argument("--world", type=int, default=2, help="local ranks to start (ignored under torchrun)")
     ap.add_argument("--format", default="int8", help="int8, int4:128, Float8Blockwise, ... (default int8)")
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
-                    help="activations; float32 keeps TP's other reduction order from flipping near-tied tokens")  # fmt: skip
+                    help="activations; float32 keeps TP's other reduction order "
+                         "from flipping near-tied tokens")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=6)
     ap.add_argument("--write-tiny", choices=["llama", "qwen2"], help="first write a tiny random model to MODEL")

@@ -181,7 +181,7 @@ def run(args) -> dict:
         "tokens_equal": torch.equal(tokens, expected),
         "logits_equal": torch.equal(logits, expected_logits),
         "max_logit_diff": (logits.float() - expected_logits.float()).abs().max().item(),
-        "tokens": tokens[0, args.prompt_len:].tolist(),
+        "tokens": tokens[0, args.prompt_len :].tolist(),
         "experts_here": [t.shape[0] for t in local][:1],
         "expert_bytes": sum(t.nbytes_stored for t in local),
         "expert_bytes_bf16": sum(2 * t.numel() for t in local),
@@ -197,10 +197,15 @@ def report(args, results: list[dict]) -> bool:
     tokens_ok = all(x["tokens_equal"] for x in results)
     logits_ok = all(x["logits_equal"] for x in results)
     print(f"tokens equal to one process on every rank: {tokens_ok}")
-    print(f"logits bit-identical to one process: {logits_ok} (max difference {max(x['max_logit_diff'] for x in results):.3g})")
+    print(
+        f"logits bit-identical to one process: {logits_ok} "
+        f"(max difference {max(x['max_logit_diff'] for x in results):.3g})"
+    )
     for rank, x in enumerate(results):
-        print(f"rank {rank}: {x['experts_here'][0]} experts here, {x['expert_bytes'] / 1024:.1f} KiB quantized "
-              f"vs {x['expert_bytes_bf16'] / 1024:.1f} KiB in bf16; all parameters {x['all_bytes'] / 1024:.1f} KiB")
+        print(
+            f"rank {rank}: {x['experts_here'][0]} experts here, {x['expert_bytes'] / 1024:.1f} KiB quantized "
+            f"vs {x['expert_bytes_bf16'] / 1024:.1f} KiB in bf16; all parameters {x['all_bytes'] / 1024:.1f} KiB"
+        )
     return tokens_ok and (logits_ok or args.tp > 1)
 
 

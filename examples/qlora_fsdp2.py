@@ -81,7 +81,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two (possibly sharded, possibly quantized) parameters hold the same bytes."""
     a, b = a.full_tensor(), b.full_tensor()
     if isinstance(a, dq.QuantizedTensor):
-        return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values()))
+        return all(
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values())
+        )
     return torch.equal(a, b)
 
 
@@ -103,9 +105,15 @@ def progress(step: int, steps: int, loss: float, seconds: float) -> None:
     print(f"\r[{bar}] step {step}/{steps}  loss {loss:.4f}  {seconds / step:.2f} s/step", end=end, flush=True)
 
 
-def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: str, hf: str | None = None) -> list[float]:
+def finetune(
+    fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: str, hf: str | None = None
+) -> list[float]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if launch.device_type(world) == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if launch.device_type(world) == "cuda"
+        else torch.device("cpu")
+    )
     mesh = init_device_mesh(device.type, (world,))
     model = shard(build(FORMATS[fmt_name], device, hf=hf), mesh)
     vocab = model.config.vocab_size if hf else CFG.vocab_size
@@ -135,8 +143,10 @@ def finetune(fmt_name: str, steps: int, batch: int, seq: int, lr: float, out: st
     same = all(same_bytes(p, reloaded[k]) for k, p in trained.items())
     if rank == 0:
         size = sum(f.stat().st_size for f in pathlib.Path(path).glob("*.distcp"))
-        print(f"saved the model to {path} ({size / 2**20:.1f} MiB, DCP); reloaded into a fresh model: "
-              f"{'every byte identical' if same else 'DIFFERENT'}")
+        print(
+            f"saved the model to {path} ({size / 2**20:.1f} MiB, DCP); reloaded into a fresh model: "
+            f"{'every byte identical' if same else 'DIFFERENT'}"
+        )
         print(f"loss log: {os.path.join(out, 'loss.csv')}")
     assert same, "the reloaded model differs from the saved one"
     if hf:  # the fine-tuned model for any consumer: adapters merged, dense bf16, each rank writing its slices
@@ -159,8 +169,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.batch % args.ranks:
         ap.error(f"--batch {args.batch} must split evenly over --ranks {args.ranks}")
-    losses = launch.run(finetune, args.ranks, args.format, args.steps, args.batch, args.seq, args.lr, args.out, args.hf,
-                        timeout=3600)[0]
+    losses = launch.run(
+        finetune, args.ranks, args.format, args.steps, args.batch, args.seq, args.lr, args.out, args.hf, timeout=3600
+    )[0]
     print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     return losses
 

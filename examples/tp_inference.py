@@ -124,8 +124,9 @@ def run(args) -> dict:
     dq.quantize_(reference, fmt)
     expected, ref_s = timed_generate(reference, prompt, args.tokens, pad)
 
-    kwargs = dict(seed=args.seed, dtype=dtype, quantize_first=not args.quantize_after,
-                  sequence_parallel=args.sequence_parallel)
+    kwargs = dict(
+        seed=args.seed, dtype=dtype, quantize_first=not args.quantize_after, sequence_parallel=args.sequence_parallel
+    )
     model = build_tp(cfg, fmt, mesh, **kwargs)
     dense = build_tp(cfg, None, mesh, **kwargs)
     if args.compile != "none":  # both, so that tokens/s compare like with like
@@ -136,7 +137,7 @@ def run(args) -> dict:
     return {
         "match": torch.equal(tokens, expected),
         "tie": explain_difference(model, reference, tokens, expected, pad),
-        "tokens": tokens[0, args.prompt_len:].tolist(),
+        "tokens": tokens[0, args.prompt_len :].tolist(),
         "tok_s": {"tp_quantized": n / tp_s, "tp_dense": n / dense_s, "one_process_quantized": n / ref_s},
         "bytes": linear_bytes(model),
     }
@@ -146,8 +147,11 @@ def linear_bytes(model) -> dict:
     """This rank's bytes for the quantized Linear weights, the same weights in bf16, and all parameters."""
     quantized = [model.get_parameter(n) for n in quantized_fqns(model)]
     local = [p.to_local() if isinstance(p, DTensor) else p for p in quantized]
-    return {"quantized": sum(t.nbytes_stored for t in local), "bf16": sum(2 * t.numel() for t in local),
-            "all_parameters": weight_bytes(model)}
+    return {
+        "quantized": sum(t.nbytes_stored for t in local),
+        "bf16": sum(2 * t.numel() for t in local),
+        "all_parameters": weight_bytes(model),
+    }
 
 
 # A different reduction order rounds logits differently (bf16 partial sums are rounded before the
@@ -174,34 +178,49 @@ def explain_difference(model, reference, tokens, expected, pad_to_multiple=1) ->
     noise = (ref - tp).abs().max().item()
     gap = (ref[row, expected[row, pos]] - ref[row, tokens[row, pos]]).item()
     scale = ref.abs().max().item()
-    return {"position": pos, "row": row, "gap": gap, "noise": noise, "scale": scale,
-            "near_tie": gap <= 2 * noise and noise <= ROUNDING_BOUND * scale}
+    return {
+        "position": pos,
+        "row": row,
+        "gap": gap,
+        "noise": noise,
+        "scale": scale,
+        "near_tie": gap <= 2 * noise and noise <= ROUNDING_BOUND * scale,
+    }
 
 
 def report(args, results: list[dict]) -> bool:
     world, r = len(results), results[0]
-    print(f"{world} ranks, {args.format}, {args.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.tokens} new tokens" + (", sequence-parallel" if args.sequence_parallel else "")
-          + (f", compiled ({args.compile})" if args.compile != "none" else ""))
+    print(
+        f"{world} ranks, {args.format}, {args.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.tokens} new tokens"
+        + (", sequence-parallel" if args.sequence_parallel else "")
+        + (f", compiled ({args.compile})" if args.compile != "none" else "")
+    )
     print(f"tokens (rank 0): {r['tokens']}")
     equal = all(x["match"] for x in results)
     print(f"tokens equal to the one-process quantized model on every rank: {equal}")
     ok = equal or all(x["tie"]["near_tie"] for x in results)
     if not equal:
         t = r["tie"]
-        print(f"  first difference at position {t['position']} (row {t['row']}): the one-process model's top two "
-              f"logits differ by {t['gap']:.4f}; the TP logits differ from it by up to {t['noise']:.4f} "
-              f"(logits up to {t['scale']:.2f}): " + ("a near-tie flipped by rounding" if ok else "NOT rounding"))
+        print(
+            f"  first difference at position {t['position']} (row {t['row']}): the one-process model's top two "
+            f"logits differ by {t['gap']:.4f}; the TP logits differ from it by up to {t['noise']:.4f} "
+            f"(logits up to {t['scale']:.2f}): " + ("a near-tie flipped by rounding" if ok else "NOT rounding")
+        )
     t = r["tok_s"]
     speedup = t["tp_quantized"] / t["tp_dense"]
-    print(f"tokens/s (no KV cache, {args.prompt_len + args.tokens}-token window): TP quantized "
-          f"{t['tp_quantized']:.1f}, TP {args.dtype} {t['tp_dense']:.1f} (quantized {speedup:.2f}x as fast), "
-          f"one-process quantized {t['one_process_quantized']:.1f}")
+    print(
+        f"tokens/s (no KV cache, {args.prompt_len + args.tokens}-token window): TP quantized "
+        f"{t['tp_quantized']:.1f}, TP {args.dtype} {t['tp_dense']:.1f} (quantized {speedup:.2f}x as fast), "
+        f"one-process quantized {t['one_process_quantized']:.1f}"
+    )
     for rank, x in enumerate(results):
         b = x["bytes"]
-        print(f"rank {rank}: Linear weights {b['quantized'] / 2**20:.2f} MiB quantized vs {b['bf16'] / 2**20:.2f} MiB "
-              f"in bf16 ({b['quantized'] / b['bf16']:.3f}x); all parameters {b['all_parameters'] / 2**20:.2f} MiB "
-              f"(embedding and norms stay {args.dtype})")
+        print(
+            f"rank {rank}: Linear weights {b['quantized'] / 2**20:.2f} MiB quantized vs {b['bf16'] / 2**20:.2f} MiB "
+            f"in bf16 ({b['quantized'] / b['bf16']:.3f}x); all parameters {b['all_parameters'] / 2**20:.2f} MiB "
+            f"(embedding and norms stay {args.dtype})"
+        )
     return ok
 
 

@@ -1,4 +1,6 @@
-"""The fast path (dtensor_quant.fastpath) gives what the ordinary handlers give, bit for bit and annotation for annotation.
+"""The fast path (dtensor_quant.fastpath) gives what the ordinary handlers give.
+
+Bit for bit and annotation for annotation.
 
 Plans are keyed by layout; these tests interleave many layouts, shapes,
 strides and annotations of the same ops (so a stale or shared plan would
@@ -64,7 +66,9 @@ def _same_tensor(a, b, what, same_objects=True):
             if isinstance(va, torch.Tensor) and not same_objects:
                 assert isinstance(vb, torch.Tensor) and va.data_ptr() == vb.data_ptr(), f"{what}: annotation {k}"
             else:
-                assert (va is vb) if isinstance(va, torch.Tensor) else (va == vb), f"{what}: annotation {k}: {va!r} vs {vb!r}"
+                assert (va is vb) if isinstance(va, torch.Tensor) else (va == vb), (
+                    f"{what}: annotation {k}: {va!r} vs {vb!r}"
+                )
         return
     assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), what
     assert a.data_ptr() == b.data_ptr() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), what
@@ -163,7 +167,10 @@ def test_in_place_writes_reach_fast_views_and_kernels():
 
 
 def test_flattened_views_stay_distinct_grids():
-    """Two view(-1) results whose flatten does not follow the flat index never compare as one grid (as the handler makes them)."""
+    """Two view(-1) results whose flatten does not follow the flat index never compare as one grid.
+
+    The handler makes them that way.
+    """
     q = dq.quantize(_weight((64, 256), 6), dq.NF4(32, 4))[:, :64]  # its factors then do not follow the flat index
     for _ in range(3):
         a, b = q.view(-1), q.view(-1)
@@ -180,7 +187,10 @@ def test_switch_off():
     assert fastpath.ENABLED
     with fastpath.disabled():
         assert not fastpath.ENABLED
-        assert fastpath.run(torch.ops.aten.t.default, (dq.quantize(_weight((16, 64), 0), dq.Int8Rowwise()),), {}) is NotImplemented
+        assert (
+            fastpath.run(torch.ops.aten.t.default, (dq.quantize(_weight((16, 64), 0), dq.Int8Rowwise()),), {})
+            is NotImplemented
+        )
     assert fastpath.ENABLED
 
 

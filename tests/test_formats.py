@@ -9,8 +9,22 @@ import dtensor_quant as dq
 from dtensor_quant.blocks import block_reduce, expand_blocks
 
 NF4_LEVELS_REFERENCE = [
-    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
-    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
+    -1.0,
+    -0.6962,
+    -0.5251,
+    -0.3949,
+    -0.2844,
+    -0.1848,
+    -0.0911,
+    0.0,
+    0.0796,
+    0.1609,
+    0.2461,
+    0.3379,
+    0.4407,
+    0.5626,
+    0.7230,
+    1.0,
 ]  # fmt: skip  (torchao's table: the QLoRA levels rounded to 4 decimals)
 
 
@@ -35,8 +49,15 @@ def nf4_reference(w: torch.Tensor, block: int, scaler_block: int):
 
 @pytest.mark.parametrize(
     "shape,block,scaler_block",
-    [((64, 4096), 64, 256), ((32, 512), 64, 256), ((8, 8192), 32, 64), ((8, 14336), 64, 256), ((24, 96), 64, 4),
-     ((128, 33), 64, 2), ((8, 4), 16, 1)],  # odd width: codes packed across rows; blocks of whole rows
+    [
+        ((64, 4096), 64, 256),
+        ((32, 512), 64, 256),
+        ((8, 8192), 32, 64),
+        ((8, 14336), 64, 256),
+        ((24, 96), 64, 4),
+        ((128, 33), 64, 2),
+        ((8, 4), 16, 1),
+    ],  # odd width: codes packed across rows; blocks of whole rows
 )
 def test_nf4_matches_reference_algorithm(shape, block, scaler_block):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -115,7 +136,14 @@ def test_int8_and_int4_match_reference():
 
 @pytest.mark.parametrize(
     "fmt",
-    [dq.Int8Rowwise(), dq.Int4Groupwise(32), dq.NF4(32, 4), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(16)],
+    [
+        dq.Int8Rowwise(),
+        dq.Int4Groupwise(32),
+        dq.NF4(32, 4),
+        dq.Float8Rowwise(),
+        dq.Float8Tensorwise(),
+        dq.Float8Blockwise(16),
+    ],
     ids=str,
 )
 def test_quantized_linear_matches_dequantized(fmt):
@@ -150,8 +178,16 @@ def test_compile_cache_key_is_stable_and_discriminating():
         "import torch, dtensor_quant as dq;"
         "print(dq.quantize(torch.randn(64, 256), dq.Int4Groupwise(32))._stable_hash_for_caching())"
     )
-    seeds = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": s}, capture_output=True,
-                            text=True, check=True).stdout.strip() for s in ("1", "2")]
+    seeds = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": s},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for s in ("1", "2")
+    ]
     w = torch.randn(64, 256)
     assert seeds[0] == seeds[1] == dq.quantize(w, dq.Int4Groupwise(32))._stable_hash_for_caching()
     others = {dq.quantize(w, f)._stable_hash_for_caching() for f in (dq.Int4Groupwise(64), dq.Int8Rowwise())}
@@ -250,8 +286,15 @@ def test_nf4_extreme_and_non_finite_input():
 
 @pytest.mark.parametrize(
     "fmt",
-    [dq.NF4(), dq.NF4(64, 4), dq.Int4Groupwise(32), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise(),
-     dq.Float8Blockwise(32)],
+    [
+        dq.NF4(),
+        dq.NF4(64, 4),
+        dq.Int4Groupwise(32),
+        dq.Int8Rowwise(),
+        dq.Float8Rowwise(),
+        dq.Float8Tensorwise(),
+        dq.Float8Blockwise(32),
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -299,7 +342,14 @@ def _hostile_weights():
 @pytest.mark.parametrize("name", list(_hostile_weights()))
 @pytest.mark.parametrize(
     "fmt",
-    [dq.NF4(), dq.Int4Groupwise(128), dq.Int8Rowwise(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(32)],
+    [
+        dq.NF4(),
+        dq.Int4Groupwise(128),
+        dq.Int8Rowwise(),
+        dq.Float8Rowwise(),
+        dq.Float8Tensorwise(),
+        dq.Float8Blockwise(32),
+    ],
     ids=str,
 )
 def test_unpack_matches_dequantize_on_hostile_input(fmt, name):

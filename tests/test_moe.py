@@ -143,7 +143,14 @@ def dequantized_copy(model):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize(
     "fmt",
-    [dq.Int8Rowwise(), dq.Int4Groupwise(64), dq.NF4(64, 64), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(32)],
+    [
+        dq.Int8Rowwise(),
+        dq.Int4Groupwise(64),
+        dq.NF4(64, 64),
+        dq.Float8Rowwise(),
+        dq.Float8Tensorwise(),
+        dq.Float8Blockwise(32),
+    ],
     ids=str,
 )
 def test_quantize_moe_model_covers_every_expert(kind, fmt):
@@ -156,7 +163,9 @@ def test_quantize_moe_model_covers_every_expert(kind, fmt):
     assert set(experts) <= quantized
     # every parameter is either quantized or listed with a reason; the routers stay dense (listed)
     assert quantized | {n for n, _ in dense} == {n for n, _ in model.named_parameters()}
-    assert {n for n, _ in dense if n.endswith("mlp.gate.weight")} == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    assert {n for n, _ in dense if n.endswith("mlp.gate.weight")} == {
+        f"model.layers.{i}.mlp.gate.weight" for i in range(2)
+    }
     reference = dequantized_copy(model)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
     for impl in ("eager", "grouped_mm"):

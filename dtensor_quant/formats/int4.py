@@ -117,7 +117,11 @@ class Int4Groupwise(QuantFormat):
     def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
         """``q - 8`` by table lookup (one per byte) in fp32, then the group's scale and zero, as ``dequantize``."""
         rows = out.shape[0]
-        values = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        values = (
+            out
+            if out.dtype == torch.float32 and out.is_contiguous()
+            else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        )
         nibbles_into(inner["qdata"], _CODES_MINUS_8, values, high_first=False)
         grouped = values.view(rows, -1, self.group_size)
         grouped.mul_(inner["scale"].float().unsqueeze(-1)).add_(inner["zero"].float().unsqueeze(-1))
@@ -156,7 +160,9 @@ class Int4Groupwise(QuantFormat):
         return "cuda", torch.ops.aten._convert_weight_to_int4pack(high_first.contiguous(), tiles), scale_zeros
 
     def linear(self, x, prepared, bias):
-        """torch's int4 weight-only mm, bf16 activations: ``_weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
+        """torch's int4 weight-only mm, bf16 activations.
+
+        ``_weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
 
         fp32/fp16 activations dequantize instead: torch 2.13's CPU kernel is vectorized for
         bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in bf16).

@@ -289,7 +289,9 @@ def fsdp2_qlora(fmt: QuantFormat, shape) -> str:
     assert base, "no uint8 all-gather: the quantized weight was not gathered as stored bytes"
     per_gather = max(t.nbytes for t in base)
     limit = stored / world * 1.05 + 64 * len(fmt.inner_names)
-    assert per_gather <= limit, f"each rank sent {per_gather} bytes per all-gather; its share of the payload is {stored / world:.0f}"
+    assert per_gather <= limit, (
+        f"each rank sent {per_gather} bytes per all-gather; its share of the payload is {stored / world:.0f}"
+    )
     dense = shape[0] * shape[1] * 2 / world
     return f"{len(losses)} steps match one process; base all-gather {per_gather / dense:.3f}x its bf16 bytes"
 

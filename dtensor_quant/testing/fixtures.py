@@ -1,9 +1,9 @@
 """The pytest fixture of the toolkit; import it into a conftest.py to use it::
 
-    from dtensor_quant.testing.fixtures import ranks  # noqa: F401
+from dtensor_quant.testing.fixtures import ranks  # noqa: F401
 
-    def test_gather(ranks):
-        ranks(2).run(gather, MyFormat())
+def test_gather(ranks):
+    ranks(2).run(gather, MyFormat())
 """
 
 import pytest

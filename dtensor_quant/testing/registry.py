@@ -37,7 +37,9 @@ def pick(*names: str, formats: dict[str, QuantFormat] = FORMATS) -> dict[str, Qu
     return {n: formats[n] for n in names}
 
 
-def where(predicate: Callable[[QuantFormat], bool], formats: dict[str, QuantFormat] = FORMATS) -> dict[str, QuantFormat]:
+def where(
+    predicate: Callable[[QuantFormat], bool], formats: dict[str, QuantFormat] = FORMATS
+) -> dict[str, QuantFormat]:
     """The entries of ``formats`` for which ``predicate(fmt)`` holds, in registry order."""
     return {n: f for n, f in formats.items() if predicate(f)}
 

@@ -92,7 +92,10 @@ def placements(specs: str) -> list[Placement]:
 
 
 def legal(fmt: QuantFormat, shape, mesh_shape, specs: str | list[Placement]) -> bool:
-    """Whether ``fmt`` can hold a weight of ``shape`` under ``specs`` (placements, or ``"S0,R"``) on a mesh of ``mesh_shape``."""
+    """Whether ``fmt`` can hold a weight of ``shape`` under ``specs`` on a mesh of ``mesh_shape``.
+
+    ``specs`` are placements, or a string such as ``"S0,R"``.
+    """
     try:
         check_placements(shape, fmt, mesh_shape, placements(specs) if isinstance(specs, str) else specs)
     except LayoutError:

@@ -1,4 +1,7 @@
-"""The fast path's gathers and redistributes equal the handlers' on live ranks: bytes, layout, wire log, agreement checks."""
+"""The fast path's gathers and redistributes equal the handlers' on live ranks.
+
+Bytes, layout, wire log and agreement checks.
+"""
 
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 

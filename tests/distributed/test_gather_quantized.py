@@ -122,7 +122,10 @@ def test_50_step_loss_curve_stays_close_to_bf16(ranks):
 
     bench/fsdp_gather_quantized.py prints the same comparison for a larger model.
     """
-    curves = {name: ranks(2).run(fsdp_train, name, "even", 50, "bfloat16", timeout=900)[0] for name in (None, "int8", "int4g32")}
+    curves = {
+        name: ranks(2).run(fsdp_train, name, "even", 50, "bfloat16", timeout=900)[0]
+        for name in (None, "int8", "int4g32")
+    }
     base = curves[None]
     assert sum(base[-5:]) / 5 < 0.6 * base[0]  # it learns
     for name, limit in [("int8", 0.02), ("int4g32", 0.04)]:
@@ -184,4 +187,6 @@ def misaligned_tp():
 
 def test_tensor_parallel_cut_through_a_block_is_refused_on_every_rank(ranks):
     results = ranks(4).run(misaligned_tp)
-    assert all(kind == "LayoutError" and gathers == 0 and "tensor parallelism" in msg for kind, gathers, msg in results), results
+    assert all(
+        kind == "LayoutError" and gathers == 0 and "tensor parallelism" in msg for kind, gathers, msg in results
+    ), results

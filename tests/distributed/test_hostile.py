@@ -373,7 +373,8 @@ def test_one_poisoned_value_poisons_at_most_its_block(fmt_name):
 
 @pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
 def test_fp16_error_is_within_the_stated_bound_of_fp32(fmt_name):
-    """docs/hostile_input.md: fp16's max error <= 1.25 x fp32's + 8 ulps of the largest scale + 1 ulp of the largest value.
+    """docs/hostile_input.md: fp16's max error <= 1.25 x fp32's + 8 ulps of the largest scale
+    + 1 ulp of the largest value.
 
     (8: Int4's largest code offset multiplies the scale's rounding; 1.25: float8's code rounding moves
     with the scale's; fp16 scales may be subnormal, whose ulp is 2**-24, so tiny weights keep fp32's

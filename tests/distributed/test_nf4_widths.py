@@ -53,7 +53,9 @@ def test_fp32_differs_only_by_torchs_float32_mean():
 
 def test_column_cut_refused_with_legal_alternatives():
     q = dq.quantize(weight((8, 14336)), dq.NF4())
-    with pytest.raises(dq.LayoutError, match=r"'factor' is blocked over the flattened weight.*cannot be sharded at all"):
+    with pytest.raises(
+        dq.LayoutError, match=r"'factor' is blocked over the flattened weight.*cannot be sharded at all"
+    ):
         torch.chunk(q, 2, dim=1)
     with pytest.raises(dq.LayoutError, match=r"multiple of 8.*n = 1, 2, 4"):
         torch.split(dq.quantize(weight((32, 14336)), dq.NF4()), 11)
@@ -120,7 +122,12 @@ def fsdp_gather(shape):
 
 
 FSDP_CASES = [
-    (2, (16, 14336)), (3, (46, 14336)), (4, (30, 14336)), (4, (128, 3584)), (2, (128, 11008)), (3, (96, 18944))
+    (2, (16, 14336)),
+    (3, (46, 14336)),
+    (4, (30, 14336)),
+    (4, (128, 3584)),
+    (2, (128, 11008)),
+    (3, (96, 18944)),
 ]
 
 

@@ -108,7 +108,9 @@ def test_gather_when_blocks_do_not_continue(ranks, fmt_name, shape, transposed):
     ranks(2).run(roundtrip, fmt_name, shape, (2,), "S1", ["R"], transposed=transposed)
 
 
-@pytest.mark.parametrize("fmt_name,shape,src", [("f8tensor", (1, 64), "S0"), ("nf4b32s4", (1, 256), "S0"), ("f8row", (4, 2), "S1")])
+@pytest.mark.parametrize(
+    "fmt_name,shape,src", [("f8tensor", (1, 64), "S0"), ("nf4b32s4", (1, 256), "S0"), ("f8row", (4, 2), "S1")]
+)
 def test_empty_shards_keep_shared_scales(ranks, fmt_name, shape, src):
     """Trailing ranks get empty shards (torch makes them with new_zeros); their copies of the
     scales every shard shares must stay the real ones, or a later gather diverges between ranks."""
@@ -327,7 +329,9 @@ def property_case(fmt_name, shape, world, src, tgt, seed):
     seed=st.integers(0, 2**16),
 )
 @example(fmt_name="nf4:8:4", rows=1, half_cols=8, world=2, src="S1", tgt="S0", seed=0)  # the padded-cut gap
-@example(fmt_name="nf4:8:4", rows=1, half_cols=12, world=3, src="R", tgt="S0", seed=880)  # a stacked flat-blocked narrow
+@example(
+    fmt_name="nf4:8:4", rows=1, half_cols=12, world=3, src="R", tgt="S0", seed=880
+)  # a stacked flat-blocked narrow
 def test_property_gather_of_shard_is_identity(ranks, fmt_name, rows, half_cols, world, src, tgt, seed):
     """Legal placements round-trip bit-exactly; illegal ones raise LayoutError on every rank."""
     shape = (rows, 2 * half_cols)

@@ -43,7 +43,9 @@ def test_verdicts_match_check_placements():
             starts = {
                 offset[1]
                 for coord in itertools.product(range(c.dp), range(c.tp))
-                for size, offset in [_compute_local_shape_and_global_offset(layer.shape, (c.dp, c.tp), list(coord), c.placements)]
+                for size, offset in [
+                    _compute_local_shape_and_global_offset(layer.shape, (c.dp, c.tp), list(coord), c.placements)
+                ]
                 if size[1] > 0
             }
             assert c.legal == all(start % 128 == 0 for start in starts), (layer, c, sorted(starts))
@@ -64,10 +66,10 @@ def test_refusal_explains_and_suggests():
 def test_fsdp_dim0_and_strided_shard_with_tp():
     """FSDP2 shards dim 0; with column-parallel TP that is a _StridedShard of the TP shards."""
     fmt = dq.Int8Rowwise()
-    (_layer, cells), = plan([("w", (10, 64), "colwise")], fmt, tp=[2], dp=[3]).rows
+    ((_layer, cells),) = plan([("w", (10, 64), "colwise")], fmt, tp=[2], dp=[3]).rows
     (cell,) = cells
     assert cell.legal and type(cell.placements[0]).__name__ == "_StridedShard"
-    (_layer, cells), = plan([("w", (64, 96), "rowwise")], dq.Int4Groupwise(32), tp=[3], dp=[2]).rows
+    ((_layer, cells),) = plan([("w", (64, 96), "rowwise")], dq.Int4Groupwise(32), tp=[3], dp=[2]).rows
     assert cells[0].legal and cells[0].placements == (Shard(0), Shard(1))
 
 
@@ -76,7 +78,7 @@ def test_bytes_per_rank_are_the_shards_stored_bytes():
     w = torch.randn(100, 384, dtype=torch.bfloat16)
     q = dq.quantize(w, fmt)
     for style, dim in (("colwise", 0), ("rowwise", 1)):
-        (_, cells), = plan([("w", (100, 384), style)], fmt, tp=[3]).rows
+        ((_, cells),) = plan([("w", (100, 384), style)], fmt, tp=[3]).rows
         largest = max(torch.chunk(q, 3, dim=dim), key=lambda s: s.nbytes_stored)
         assert cells[0].nbytes == largest.nbytes_stored
     assert stored_bytes(dq.Int8Rowwise(), (4096, 4096)) == 4096 * 4096 + 4096 * 2
@@ -119,10 +121,26 @@ def test_parse_format():
 
 
 def test_command_line():
-    cmd = [sys.executable, "-m", "dtensor_quant", "plan", "--format", "int4:128", "--model",
-           "examples/llama.py:build", "--tp-plan", "examples/tp_inference.py:tp_plan", "--tp", "1", "2", "3", "4"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtensor_quant",
+        "plan",
+        "--format",
+        "int4:128",
+        "--model",
+        "examples/llama.py:build",
+        "--tp-plan",
+        "examples/tp_inference.py:tp_plan",
+        "--tp",
+        "1",
+        "2",
+        "3",
+        "4",
+    ]
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""}
+    )
     assert out.returncode == 0, out.stderr
     assert "layers.1.feed_forward.w2" in out.stdout and "nearest legal tp: 2 or 4" in out.stdout
 
@@ -143,7 +161,7 @@ def test_hints_on_a_2d_mesh_use_each_sizes_own_placements():
     from dtensor_quant.planner import _placements
 
     fmt = dq.NF4()  # on 4096 columns a factor covers 4 whole rows: rows must be cut on multiples of 4
-    (_layer, cells), = plan([("w1", (64, 4096), "colwise")], fmt, tp=[3], dp=[2]).rows
+    ((_layer, cells),) = plan([("w1", (64, 4096), "colwise")], fmt, tp=[3], dp=[2]).rows
     (cell,) = cells
     assert not cell.legal and cell.alternatives.startswith("nearest legal tp: 2 or 4"), cell.alternatives
     for tp in (1, 2, 4):
@@ -151,7 +169,7 @@ def test_hints_on_a_2d_mesh_use_each_sizes_own_placements():
 
 
 def test_search_cap_is_said():
-    (_, cells), = plan([("wo", (4096, 4096), "rowwise")], dq.Int4Groupwise(128), tp=[100]).rows
+    ((_, cells),) = plan([("wo", (4096, 4096), "rowwise")], dq.Int4Groupwise(128), tp=[100]).rows
     assert "nearest legal tp: 32 (none above 100 up to 200, where the search stops)" in cells[0].alternatives
 
 

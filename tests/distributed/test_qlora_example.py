@@ -12,4 +12,7 @@ def test_qlora_example(tmp_path):
     log = (tmp_path / "loss.csv").read_text().splitlines()
     assert log[0] == "step,loss" and len(log) == 4
     # the whole model (quantized base + adapters), one file per rank; main() asserts the reload is byte-identical
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.suffix == ".distcp") == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]

@@ -34,8 +34,9 @@ def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.
     fmt, m = FORMATS[fmt_name], mesh(world)
     pad = world if sequence_parallel else 1
     reference = reference_model(fmt, dtype)
-    model = tp_inference.build_tp(llama.Config(), fmt, m, dtype=dtype, quantize_first=quantize_first,
-                                  sequence_parallel=sequence_parallel)
+    model = tp_inference.build_tp(
+        llama.Config(), fmt, m, dtype=dtype, quantize_first=quantize_first, sequence_parallel=sequence_parallel
+    )
     # Every quantized weight is a DTensor whose local shard has exactly the bytes of the same shard
     # of the one-process quantized weight.
     ref_params = dict(reference.named_parameters())
@@ -166,15 +167,22 @@ def compiled_tp(backend, sequence_parallel, dtype):
     compiled = llama.generate(torch.compile(model, backend=backend), PROMPT, 3, pad)
     # bf16 TP may flip a token only where the one-process logits nearly tie (test_tp_bf16_within_rounding)
     same = torch.equal(eager, expected)
-    near_tie = not same and dtype == torch.bfloat16 and tp_inference.explain_difference(model, reference, eager, expected, pad)["near_tie"]
+    near_tie = (
+        not same
+        and dtype == torch.bfloat16
+        and tp_inference.explain_difference(model, reference, eager, expected, pad)["near_tie"]
+    )
     return torch.equal(compiled, eager), same or near_tie
 
 
-@pytest.mark.parametrize("backend,sequence_parallel,dtype", [
-    ("aot_eager", False, torch.float32),
-    pytest.param("aot_eager", True, torch.float32, marks=pytest.mark.slow),
-    pytest.param("inductor", False, torch.bfloat16, marks=pytest.mark.slow),  # the int4 kernel op inside
-])
+@pytest.mark.parametrize(
+    "backend,sequence_parallel,dtype",
+    [
+        ("aot_eager", False, torch.float32),
+        pytest.param("aot_eager", True, torch.float32, marks=pytest.mark.slow),
+        pytest.param("inductor", False, torch.bfloat16, marks=pytest.mark.slow),  # the int4 kernel op inside
+    ],
+)
 def test_compiled_tp(ranks, backend, sequence_parallel, dtype):
     for same_as_eager, same_as_reference in ranks(2).run(compiled_tp, backend, sequence_parallel, dtype):
         assert same_as_eager and same_as_reference
@@ -217,9 +225,14 @@ def compiled_decode(fmt_name, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,fmt_name,dtype", [
-    (1, "int8", torch.bfloat16), (2, "int4g128", torch.bfloat16), (2, "int8", torch.float32),
-])
+@pytest.mark.parametrize(
+    "world,fmt_name,dtype",
+    [
+        (1, "int8", torch.bfloat16),
+        (2, "int4g128", torch.bfloat16),
+        (2, "int8", torch.float32),
+    ],
+)
 def test_compiled_one_token_decode_matches_eager(ranks, world, fmt_name, dtype):
     """Compiled decode (inductor, DTensor of QuantizedTensor weights) gives eager's logits up to the dtype's rounding.
 
