@@ -58,11 +58,6 @@ def config(layers: int, vocab: int) -> llama.Config:
 
 
 def build(cfg, spec: str | None, mesh, compiled: bool):
-    if compiled:
-        # torch 2.13's AOT autograd cache keys a DTensor input by its spec alone (DTensor._stable_hash_for_caching),
-        # not by its local tensor: a second model whose weights differ only in format would reuse the first
-        # one's compiled graph. See docs/performance.md, "Compiled decode".
-        torch._functorch.config.enable_autograd_cache = False
     model = tp_inference.build_tp(cfg, parse_format(spec) if spec else None, mesh, dtype=torch.bfloat16)
     model.eval()
     return torch.compile(model, backend="inductor") if compiled else model

@@ -9,6 +9,7 @@ from . import collectives as _collectives  # noqa: F401  (registers the collecti
 from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, wire
 from . import fastpath as _fastpath  # noqa: F401  (installs the fast path into dispatch.dispatch)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
+from . import torch_fixes as _torch_fixes  # noqa: F401  (compiled DTensors keyed by their quantized local)
 from .custom_ops import dequantize
 from .dispatch import UnsupportedOpError
 from .format import QuantFormat

@@ -211,9 +211,9 @@ def compiled_decode(fmt_name, dtype):
     m, cfg = mesh(torch.distributed.get_world_size()), llama.Config(n_layers=1)
     token = torch.tensor([[5]])
     diffs = []
-    # torch 2.13's AOT autograd cache keys a DTensor by its spec only, so another format's graph for the same
-    # model (another test on this pool) would be reused: see docs/performance.md, "Compiled decode".
-    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
+    # Another format's graph of the same model (another test on this pool) is not reused: torch_fixes keys a
+    # DTensor by its quantized local too (docs/performance.md, "Compiled decode").
+    with torch.no_grad():
         for fmt in (FORMATS[fmt_name], None):
             model = tp_inference.build_tp(cfg, fmt, m, dtype=dtype)
             eager = model(token).float()
@@ -263,13 +263,35 @@ def two_formats_compiled(cache: bool):
 
 
 @pytest.mark.slow
-def test_compiled_formats_need_the_aot_cache_off(ranks):
-    """torch 2.13's AOT autograd cache keys a DTensor input by its spec, not its local tensor.
+def test_compiled_formats_each_get_their_own_graph(ranks):
+    """Two formats of the same module compiled in one process, with torch's AOT autograd cache on.
 
-    With the cache off (what bench/decode.py does; docs/performance.md), two formats compiled in one
-    process each get their own graph. With it on, the second model is served the first one's graph:
-    this records torch's behaviour, so the workaround can go when the first assertion starts failing.
+    torch 2.13 keys a DTensor input by its spec alone, so without dtensor_quant.torch_fixes the second
+    model is served the first one's compiled graph (it fails in assert_size_stride, or runs the wrong
+    kernel). With the cache off or on, each model must equal its own eager output bit for bit.
     """
     off, on = ranks(1).run(two_formats_compiled, False)[0], ranks(1).run(two_formats_compiled, True)[0]
     assert off == [True, True]
-    assert on[0] is True and on[1] is not True, f"torch now keys DTensor inputs by their local tensor: {on}"
+    assert on == [True, True], f"with the AOT autograd cache on: {on}"
+
+
+def cache_keys():
+    """torch.compile's AOT-cache key of a Replicate DTensor holding a dense, an int8 and an int4 weight."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    m, w = mesh(1), weight((256, 256), seed=3).to(torch.bfloat16)
+    out = []
+    for local in (w, dq.quantize(w, dq.Int8Rowwise()), dq.quantize(w, dq.Int4Groupwise(128))):
+        spec = DTensorSpec(m, (Replicate(),), tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype))
+        out.append(DTensor(local, spec, requires_grad=False)._stable_hash_for_caching())
+    return out
+
+
+def test_dtensor_cache_key_names_the_quantized_local(ranks):
+    """dtensor_quant.torch_fixes changes the key of a DTensor holding a QuantizedTensor, and only that key."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    dense, int8, int4 = ranks(1).run(cache_keys)[0]
+    assert len({dense, int8, int4}) == 3, "two formats of the same weight share a compile-cache key"
+    assert TorchDTensor._stable_hash_for_caching.keys_quantized_local
