@@ -26,10 +26,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.launch import run
 
-FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(128)": dq.Int4Groupwise(128)}
+# The labels (table rows, CSV values) are format specs, read by parse_format.
+FORMATS = {"bf16": None, **{s: parse_format(s) for s in ("Int8Rowwise", "Int4Groupwise(128)")}}
 TARGETS = {"Int8Rowwise": 0.51, "Int4Groupwise(128)": 0.27}
 
 

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.gather_quantized import gather_quantized_
 from dtensor_quant.launch import run
@@ -34,7 +34,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import llama
 
 CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=64)
-FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(32)": dq.Int4Groupwise(32)}
+# The labels (table rows, CSV values) are format specs, read by parse_format.
+FORMATS = {"bf16": None, **{s: parse_format(s) for s in ("Int8Rowwise", "Int4Groupwise(32)")}}
 BATCH, SEQ, LR = 16, 64, 3e-3
 
 

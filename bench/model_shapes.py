@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-import dtensor_quant as dq
 from dtensor_quant.planner import Layer, plan
+from dtensor_quant.testing import is_default, where
 
 # name: (layers, hidden, intermediate, q out, kv out, vocab) -- from each model's config.json
 MODELS = {
@@ -28,14 +28,7 @@ MODELS = {
     "Gemma-2-9B": (42, 3584, 14336, 4096, 2048, 256000),
     "Qwen2-72B": (80, 8192, 29568, 8192, 1024, 152064),
 }
-FORMATS = [
-    dq.Int8Rowwise(),
-    dq.Int4Groupwise(128),
-    dq.NF4(),
-    dq.Float8Rowwise(),
-    dq.Float8Tensorwise(),
-    dq.Float8Blockwise(),
-]
+FORMATS = list(where(is_default).values())  # every built-in format with its defaults, from the test registry
 TP = (1, 2, 4, 8)
 
 

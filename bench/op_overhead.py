@@ -39,9 +39,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import fastpath
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.launch import run
 
-FORMATS = {"bf16": None, "int8": dq.Int8Rowwise(), "int4": dq.Int4Groupwise(128)}  # Int8Rowwise, Int4Groupwise(128)
+FORMATS = {"bf16": None, "int8": parse_format("int8"), "int4": parse_format("int4:128")}  # short labels for the table
 SLOW = " off"  # suffix of the variants run without the fast path
 TORCHAO = "torchao NF4"
 VIEWS = ("DTensor .t()", "local .t()", "local view(-1)")

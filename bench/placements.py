@@ -21,9 +21,11 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.launch import run
 
-FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(128)": dq.Int4Groupwise(128)}
+# The labels (table rows, CSV values) are format specs, read by parse_format.
+FORMATS = {"bf16": None, **{s: parse_format(s) for s in ("Int8Rowwise", "Int4Groupwise(128)")}}
 TRANSITIONS = [
     ("full_tensor from Shard(0)", [Shard(0)], None),
     ("full_tensor from Shard(1)", [Shard(1)], None),

@@ -35,9 +35,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.launch import RankPool
 
-FORMATS = {"bf16": None, "Int8Rowwise": dq.Int8Rowwise(), "Int4Groupwise(128)": dq.Int4Groupwise(128)}
+# The labels (table rows, CSV values) are format specs, read by parse_format.
+FORMATS = {"bf16": None, **{s: parse_format(s) for s in ("Int8Rowwise", "Int4Groupwise(128)")}}
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 # LLaMA-7B attention projections: wq column-parallel, wo row-parallel (--shape for others).
 LAYERS = [("wq", 4096, 4096, "colwise"), ("wo", 4096, 4096, "rowwise")]

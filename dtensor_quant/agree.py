@@ -39,7 +39,8 @@ from . import wire
 from .bits import is_tracing
 from .layout import LayoutError
 
-_AGREED: set = set()
+# The (group name, layout key) pairs every rank of the group has agreed on: checked once, then a set lookup.
+AGREED: set = set()
 # Check every collective, not only the first per layout (one 8-byte all-gather each): closes the gap
 # described above, for debugging configs. Set DTENSOR_QUANT_AGREE_EVERY_CALL=1, or this attribute.
 EVERY_CALL = os.environ.get("DTENSOR_QUANT_AGREE_EVERY_CALL", "") not in ("", "0")
@@ -71,7 +72,7 @@ def check_same(
     collective the first time a key is seen). ``what`` names the operation;
     ``sample`` is a tensor on the group's device.
     """
-    if not EVERY_CALL and (group_name, key) in _AGREED:
+    if not EVERY_CALL and (group_name, key) in AGREED:
         return
     if is_tracing(sample):
         return
@@ -85,7 +86,7 @@ def check_same(
     with _disable_current_modes():
         got = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size(), group_name))
     if bool((got.view(-1, 8) == mine).all()):
-        _AGREED.add((group_name, key))
+        AGREED.add((group_name, key))
         return
     texts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(texts, text, group=group)

@@ -72,6 +72,12 @@ def disabled() -> Iterator[None]:
         ENABLED = before
 
 
+def plans() -> dict[tuple, bool]:
+    """The plans kept now, by key: True where the key takes the fast path, False where it always
+    takes the ordinary handler. Tests read it to see that plans are made once, then replayed."""
+    return {key: plan is not _SLOW for key, (plan, _) in _PLANS.items()}
+
+
 def clear() -> None:
     """Forget every plan (never needed for correctness: plans are keyed on everything they depend on)."""
     _PLANS.clear()

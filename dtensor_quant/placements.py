@@ -36,8 +36,13 @@ def _dim_alignment(fmt: QuantFormat, shape: tuple, dim: int) -> int:
     return dim_factor([rels[dim] for rels in weight_layout(fmt, shape).values()])
 
 
-def _pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[list[tuple[int, int]]]:
+def shard_pieces(length: int, cuts: Sequence[tuple[Placement, int]]) -> list[list[tuple[int, int]]]:
     """The logical ranges ``[(start, stop), ...]`` each shard holds after applying ``cuts`` in mesh order.
+
+    ``cuts`` is ``((placement, mesh dim size), ...)`` for the placements that
+    cut this dim, outermost mesh dim first. Used by :func:`bad_cut` where the
+    shards are not contiguous, and by tests that check it against torch's own
+    splitting.
 
     Pure arithmetic with DTensor's semantics: ``Shard`` is ``torch.chunk`` of
     the index sequence a shard already holds; ``_StridedShard(split_factor=s)``
@@ -77,7 +82,7 @@ def _contiguous(length: int, cuts) -> list[tuple[int, int]] | None:
 
     Nested ``Shard``s are chunks of chunks; FSDP2's ``_StridedShard(split_factor=tp)``
     on the dp dim followed by ``Shard`` on a tp dim of size tp is, by design, the
-    dp chunk of each tp chunk. Anything else goes through :func:`_pieces`.
+    dp chunk of each tp chunk. Anything else goes through :func:`shard_pieces`.
     """
     if all(type(p) is Shard for p, _ in cuts):
         ranges = [(0, length)]
@@ -92,8 +97,13 @@ def _contiguous(length: int, cuts) -> list[tuple[int, int]] | None:
 
 
 @functools.lru_cache(maxsize=65536)
-def _bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
-    """The first shard boundary (the start of a run of consecutive indices) not on a multiple of ``factor``."""
+def bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
+    """The first shard boundary (the start of a run of consecutive indices) not on a multiple of ``factor``.
+
+    One dim's half of :func:`first_bad_cut`: ``cuts`` as in :func:`shard_pieces`
+    (a tuple, for the cache), ``factor`` the dim's alignment. None if every
+    boundary is aligned. Pure arithmetic, no tensors.
+    """
     ranges = _contiguous(length, cuts)
     if ranges is not None:
         return next((s for s, e in ranges if s < e and s % factor), None)
@@ -103,7 +113,7 @@ def _bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
         end = -(-first // cuts[0][1])
         if end < first and end % factor:
             return end
-    for piece in _pieces(length, cuts):
+    for piece in shard_pieces(length, cuts):
         prev = None
         for s, e in piece:
             if s != prev and s % factor:
@@ -153,7 +163,7 @@ def _first_bad_cut_cached(shape, fmt, mesh_shape, placements) -> tuple[int, int,
         factor = dim_alignment(fmt, shape, dim)
         if not cuts or factor == 1:
             continue
-        bad = _bad_cut(length, cuts, factor)
+        bad = bad_cut(length, cuts, factor)
         if bad is not None:
             return dim, bad, factor
     return None

@@ -33,10 +33,12 @@ import llama
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
+from dtensor_quant.bits import same_bits
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.launch import run
 from dtensor_quant.model import weight_bytes
 
-FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise()}
+FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)
 ROW_WISE = ("wo", "w2")  # tensor parallelism splits their inputs
 
 
@@ -56,20 +58,24 @@ def reference(fmt) -> nn.Module:
     return dq.quantize_(llama.build(seed=0), fmt)
 
 
-def same_bits(a: dq.QuantizedTensor, b: dq.QuantizedTensor) -> bool:
-    return all(
-        torch.equal(getattr(a, n).contiguous().view(torch.uint8), getattr(b, n).contiguous().view(torch.uint8))
-        for n in b.fmt.inner_names
+def same_weight(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every stored byte equal: each inner tensor of a quantized weight, or the dense tensor itself."""
+    if not isinstance(b, dq.QuantizedTensor):
+        return same_bits(a, b)
+    return (
+        isinstance(a, dq.QuantizedTensor)
+        and a.fmt == b.fmt
+        and all(same_bits(a.inner[n], t) for n, t in b.inner.items())
     )
 
 
 def save_tp(fmt_name: str, path: str) -> None:
-    ckpt.save(sharded(seed=0, fmt=FORMATS[fmt_name], plan="tp"), path)
+    ckpt.save(sharded(seed=0, fmt=parse_format(fmt_name), plan="tp"), path)
 
 
 def load_fsdp(fmt_name: str, path: str) -> list[str]:
     """Load into FSDP-style shards; return the names of weights that differ from the reference."""
-    fmt = FORMATS[fmt_name]
+    fmt = parse_format(fmt_name)
     model = sharded(seed=1, fmt=fmt, plan="fsdp")
     ckpt.load(model, path)
     expected = dict(reference(fmt).named_parameters())
@@ -77,17 +83,17 @@ def load_fsdp(fmt_name: str, path: str) -> list[str]:
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         want = expected[name]
-        if not (same_bits(full, want) if isinstance(full, dq.QuantizedTensor) else torch.equal(full, want)):
+        if not same_weight(full, want):
             wrong.append(name)
     return wrong
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--format", choices=sorted(FORMATS), default="int4")
+    ap.add_argument("--format", choices=FORMATS, default="int4")
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
     args = ap.parse_args()
-    fmt = FORMATS[args.format]
+    fmt = parse_format(args.format)
     path = str(Path(args.dir or tempfile.mkdtemp(prefix="reshard_")) / "ckpt")
 
     print(f"1. TP=2: quantize with {fmt} shard by shard and save to {path} ...", flush=True)

@@ -40,26 +40,17 @@ import tp_inference
 
 import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.launch import run
 from dtensor_quant.lora import lora_parameters, lora_tp_plan
 
 CFG = qlora_fsdp2.CFG  # 2 blocks, dim 256, 8 heads (4 kv), SwiGLU 768, vocab 512
-FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise(), "nf4": dq.NF4(64, 256)}
+FORMATS = ("int4", "int8", "nf4")  # --format choices, read by parse_format: Int4Groupwise(128), NF4(64, 256)
 
 
 def say(text: str) -> None:
     if dist.get_rank() == 0:
         print(text, flush=True)
-
-
-def same_bytes(a, b) -> bool:
-    a = a.full_tensor() if hasattr(a, "full_tensor") else a
-    b = b.full_tensor() if hasattr(b, "full_tensor") else b
-    if isinstance(a, dq.QuantizedTensor):
-        return all(
-            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values())
-        )
-    return torch.equal(a, b)
 
 
 def serve(fmt, mesh, tokens: int) -> dict:
@@ -126,7 +117,7 @@ def reshard(model, fmt, mesh, root: str) -> dict:
     placements = {str(p.placements) for n, p in target.named_parameters() if n.endswith("base.weight")}
     size = sum(f.stat().st_size for f in pathlib.Path(path).glob("*.distcp"))
     return {
-        "bit_exact": all(same_bytes(p, loaded[k]) for k, p in saved.items()),
+        "bit_exact": all(qlora_fsdp2.same_bytes(p, loaded[k]) for k, p in saved.items()),
         "size": size,
         "save_s": save_s,
         "placements": sorted(placements),
@@ -136,7 +127,7 @@ def reshard(model, fmt, mesh, root: str) -> dict:
 def story(fmt_name: str, steps: int, tokens: int, root: str) -> dict:
     logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    fmt, mesh = FORMATS[fmt_name], init_device_mesh("cpu", (dist.get_world_size(),))
+    fmt, mesh = parse_format(fmt_name), init_device_mesh("cpu", (dist.get_world_size(),))
     say(f"[1/3] quantize ({fmt}) and serve tensor-parallel over {mesh.size()} ranks ...")
     served = serve(fmt, mesh, tokens)
     say(f"[2/3] QLoRA fine-tuning under FSDP2, {steps} steps ...")
@@ -186,11 +177,11 @@ def table(fmt_name: str, r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--format", choices=sorted(FORMATS), default="int4")
+    ap.add_argument("--format", choices=FORMATS, default="int4")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
     args = ap.parse_args(argv)
-    print(f"dtensor_quant demo: a small LLaMA-style model, {FORMATS[args.format]}, on 2 local CPU ranks (gloo)")
+    print(f"dtensor_quant demo: a small LLaMA-style model, {parse_format(args.format)}, on 2 local CPU ranks (gloo)")
     print("starting 2 ranks ...", flush=True)
     root = tempfile.mkdtemp(prefix="dtensor_quant_demo_")
     try:

@@ -38,17 +38,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import llama
 
 import dtensor_quant as dq
 from dtensor_quant import launch
+from dtensor_quant.bits import same_bits
+from dtensor_quant.format_spec import parse_format
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import add_lora_, lora_parameters
 
 CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
-FORMATS = {"int4": dq.Int4Groupwise(128), "int8": dq.Int8Rowwise()}
+FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)
 
 
 def in_blocks(module, fqn: str) -> bool:
@@ -79,12 +82,12 @@ def build(fmt: dq.QuantFormat, device: torch.device, seed: int = 0, hf: str | No
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two (possibly sharded, possibly quantized) parameters hold the same bytes."""
-    a, b = a.full_tensor(), b.full_tensor()
-    if isinstance(a, dq.QuantizedTensor):
-        return all(
-            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.inner.values(), b.inner.values())
-        )
-    return torch.equal(a, b)
+    a = a.full_tensor() if isinstance(a, DTensor) else a
+    b = b.full_tensor() if isinstance(b, DTensor) else b
+    if isinstance(a, dq.QuantizedTensor) or isinstance(b, dq.QuantizedTensor):
+        quantized = isinstance(a, dq.QuantizedTensor) and isinstance(b, dq.QuantizedTensor)
+        return quantized and a.fmt == b.fmt and all(same_bits(a.inner[n], t) for n, t in b.inner.items())
+    return same_bits(a, b)
 
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -115,7 +118,7 @@ def finetune(
         else torch.device("cpu")
     )
     mesh = init_device_mesh(device.type, (world,))
-    model = shard(build(FORMATS[fmt_name], device, hf=hf), mesh)
+    model = shard(build(parse_format(fmt_name), device, hf=hf), mesh)
     vocab = model.config.vocab_size if hf else CFG.vocab_size
     opt = torch.optim.AdamW(lora_parameters(model).values(), lr=lr)
     if rank == 0:
@@ -137,7 +140,7 @@ def finetune(
     # into a fresh model built from another seed (every weight differs) and compare every byte.
     path = os.path.join(out, "checkpoint")
     dq.checkpoint.save(model, path)
-    fresh = shard(build(FORMATS[fmt_name], device, seed=1000, hf=hf), mesh)
+    fresh = shard(build(parse_format(fmt_name), device, seed=1000, hf=hf), mesh)
     dq.checkpoint.load(fresh, path)
     trained, reloaded = dict(model.named_parameters()), dict(fresh.named_parameters())
     same = all(same_bytes(p, reloaded[k]) for k, p in trained.items())
@@ -159,7 +162,7 @@ def finetune(
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--format", choices=sorted(FORMATS), default="int4")
+    ap.add_argument("--format", choices=FORMATS, default="int4")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="global batch (split over the ranks)")
     ap.add_argument("--seq", type=int, default=64)

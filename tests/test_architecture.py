@@ -25,3 +25,21 @@ def test_checker_catches_a_cycle_and_a_private_import(tmp_path):
     (pkg / "low.py").write_text("from .high import helper2\n\ndef helper():\n    return 1\n")
     (pkg / "high.py").write_text("from .low import helper\n\ndef helper2():\n    return 2\n")
     assert any("module-level import cycle" in p for p in check_imports.check(tmp_path))
+
+
+def test_checker_catches_private_names_used_from_tests_benches_and_examples(tmp_path):
+    pkg = tmp_path / "dtensor_quant"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .low import Thing\n")
+    (pkg / "low.py").write_text("class Thing:\n    _slot = 1\n\n_cache = {}\n")
+    for folder in ("tests", "bench", "examples"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("from dtensor_quant.low import _cache\n")
+    (tmp_path / "bench" / "b.py").write_text("import dtensor_quant as dq\n\nx = dq.low._cache\ny = dq.Thing._slot\n")
+    (tmp_path / "examples" / "e.py").write_text("from dtensor_quant import low\n\nx = low._cache\n")
+    problems = check_imports.check(tmp_path)
+    assert any(p.startswith("tests/test_x.py:1: imports private _cache") for p in problems), problems
+    assert any(p.startswith("bench/b.py:3: reads private dq.low._cache") for p in problems), problems
+    assert any(p.startswith("examples/e.py:3: reads private low._cache") for p in problems), problems
+    # an attribute of a class (dq.Thing._slot) is not a module's private name
+    assert len(check_imports.outside_problems(tmp_path)) == 3, problems

@@ -6,7 +6,12 @@ Fails (exit 1, one line per problem) on:
 * a function-level import that closes a cycle with the module-level graph
   (it climbs a layer), unless it is one of the documented late bindings in
   ``LATE_BINDINGS`` below;
-* a private name (``_x``) imported from, or read off, another module of the package.
+* a private name (``_x``) imported from, or read off, another module of the package;
+* a private name of the package imported or read by the code that uses it from
+  outside (``OUTSIDE``: tests, benches, examples): ``from dtensor_quant.m import _x``,
+  ``import dtensor_quant._m``, ``dq._x``, ``dq.m._x`` or ``m._x`` for a module
+  ``m`` of the package. They use the public API, as users do; what they need
+  of the internals is made public where it lives, with a docstring.
 
 Run: ``python tools/check_imports.py`` (no torch import, a fraction of a second).
 """
@@ -19,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "dtensor_quant"
+# Folders of code that uses the package from outside: no private name of the package in them.
+OUTSIDE = ("tests", "bench", "examples")
 
 # (importer, imported): function-level imports that go up a layer on purpose, each with its reason.
 # QuantizedTensor sits below the modules that implement its hooks; its methods bind them late.
@@ -89,6 +96,58 @@ def _module_aliases(tree: ast.Module, mod: str, is_pkg: bool, mods) -> dict[str,
                 if a.name in mods and a.asname:
                     out[a.asname] = a.name
     return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None if the chain does not start at a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def outside_problems(root: Path = ROOT) -> list[str]:
+    """Private names of the package used by the files under ``OUTSIDE``."""
+    mods = modules(root)
+    problems = []
+    for folder in OUTSIDE:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root)
+            tree = ast.parse(path.read_text(), str(path))
+            bound: dict[str, str] = {}  # local name -> package module it is bound to
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    for a in node.names:
+                        if a.name.split(".")[0] != PACKAGE:
+                            continue
+                        if any(_private(p) for p in a.name.split(".")):
+                            problems.append(f"{where}:{node.lineno}: imports private module {a.name}")
+                        if a.asname:
+                            bound[a.asname] = a.name
+                        else:
+                            bound[PACKAGE] = PACKAGE  # "import dtensor_quant.m" binds dtensor_quant
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    if node.module.split(".")[0] != PACKAGE:
+                        continue
+                    if any(_private(p) for p in node.module.split(".")):
+                        problems.append(f"{where}:{node.lineno}: imports from private module {node.module}")
+                    for a in node.names:
+                        if _private(a.name):
+                            problems.append(f"{where}:{node.lineno}: imports private {a.name} from {node.module}")
+                        elif f"{node.module}.{a.name}" in mods:
+                            bound[a.asname or a.name] = f"{node.module}.{a.name}"
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                    continue
+                chain = _dotted(node.value)
+                if chain and chain[0] in bound and ".".join([bound[chain[0]], *chain[1:]]) in mods:
+                    problems.append(f"{where}:{node.lineno}: reads private {'.'.join(chain)}.{node.attr}")
+    return problems
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -173,7 +232,7 @@ def check(root: Path = ROOT) -> list[str]:
             )
     unused = [k for k in LATE_BINDINGS if not any((m, t) == k for m, t, _ in late)]
     problems += [f"LATE_BINDINGS lists {a} -> {b}, which no longer imports late" for a, b in unused]
-    return problems
+    return problems + outside_problems(root)
 
 
 def layers(root: Path = ROOT) -> list[list[str]]:

@@ -86,11 +86,14 @@ def test_padded_output_bf16_within_one_rounding():
 
 def test_pad_refused_where_inexact():
     """NF4's mean is over the whole weight and its zero blocks are not exact zeros: refused, with why."""
-    from dtensor_quant.padding import _padded
-
-    q = dq.quantize(torch.randn(64, 1024).to(torch.bfloat16), dq.NF4())
+    # 960 = 15 blocks of 64 cannot be halved; 1024 can, but NF4's quantized weights cannot be padded to it
+    model = dq.quantize_(MLP(hidden=64, inter=960).to(torch.bfloat16), dq.NF4())
+    assert mlp_padding(960, 64, dq.NF4(), 2) == 1024
+    before = {n: p for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"exact zeros|statistics|Pad the dense model"):
-        _padded(q, 1, 1152, "down_proj")
+        pad_for_tp(model, 2, dq.NF4())
+    assert all(p is before[n] for n, p in model.named_parameters())
+    assert model.down_proj.in_features == 960 and not list(model.buffers())  # no padding recorded
     # NF4 at TP 3 would need an intermediate size far out of reach: said, and nothing changed
     model = dq.quantize_(MLP(hidden=8, inter=1024).to(torch.bfloat16), dq.NF4())
     before = {n: p for n, p in model.named_parameters()}

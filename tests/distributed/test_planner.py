@@ -158,14 +158,17 @@ def test_command_line_errors(capsys):
 
 def test_hints_on_a_2d_mesh_use_each_sizes_own_placements():
     """dp x tp with FSDP's _StridedShard: each suggested tp is legal with the placements it would get."""
-    from dtensor_quant.planner import _placements
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     fmt = dq.NF4()  # on 4096 columns a factor covers 4 whole rows: rows must be cut on multiples of 4
     ((_layer, cells),) = plan([("w1", (64, 4096), "colwise")], fmt, tp=[3], dp=[2]).rows
     (cell,) = cells
     assert not cell.legal and cell.alternatives.startswith("nearest legal tp: 2 or 4"), cell.alternatives
-    for tp in (1, 2, 4):
-        dq.check_placements((64, 4096), fmt, (2, tp), _placements("colwise", 2, tp))
+    ((_layer, cells),) = plan([("w1", (64, 4096), "colwise")], fmt, tp=[1, 2, 4], dp=[2]).rows
+    assert [(c.tp, c.legal) for c in cells] == [(1, True), (2, True), (4, True)]
+    assert isinstance(cells[1].placements[0], _StridedShard)  # FSDP2 + TP's dp placement
+    for c in cells:
+        dq.check_placements((64, 4096), fmt, (2, c.tp), c.placements)
 
 
 def test_search_cap_is_said():
@@ -191,7 +194,7 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
 
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dtensor_quant.placements import _bad_cut, _pieces
+    from dtensor_quant.placements import bad_cut, shard_pieces
 
     def torch_pieces(length, cuts):
         pieces = [torch.arange(length)]
@@ -207,10 +210,10 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
             for _ in range(rng.randint(1, 3))
         )
         expected = torch_pieces(length, cuts)
-        assert [[i for s, e in p for i in range(s, e)] for p in _pieces(length, cuts)] == expected, (length, cuts)
+        assert [[i for s, e in p for i in range(s, e)] for p in shard_pieces(length, cuts)] == expected, (length, cuts)
         starts = {p[k] for p in expected for k in range(len(p)) if k == 0 or p[k] != p[k - 1] + 1}
         bad = {s for s in starts if s % factor}
-        got = _bad_cut(length, cuts, factor)
+        got = bad_cut(length, cuts, factor)
         assert (got is None) == (not bad) and (got is None or got in bad), (length, cuts, factor, got)
     # FSDP2 + TP: _StridedShard(split_factor=tp) then Shard on tp
     for _ in range(400):
@@ -219,5 +222,5 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
         expected = torch_pieces(length, cuts)
         starts = {p[k] for p in expected for k in range(len(p)) if k == 0 or p[k] != p[k - 1] + 1}
         bad = {s for s in starts if s % factor}
-        got = _bad_cut(length, cuts, factor)
+        got = bad_cut(length, cuts, factor)
         assert (got is None) == (not bad) and (got is None or got in bad), (length, cuts, factor, got)
