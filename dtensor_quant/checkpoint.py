@@ -138,9 +138,11 @@ def _empty_dir(path: Path) -> None:
     ``FileExistsError``, failing the whole save (seen: 1 of 1500 4-rank saves
     on a loaded 2-core machine). Emptying it in place leaves nothing to race.
     """
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        path.unlink()
+    if path.exists() and not path.is_dir():
+        path.unlink()  # a stray file where the directory goes
     path.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        return  # a link to a directory elsewhere: written through, nothing deleted through it (as before)
     for entry in path.iterdir():
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
