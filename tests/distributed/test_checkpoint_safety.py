@@ -205,6 +205,76 @@ def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
     ranks(2).run(load_model, "int8", "s0_2", path, "dq", OTHER)
 
 
+# -- the coordinator's clean-up of a leftover staging directory races the other ranks ------------
+
+
+def _wait_for(cond, seconds: float = 30.0) -> bool:
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def save_while_racing_the_cleanup(path, marks):
+    """``ckpt.save`` with the interleaving a loaded machine produces now and then, made certain.
+
+    Rank 1 (DCP's ``prepare_local_plan``: ``Path.mkdir(parents=True,
+    exist_ok=True)``) finds the staging directory already there (``os.mkdir``
+    raises EEXIST) and is preempted before ``Path.mkdir`` checks that it is a
+    directory; meanwhile the coordinator, cleaning up the leftovers, gets as far
+    as it can. A coordinator that removes the directory and re-creates it lets
+    rank 1's check land in between: FileExistsError, and the save fails.
+    """
+    staging = os.fspath(ckpt.staging_path(path))
+    eexist, set_up = os.path.join(marks, "rank1_found_it"), os.path.join(marks, "coordinator_set_up")
+    writer = ckpt.AtomicFileSystemWriter
+    real_mkdir, real_rmdir, real_set_up = os.mkdir, os.rmdir, writer.set_up_storage_writer
+
+    def mkdir(p, *args, **kwargs):
+        try:
+            return real_mkdir(p, *args, **kwargs)
+        except FileExistsError:
+            if os.fspath(p) == staging:
+                open(eexist, "w").close()
+                _wait_for(lambda: not os.path.isdir(staging) or os.path.exists(set_up))
+            raise
+
+    def rmdir(p, *args, **kwargs):
+        if os.fspath(p) != staging:
+            return real_rmdir(p, *args, **kwargs)
+        _wait_for(lambda: os.path.exists(eexist))
+        real_rmdir(p, *args, **kwargs)
+        time.sleep(1.0)  # preempted before re-creating it
+
+    def set_up_storage_writer(self, *args, **kwargs):
+        real_set_up(self, *args, **kwargs)
+        open(set_up, "w").close()
+
+    if rank() == 1:
+        os.mkdir = mkdir
+    else:
+        os.rmdir, writer.set_up_storage_writer = rmdir, set_up_storage_writer
+    try:
+        ckpt.save(cc.placed(SEED, "int8", "s0_2"), path)
+    finally:
+        os.mkdir, os.rmdir, writer.set_up_storage_writer = real_mkdir, real_rmdir, real_set_up
+
+
+def test_save_survives_the_staging_cleanup_race(ranks, tmp_path):
+    """A leftover ``.partial`` is cleaned up without failing a rank that is creating it at that moment."""
+    from test_checkpoint import load_model
+
+    path = tmp_path / "ckpt"
+    ckpt.staging_path(path).mkdir()  # an interrupted save's files
+    (ckpt.staging_path(path) / "__7_0.distcp").write_bytes(b"half")
+    ranks(2).run(save_while_racing_the_cleanup, str(path), str(tmp_path))
+    assert (tmp_path / "rank1_found_it").exists(), "the race was not forced: rank 1 created the directory itself"
+    assert not ckpt.staging_path(path).exists() and not (path / "__7_0.distcp").exists()
+    ranks(2).run(load_model, "int8", "s1_2", str(path))
+
+
 def test_missing_checkpoint_names_the_partial_save(tmp_path):
     path = tmp_path / "ckpt"
     ckpt.staging_path(path).mkdir()
