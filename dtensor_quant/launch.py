@@ -161,3 +161,33 @@ def run(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs) 
     """``fn(*args, **kwargs)`` once on ``world_size`` fresh local ranks."""
     with RankPool(world_size, timeout=timeout) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` launch (it sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_script(fn: Callable, world_size: int, *args, **kwargs) -> list[Any]:
+    """What an example's ``main`` runs: every rank's ``fn(*args, **kwargs)``, in rank order.
+
+    Under ``torchrun`` this process is one rank: it joins the process group
+    (NCCL with one GPU per rank when there are enough, else gloo), runs ``fn``
+    and gathers every rank's result to every rank. Otherwise ``fn`` runs on
+    ``world_size`` fresh local ranks (:func:`run`).
+    """
+    if not under_torchrun():
+        return run(fn, world_size, *args, **kwargs)
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    device = device_type(world)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, fn(*args, **kwargs))
+    finally:
+        dist.destroy_process_group()
+    return gathered

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
+from dtensor_quant import launch
 from dtensor_quant.format_spec import parse_format
 
 
@@ -133,18 +134,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.write_tiny:
         write_tiny(Path(args.model), args.write_tiny)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        result = run(args)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        ok = report(args, gathered) if dist.get_rank() == 0 else True
-        dist.destroy_process_group()
-    else:
-        from dtensor_quant.launch import run as launch
-
+    if not launch.under_torchrun():
         print(f"starting {args.world} local ranks ...", flush=True)
-        ok = report(args, launch(run, args.world, args))
+    results = launch.run_script(run, args.world, args)
+    ok = report(args, results) if int(os.environ.get("RANK", 0)) == 0 else True
     return 0 if ok else 1
 
 

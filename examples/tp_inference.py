@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama
 
 import dtensor_quant as dq
+from dtensor_quant import launch
 from dtensor_quant.format_spec import parse_format
-from dtensor_quant.launch import device_type
 from dtensor_quant.model import quantized_fqns, weight_bytes
 
 
@@ -242,21 +242,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        world = int(os.environ["WORLD_SIZE"])
-        if device_type(world) == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type(world) == "cuda" else "gloo")
-        result = run(args)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        ok = report(args, gathered) if dist.get_rank() == 0 else True
-        dist.destroy_process_group()
-    else:
-        from dtensor_quant.launch import run as launch
-
+    if not launch.under_torchrun():
         print(f"starting {args.world} local ranks ...", flush=True)
-        ok = report(args, launch(run, args.world, args))
+    results = launch.run_script(run, args.world, args)
+    ok = report(args, results) if int(os.environ.get("RANK", 0)) == 0 else True
     return 0 if ok else 1
 
 
