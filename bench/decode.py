@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+import common  # noqa: E402
 import llama  # noqa: E402
 import tp_inference  # noqa: E402
 
@@ -126,12 +127,9 @@ def measure(cfg, specs, rounds: int, calls: int, compile_too: bool, threads: int
 
 
 def plot(rows, path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "skipped"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.2), squeeze=False, sharey=True)

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 
+import common
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -128,13 +129,8 @@ def main():
 
 
 def plot(rows, path, subtitle):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'dtensor_quant[bench]'); no plot written")
+    plt = common.pyplot()
+    if plt is None:
         return
     quantized = [r for r in rows if r["format"] != "bf16"]
     labels = [f"{r['format']}\n{r['world']} ranks" for r in quantized]

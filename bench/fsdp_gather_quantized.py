@@ -20,6 +20,7 @@ import pathlib
 import sys
 import time
 
+import common
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -98,13 +99,8 @@ def main():
 
 
 def plot(results, path, world):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'dtensor_quant[bench]'); no plot written")
+    plt = common.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for name, (losses, *_rest) in results.items():

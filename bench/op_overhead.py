@@ -32,6 +32,7 @@ import argparse
 import statistics
 import time
 
+import common
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -63,17 +64,6 @@ def ops(w, x):
     }
 
 
-def torchao_nf4():
-    try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-    except ImportError:
-        try:
-            from torchao.dtypes.nf4tensor import to_nf4
-        except ImportError:
-            return None
-    return to_nf4
-
-
 @torch.no_grad()
 def measure(size: int, repeat: int):
     torch.set_num_threads(1)
@@ -90,7 +80,7 @@ def measure(size: int, repeat: int):
         if fmt is not None:
             calls[name + SLOW] = ops(distribute_tensor(w, mesh, [Shard(0)]), x)
             fast[name + SLOW] = False
-    to_nf4 = torchao_nf4()
+    to_nf4 = common.torchao_nf4()
     if to_nf4 is not None:
         nf4 = distribute_tensor(to_nf4(dense), mesh, [Shard(0)])
         local_nf4 = nf4.to_local()

@@ -27,6 +27,7 @@ import functools
 import statistics
 import time
 
+import common
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -42,18 +43,6 @@ from dtensor_quant.lora import LoRALinear
 OURS = {s: parse_format(s) for s in ("NF4", "Int4Groupwise(128)", "Int8Rowwise")}  # the labels are format specs
 
 
-def torchao_nf4():
-    """torchao's ``to_nf4``, or None when torchao is not installed."""
-    try:
-        from torchao.dtypes.nf4tensor import to_nf4
-    except ImportError:
-        try:
-            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-        except ImportError:
-            return None
-    return to_nf4
-
-
 def build(variant: str, dim: int, layers: int, mesh):
     torch.manual_seed(0)
     bases = [nn.Linear(dim, dim, bias=False, dtype=torch.bfloat16) for _ in range(layers)]
@@ -61,7 +50,7 @@ def build(variant: str, dim: int, layers: int, mesh):
         base.weight.data.normal_(0, dim**-0.5)
         base.requires_grad_(False)
         if variant == "torchao NF4":
-            base.weight = nn.Parameter(torchao_nf4()(base.weight.data), requires_grad=False)
+            base.weight = nn.Parameter(common.torchao_nf4()(base.weight.data), requires_grad=False)
         elif variant in OURS:
             dq.quantize_(base, OURS[variant])
     model = nn.Sequential(*[LoRALinear(base, rank=16, alpha=32) for base in bases])
@@ -148,7 +137,7 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
     variants = ["bf16", *OURS]
-    if torchao_nf4() is not None:
+    if common.torchao_nf4() is not None:
         variants.insert(1, "torchao NF4")
     else:
         print("torchao is not installed (pip install --no-deps torchao): its NF4 is skipped")

@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+import common
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -109,12 +110,9 @@ def measure(layers, tokens, repeat, threads) -> list[dict]:
 
 
 def plot(rows, path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     layers = list(dict.fromkeys(r["layer"] for r in rows))
     fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.2), squeeze=False)
