@@ -35,6 +35,7 @@ from .checks import CHECKS, Check, pick_shape
 from .registry import FORMATS, has_kernel, is_default, pick, where
 from .tools import (
     assert_local_matches,
+    assert_redistributes_exactly,
     assert_same_bits,
     close_pools,
     legal,
@@ -125,6 +126,7 @@ __all__ = [
     "Check",
     "Report",
     "assert_local_matches",
+    "assert_redistributes_exactly",
     "assert_same_bits",
     "check_format",
     "close_pools",

@@ -139,6 +139,21 @@ def assert_local_matches(dt: DTensor, dense: torch.Tensor, what: str = "") -> No
     assert torch.equal(local.dequantize(), expected), f"{what}: the local shard's values differ"
 
 
+def assert_redistributes_exactly(dt: DTensor, q: QuantizedTensor, targets, what: str = "") -> None:
+    """``dt`` (``q`` distributed) and each redistribute of it to ``targets`` hold, on this rank, exactly
+    DTensor's shard of ``q``'s dense values, and gather back to ``q``'s bytes.
+
+    ``targets`` are placement lists or strings such as ``"S0,R"`` (:func:`placements`).
+    """
+    dense = q.dequantize()
+    assert_local_matches(dt, dense, f"distribute {what}")
+    assert_same_bits(dt.full_tensor(), q, f"full_tensor from {what}")
+    for tgt in targets:
+        moved = dt.redistribute(dt.device_mesh, placements(tgt) if isinstance(tgt, str) else tgt)
+        assert_local_matches(moved, dense, f"{what} -> {tgt}")
+        assert_same_bits(moved.full_tensor(), q, f"full_tensor after {what} -> {tgt}")
+
+
 def reference_dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The format's own ``dequantize`` math on ``q``'s inner tensors, without any fast path.
 
@@ -150,6 +165,7 @@ def reference_dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -
 
 __all__ = [
     "assert_local_matches",
+    "assert_redistributes_exactly",
     "assert_same_bits",
     "close_pools",
     "legal",

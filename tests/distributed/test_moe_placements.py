@@ -12,7 +12,16 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.testing import FORMATS, assert_local_matches, assert_same_bits, legal, mesh, pick, placements, weight
+from dtensor_quant.testing import (
+    FORMATS,
+    assert_redistributes_exactly,
+    assert_same_bits,
+    legal,
+    mesh,
+    pick,
+    placements,
+    weight,
+)
 
 # the (E, 32, 512) sweeps: blocks that fit 512 columns (nf4b64s8: one scaler factor per row)
 TOY_FORMATS = list(pick("int8", "int4g64", "nf4b64s8", "f8row", "f8tensor", "f8block32"))
@@ -22,16 +31,10 @@ def expert_roundtrip(fmt_name, shape, mesh_shape, src, targets):
     fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
     w = weight(shape, seed=11)
     q = dq.quantize(w, fmt)
-    dense = q.dequantize()
     targets = [t for t in targets if legal(fmt, shape, mesh_shape, t)]
     with wire.record() as log:
         dt = distribute_tensor(q, m, placements(src))
-        assert_local_matches(dt, dense, f"distribute {src}")
-        assert_same_bits(dt.full_tensor(), q, f"full_tensor from {src}")
-        for tgt in targets:
-            moved = dt.redistribute(m, placements(tgt))
-            assert_local_matches(moved, dense, f"{src} -> {tgt}")
-            assert_same_bits(moved.full_tensor(), q, f"full_tensor after {src} -> {tgt}")
+        assert_redistributes_exactly(dt, q, targets, src)
         # quantizing the sharded dense stack gives the same bytes (EP needs no reduction at all)
         got = dq.quantize(distribute_tensor(w, m, placements(src), src_data_rank=None), fmt)
         assert_same_bits(got.to_local(), dt.to_local(), f"quantize on {src}")

@@ -20,7 +20,7 @@ from dtensor_quant import wire
 from dtensor_quant.launch import RankError
 from dtensor_quant.testing import (
     FORMATS,
-    assert_local_matches,
+    assert_redistributes_exactly,
     assert_same_bits,
     legal,
     mesh,
@@ -35,14 +35,8 @@ def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0
     fmt, m = _fmt(fmt_name), mesh(*mesh_shape)
     q = dq.quantize(weight(shape, seed), fmt)
     q = q.t() if transposed else q
-    dense = q.dequantize()
     dt = distribute_tensor(q, m, placements(src), src_data_rank=src_data_rank)
-    assert_local_matches(dt, dense, f"distribute {src}")
-    assert_same_bits(dt.full_tensor(), q, f"full_tensor from {src}")
-    for tgt in targets:
-        moved = dt.redistribute(m, placements(tgt))
-        assert_local_matches(moved, dense, f"{src} -> {tgt}")
-        assert_same_bits(moved.full_tensor(), q, f"full_tensor after {src} -> {tgt}")
+    assert_redistributes_exactly(dt, q, targets, src)
 
 
 PAIRS_1D = ["R", "S0", "S1"]
