@@ -48,7 +48,7 @@ import torch
 
 from . import codec, collectives, dispatch, matmul, wire
 from .fsdp_padding import PADDED_ROWS
-from .layout import Constant, Opaque, Stacked
+from .layout import Constant, Opaque, Stacked, inner_slice
 from .layout_ops import VIEW_OF, canonical_dims
 from .tensor import QuantizedTensor
 from .writes import FACTORY, SHARED
@@ -269,8 +269,6 @@ def _split(func, args, kwargs):
 
 def _split_plan(q, outs, dim):
     """Per piece: its layout, each inner tensor's ``narrow(dim, i0, n)``, and the annotations slice_dim left."""
-    from .layout import inner_slice
-
     plan, start = [], 0
     for out in outs:
         stop = start + out.shape[dim]

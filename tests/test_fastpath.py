@@ -113,9 +113,32 @@ def _outcome(fn, q):
         return None, f"{type(e).__name__}: {e}"
 
 
+def _real_width_inputs():
+    """Widths of real MLPs (14336, 29568) and a 3-D expert stack (11008): NF4's flat factor blocks
+    (16384 values) cross rows there, which the toy widths above never show; int4's groups of 128 fit."""
+    out = []
+    for i, fmt in enumerate((dq.NF4(), dq.Int4Groupwise(128))):
+        for shape in ((16, 14336), (16, 29568)):
+            q = dq.quantize(_weight(shape, i), fmt)
+            out += [q, q.t(), q.detach()]
+            if shape[1] == 14336:  # 8 rows = 7 factor blocks: a legal row cut (at 29568 it takes 128 rows)
+                out += [q[:8], q[8:]]
+        stack = dq.quantize(_weight((2, 16, 11008), i), fmt)
+        out += [stack, stack[1], stack.transpose(-2, -1)]
+    return out
+
+
 def test_fast_path_equals_the_handlers_across_interleaved_layouts():
+    _check_interleaved(_inputs())
+
+
+def test_fast_path_equals_the_handlers_at_real_widths():
+    _check_interleaved(_real_width_inputs())
+
+
+def _check_interleaved(inputs):
     fastpath.clear()
-    cases = [(q, name, fn) for q in _inputs() for name, fn in _ops(q)]
+    cases = [(q, name, fn) for q in inputs for name, fn in _ops(q)]
     random.Random(0).shuffle(cases)
     assert fastpath.ENABLED
     hits_before = None
