@@ -29,12 +29,19 @@ form; both compute the same inputs from the same facts, and the only check
 that uses ``outer_size`` (dim-0 sharding) can fail only where torch makes every
 shard full. See docs/fsdp.md.
 
+An integer ``reshard_after_forward=k`` keeps, after the forward, this rank's
+1/k of the gathered bytes (still quantized) for the backward's all-gather over
+k ranks: torch's FSDP2 cannot do that for parameters with all-gather hooks, and
+:func:`fully_shard` installs the fix
+(:func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard`). The post
+hook then leaves FSDP2's buffers for the reshard to cut and free
+(``GatherMeta.keep``) instead of freeing them once dequantized.
+
 What FSDP2 cannot do with a compact all-gather is refused before any
 collective, on every rank: ``shard_placement_fn`` other than ``Shard(0)``
-(FSDP2 regroups other dims assuming dense bytes), integer
-``reshard_after_forward`` (torch's FSDP2 has no post-forward reshard for any
-parameter with all-gather hooks: the backward's gather from it raises
-``NotImplementedError``), and
+(FSDP2 regroups other dims assuming dense bytes), an integer
+``reshard_after_forward`` with a DTensor (tensor-parallel) parameter (torch
+cannot reshard those to a smaller mesh, dense or not), and
 dim-0 shards that cut a pack or a block. :func:`fully_shard` checks all of
 them when sharding; the hooks check what they can see.
 """
@@ -59,6 +66,7 @@ from .layout_ops import canonical_dims, cat_dim, describe, pad_end, slice_dim
 from .matmul import invalidate, never_cache
 from .placements import shard_like
 from .tensor import QuantizedTensor
+from .torch_fixes import fsdp_keeps_all_gather_outputs, install_fsdp_post_forward_reshard
 from .unpack import unpack_into
 
 
@@ -75,6 +83,7 @@ class GatherMeta:
     dtypes: tuple[torch.dtype, ...]  # per sent inner tensor
     shapes: tuple[torch.Size, ...]  # per sent inner tensor, as each rank sends it
     dense: bool  # the unsharded parameter is the dequantized weight (frozen weights), not a QuantizedTensor
+    keep: bool = False  # FSDP2 cuts a post-forward shard from the gathered bytes: the post hook must not free them
 
 
 def hook_for(t: torch.Tensor, quantized: Callable[[object], QuantizedTensor], dense: bool):
@@ -140,7 +149,8 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True
     inner = [getattr(piece, n).contiguous() for n in sent]
     kept = {n: t for n, t in piece.inner.items() if n not in sent}
     dtypes, shapes = tuple(t.dtype for t in inner), tuple(t.shape for t in inner)
-    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, dtypes, shapes, dense)
+    keep = fsdp_keeps_all_gather_outputs()
+    meta = GatherMeta(q.fmt, piece.rels, piece.shape, world, sent, kept, dtypes, shapes, dense, keep)
     if world == 1:
         # torch 2.13's one-rank path copies only the first all-gather input
         return (pack(inner),), meta
@@ -187,7 +197,7 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
         )
     full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
     if meta.dense:
-        return _dequantize_gathered(full, buffers, out)
+        return _dequantize_gathered(full, [] if meta.keep else buffers, out)
     if out is None:
         return full, buffers
     target = out._local_tensor if isinstance(out, DTensor) else out
@@ -267,6 +277,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
 
     record_tensor_parallel(module)
     check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs)
+    if _is_group_size(reshard_after_forward):
+        install_fsdp_post_forward_reshard()  # FSDP2's post-forward reshard of parameters with all-gather hooks
     return torch_fully_shard(
         module, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn, **kwargs
     )
@@ -306,18 +318,10 @@ def record_tensor_parallel(module) -> None:
 def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, kwargs=None) -> None:
     """Raise ``ValueError`` if ``fully_shard(module, ...)`` cannot gather its quantized weights compactly."""
     world = _shard_size(mesh, kwargs or {})
+    if _is_group_size(reshard_after_forward):
+        _check_reshard_group_size(module, reshard_after_forward, world)
     for fqn, param, local, fmt in quantized_params(module):
         where = f"{fqn or 'parameter'} ({type(local).__name__} {fmt})"
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            if world is not None and reshard_after_forward not in (1, world):
-                raise ValueError(
-                    f"{where}: reshard_after_forward={reshard_after_forward} is not supported by torch's FSDP2 "
-                    "for any parameter with an all-gather extension (fsdp_pre_all_gather): its post-forward "
-                    "reshard keeps a slice of one dense all-gather output, and the backward's all-gather from "
-                    "that slice raises NotImplementedError for extensions (torch 2.13, FSDPParam."
-                    "all_gather_inputs). Use True (least memory: the backward all-gathers the quantized bytes "
-                    "again) or False (keeps the dequantized weight from forward to backward)."
-                )
         if shard_placement_fn is not None:
             placement = shard_placement_fn(param)
             placement = getattr(placement, "placement", placement)
@@ -347,11 +351,38 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
 
 
-def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, object]]:
-    """``(fqn, param, local tensor, format)`` of the quantized parameters FSDP2 would manage.
+def _is_group_size(reshard_after_forward) -> bool:
+    return isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
 
-    Skips submodules already sharded by ``fully_shard``, as FSDP2 does.
+
+def _check_reshard_group_size(module, size: int, world: int | None) -> None:
+    """An integer ``reshard_after_forward``: what torch's FSDP2 would refuse, refused up front.
+
+    Torch checks the factor itself (before any collective) but refuses a DTensor
+    (tensor-parallel) parameter only at the first post-forward reshard, after the
+    forward's all-gathers; with quantized parameters the fix in
+    :func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard` does the rest.
     """
+    if world is not None and (size < 1 or world % size):
+        raise ValueError(
+            f"reshard_after_forward={size}: an integer is the size of the group FSDP2 reshards to after the "
+            f"forward and must divide the {world} ranks it shards over; use one of "
+            f"{', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}, or True/False."
+        )
+    if world is not None and size in (1, world):
+        return  # torch treats these as False and True
+    for fqn, param in _managed_params(module):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{fqn}: reshard_after_forward={size} with a DTensor (tensor-parallel) parameter: torch 2.13's "
+                "FSDP2 cannot reshard DTensor parameters to a smaller mesh after the forward "
+                "(FSDPParam.to_sharded_post_forward raises NotImplementedError for them, after the forward). "
+                "Use True or False with tensor parallelism."
+            )
+
+
+def _managed_params(module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``(fqn, param)`` of the parameters FSDP2 would manage: submodules already sharded are skipped, as FSDP2 does."""
     from torch.distributed.fsdp import FSDPModule
 
     roots = module if isinstance(module, (list, tuple)) else [module]
@@ -360,14 +391,20 @@ def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, 
         if not is_root and isinstance(m, FSDPModule):
             return
         for name, p in m.named_parameters(recurse=False):
-            local = p._local_tensor if isinstance(p, DTensor) else p
-            if isinstance(local, (QuantizedTensor, GatherQuantized)):
-                yield prefix + name, p, local, local.fmt
+            yield prefix + name, p
         for name, child in m.named_children():
             yield from walk(child, f"{prefix}{name}.", False)
 
     for root in roots:
         yield from walk(root, "", True)
+
+
+def quantized_params(module) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, object]]:
+    """``(fqn, param, local tensor, format)`` of the quantized parameters FSDP2 would manage."""
+    for fqn, p in _managed_params(module):
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if isinstance(local, (QuantizedTensor, GatherQuantized)):
+            yield fqn, p, local, local.fmt
 
 
 def _row_factor(local) -> int:

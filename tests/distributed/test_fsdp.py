@@ -168,8 +168,6 @@ def refuse(kind):
             elif kind == "placement_plain_fully_shard":
                 torch_fully_shard(model, mesh=m, shard_placement_fn=lambda p: Shard(1))
                 model(weight((2, 64)))
-            elif kind == "reshard_int":
-                fully_shard(model, mesh=m, reshard_after_forward=2)
             elif kind == "misaligned":
                 fully_shard(model, mesh=m)
             elif kind == "misaligned_plain_fully_shard":
@@ -184,7 +182,6 @@ def refuse(kind):
     [
         ("placement", 2, "Shard(0)"),
         ("placement_plain_fully_shard", 2, "Shard(0) only"),
-        ("reshard_int", 4, "reshard_after_forward=2"),
         ("misaligned", 3, "Legal FSDP2 sizes: 1, 5, 6"),
         ("misaligned_plain_fully_shard", 3, "multiple of 4"),
     ],

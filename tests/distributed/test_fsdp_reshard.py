@@ -1,0 +1,219 @@
+"""Integer ``reshard_after_forward`` with quantized parameters: FSDP2 keeps a quantized post-forward shard.
+
+With ``reshard_after_forward=k`` each rank keeps, after the forward, its 1/k
+of every gathered inner tensor -- still the stored bytes -- and the backward
+all-gathers those over groups of k ranks
+(:func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard`). Checks:
+the backward's weight is bit-identical to the forward's (so a run with k gives
+exactly the losses of a run with ``True``, and both match one process), each
+forward all-gather sends one rank's padded shard and each backward one sends
+``world / k`` of them, in ``uint8``; frozen bases (QLoRA) and trainable
+weights gathered quantized (``GatherQuantized``), 4 ranks with k=2, uneven
+shards, and k=2 on 2 ranks (torch's ``True``).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fsdp import expected_bytes, quantized_model
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from training import (
+    batches,
+    floor_bytes,
+    gather_quantized_model,
+    gather_quantized_reference,
+    qlora_model,
+    reference_losses,
+    train,
+)
+
+import dtensor_quant as dq
+from dtensor_quant import wire
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.testing import mesh, weight
+
+STEPS = 4
+
+
+def one_linear(fmt_name, shape, k):
+    """Forward then backward through one FSDP2 Linear: the backward's weight is the forward's, bit for bit."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    world = torch.distributed.get_world_size()
+    model, q = quantized_model(fmt_name, shape)
+    x = weight((3, shape[1]), seed=2, dtype=torch.float32).requires_grad_()
+    g = weight((3, shape[0]), seed=3, dtype=torch.float32)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = F.linear(x_ref, q.dequantize())
+    y_ref.backward(g)
+
+    fully_shard(model, mesh=mesh(world), reshard_after_forward=k)
+    fsdp_param = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+    with wire.record() as forward:
+        y = model(x)
+    # after the forward: the module shows its own quantized shard, the gathered bytes are freed
+    assert fsdp_param.sharded_state == ShardedState.SHARDED_POST_FORWARD
+    assert isinstance(model[0].weight.to_local(), dq.QuantizedTensor)
+    assert all(t.untyped_storage().nbytes() == 0 for t in fsdp_param.all_gather_outputs)
+    kept = fsdp_param._sharded_post_forward_param_data.inputs
+    assert all(t.dtype == torch.uint8 for t in kept)
+    with wire.record() as backward:
+        y.backward(g)
+    assert torch.equal(y, y_ref), (y - y_ref).abs().max()
+    assert torch.equal(x.grad, x_ref.grad), (x.grad - x_ref.grad).abs().max()
+    one_shard = expected_bytes(q, world)
+    return (
+        [(t.dtype, t.nbytes) for t in forward.all_gathers().transfers],
+        [(t.dtype, t.nbytes) for t in backward.all_gathers().transfers],
+        one_shard,
+        sum(t.numel() for t in kept),
+    )
+
+
+@pytest.mark.parametrize("fmt_name,shape", [("int8", (16, 1536)), ("int4g32", (10, 1536)), ("nf4", (128, 1536))])
+def test_backward_weight_is_the_forward_weight(ranks, fmt_name, shape):
+    """4 ranks, k=2 (uneven for 10 rows: 3, 3, 3, 1): one shard forward, two shards backward, all uint8."""
+    for forward, backward, one_shard, kept in ranks(4).run(one_linear, fmt_name, shape, 2):
+        assert forward == [(torch.uint8, one_shard)], (forward, one_shard)
+        assert backward == [(torch.uint8, 2 * one_shard)], (backward, one_shard)
+        assert kept == 2 * one_shard
+
+
+# -- training: the losses of k=2 are exactly those of True, and match one process -------
+
+
+def qlora_train(fmt_name, cfg_name, reshard, mp, layout="fsdp"):
+    from test_qlora import _policy
+
+    world = torch.distributed.get_world_size()
+    model = qlora_model(fmt_name, cfg_name)
+    m = mesh(1, world) if layout == "hsdp" else mesh(world)  # HSDP: (replicate, shard) = (1, world)
+    floor = {floor_bytes(layer, world, getattr(torch, mp) if mp else None) for layer in model.layers}
+    if layout == "ac":  # the backward recomputes each block's forward from the post-forward gather
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
+    for layer in model.layers:
+        fully_shard(layer, mesh=m, reshard_after_forward=reshard, mp_policy=_policy(mp))
+    fully_shard(model, mesh=m, reshard_after_forward=reshard, mp_policy=_policy(mp))
+    with wire.record() as log:
+        losses = train(model, batches(STEPS, cfg_name), dp_group=torch.distributed.group.WORLD)
+    # a block unit mixes quantized bases and dense adapters/norms: one uint8 all-gather each
+    return losses, sorted(t.nbytes for t in log.all_gathers().transfers if t.dtype == torch.uint8), floor
+
+
+def gq_train(fmt_name, reshard):
+    world = torch.distributed.get_world_size()
+    model = gather_quantized_model(fmt_name, "even")
+    m = mesh(world)
+    floor = {floor_bytes(layer, world) for layer in model.layers}
+    for layer in model.layers:
+        fully_shard(layer, mesh=m, reshard_after_forward=reshard)
+    fully_shard(model, mesh=m, reshard_after_forward=reshard)
+    with wire.record() as log:
+        losses = train(model, batches(STEPS, "even"), lr=3e-3, dp_group=m.get_group())
+    return losses, sorted(t.nbytes for t in log.all_gathers().transfers if t.dtype == torch.uint8), floor
+
+
+def check_gathers(gathers, floor, world, k, layers):
+    """Per step and block: a forward gather of one shard, a backward one of world/k shards.
+
+    With activation checkpointing too: FSDP2 does not reshard after the recomputed forward.
+    """
+    (one,) = floor  # both blocks have the same shapes
+    assert gathers == sorted([one, one * (world // k)] * STEPS * layers), (sorted(set(gathers)), one)
+
+
+@pytest.mark.parametrize(
+    "world,fmt_name,cfg_name,mp,layout",
+    [
+        pytest.param(4, "int8", "even", None, "fsdp", id="4r-int8"),
+        pytest.param(4, "int4g32", "uneven", "bfloat16", "fsdp", id="4r-uneven-int4-bf16"),
+        pytest.param(4, "int4g32", "uneven", None, "ac", id="4r-uneven-int4-ac"),
+        pytest.param(4, "int8", "even", None, "hsdp", id="4r-hsdp-1x4-int8"),
+        pytest.param(2, "int8", "even", None, "fsdp", id="2r-int8-trivial"),
+    ],
+)
+def test_qlora_reshard_to_2(ranks, world, fmt_name, cfg_name, mp, layout):
+    from test_qlora import TOLERANCE
+
+    pool = ranks(world)
+    with_k = pool.run(qlora_train, fmt_name, cfg_name, 2, mp, layout, timeout=300)
+    with_true = pool.run(qlora_train, fmt_name, cfg_name, True, mp, layout, timeout=300)
+    expected = reference_losses(fmt_name, cfg_name, STEPS, mp)
+    for (losses, gathers, floor), (losses_true, gathers_true, _) in zip(with_k, with_true):
+        assert losses == losses_true, (losses, losses_true)  # the same weights, gathered another way
+        assert losses == pytest.approx(list(expected), rel=TOLERANCE[mp]), (losses, expected)
+        check_gathers(gathers, floor, world, 2, 2)
+        if world == 2:
+            assert gathers == gathers_true
+    assert expected[-1] < expected[0]
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", pytest.param("pertensor", marks=pytest.mark.slow)])
+def test_gather_quantized_reshard_to_2(ranks, fmt_name):
+    """Trainable weights: the backward reuses the forward's quantized bytes (and its all-reduced scale)."""
+    pool = ranks(4)
+    with_k = pool.run(gq_train, fmt_name, 2, timeout=300)
+    with_true = pool.run(gq_train, fmt_name, True, timeout=300)
+    expected = gather_quantized_reference(fmt_name, "even", STEPS)
+    for (losses, gathers, floor), (losses_true, _, _) in zip(with_k, with_true):
+        assert losses == losses_true, (losses, losses_true)
+        assert losses == pytest.approx(list(expected), rel=2e-5), (losses, expected)
+        check_gathers(gathers, floor, 4, 2, 2)
+
+
+# -- refused, on every rank, before any collective ----------------------------------------
+
+
+def refuse(kind):
+    model, _ = quantized_model("int8", (16, 64))
+    m = mesh(4)
+    if kind == "tensor_parallel":  # a DTensor parameter: torch's FSDP2 cannot reshard it to 2 ranks
+        m = mesh(4, 1)
+        extra = nn.Linear(64, 8, bias=False)
+        parallelize_module(extra, m["tp"], ColwiseParallel())
+        model.append(extra)
+    with wire.record() as log:
+        try:
+            if kind == "not_a_factor":
+                fully_shard(model, mesh=m, reshard_after_forward=3)
+            elif kind == "tensor_parallel":
+                fully_shard(model, mesh=m["dp"], reshard_after_forward=2)
+        except ValueError as e:
+            return type(e).__name__, len(log.transfers), str(e)
+    return "no error", len(log.transfers), ""
+
+
+@pytest.mark.parametrize(
+    "kind,words", [("not_a_factor", "use one of 1, 2, 4"), ("tensor_parallel", "DTensor (tensor-parallel)")]
+)
+def test_refused_on_every_rank_before_any_collective(ranks, kind, words):
+    results = ranks(4).run(refuse, kind, timeout=60)
+    for kind_of_error, collectives, msg in results:
+        assert kind_of_error == "ValueError" and collectives == 0, (kind_of_error, collectives, msg)
+        assert words in msg, msg
+    assert len({msg for _, _, msg in results}) == 1
+
+
+def plain_torch_fully_shard():
+    """torch's own fully_shard after the fix is installed: the same bytes (the fix is in torch's FSDPParam)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from dtensor_quant.torch_fixes import install_fsdp_post_forward_reshard
+
+    install_fsdp_post_forward_reshard()
+    model, q = quantized_model("int4g32", (16, 1536))
+    torch_fully_shard(model, mesh=mesh(4), reshard_after_forward=2)
+    x = weight((3, 1536), seed=2, dtype=torch.float32).requires_grad_()
+    y = model(x)
+    with wire.record() as log:
+        y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(y) @ q.dequantize())
+    return [(t.dtype, t.nbytes) for t in log.all_gathers().transfers], expected_bytes(q, 4)
+
+
+def test_plain_torch_fully_shard_after_install(ranks):
+    for gathers, one_shard in ranks(4).run(plain_torch_fully_shard):
+        assert gathers == [(torch.uint8, 2 * one_shard)], (gathers, one_shard)
