@@ -1,7 +1,7 @@
 """FSDP2 all-gather per training step: bytes and time, quantized vs bf16, 2 and 4 ranks, one run.
 
     python bench/fsdp_allgather.py [--worlds 2 4] [--layers 8] [--dim 1024] [--repeat 3]
-        [--plot docs/fsdp_allgather.png]
+        [--reshard-after-forward 2] [--plot docs/fsdp_allgather.png]
 
 A stack of ``--layers`` frozen ``dim x dim`` bf16 Linears, each its own FSDP2
 unit (the QLoRA situation: the base weights only move, never train), in bf16,
@@ -12,6 +12,8 @@ copy-in, collective, post hook) and the whole step. Everything is printed as
 a ratio to bf16 measured in the same run. Targets (issue 4): Int8Rowwise <=
 0.51x and Int4Groupwise(128) <= 0.27x of bf16's bytes, uint8 on the wire.
 With matplotlib installed (the ``bench`` extra), ``--plot`` draws the ratios.
+``--reshard-after-forward k`` passes an integer to ``fully_shard``: the
+backward then all-gathers ``world / k`` shards per rank over groups of k ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ FORMATS = {"bf16": None, **{s: parse_format(s) for s in ("Int8Rowwise", "Int4Gro
 TARGETS = {"Int8Rowwise": 0.51, "Int4Groupwise(128)": 0.27}
 
 
-def measure(layers: int, dim: int, repeat: int):
+def measure(layers: int, dim: int, repeat: int, reshard_after_forward=None):
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     rows = []
@@ -47,8 +49,8 @@ def measure(layers: int, dim: int, repeat: int):
         if fmt is not None:
             dq.quantize_(model, fmt)
         for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
         x = torch.randn(8, dim, dtype=torch.bfloat16, requires_grad=True)
 
         def step(model=model, x=x):
@@ -93,14 +95,17 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--reshard-after-forward", type=int, default=None, help="an integer group size for fully_shard")
     ap.add_argument("--plot", default=None, help="write a PNG of the ratios here (needs matplotlib)")
     args = ap.parse_args()
     rows = []
     for world in args.worlds:
-        rows += run(measure, world, args.layers, args.dim, args.repeat, timeout=1800)[0]  # rank 0's view
+        per_rank = run(measure, world, args.layers, args.dim, args.repeat, args.reshard_after_forward, timeout=1800)
+        rows += per_rank[0]  # rank 0's view
     print(
         f"FSDP2, {args.layers} frozen {args.dim}x{args.dim} bf16 Linears, one forward + backward per step, "
         f"gloo on CPU, median of {args.repeat}"
+        + (f", reshard_after_forward={args.reshard_after_forward}" if args.reshard_after_forward is not None else "")
     )
     print(
         f"{'ranks':>5}  {'format':<20}{'all-gathers':>12}{'bytes/rank':>14}{'x bf16':>8}"
