@@ -9,7 +9,8 @@ exactly the losses of a run with ``True``, and both match one process), each
 forward all-gather sends one rank's padded shard and each backward one sends
 ``world / k`` of them, in ``uint8``; frozen bases (QLoRA) and trainable
 weights gathered quantized (``GatherQuantized``), 4 ranks with k=2, uneven
-shards, and k=2 on 2 ranks (torch's ``True``).
+shards, bf16 mixed precision, activation checkpointing, HSDP, CPU offload, and
+k=2 on 2 ranks (torch's ``True``).
 """
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from test_fsdp import expected_bytes, quantized_model
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from training import (
     batches,
@@ -94,9 +96,10 @@ def qlora_train(fmt_name, cfg_name, reshard, mp, layout="fsdp"):
     if layout == "ac":  # the backward recomputes each block's forward from the post-forward gather
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
+    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if layout == "offload" else {}
     for layer in model.layers:
-        fully_shard(layer, mesh=m, reshard_after_forward=reshard, mp_policy=_policy(mp))
-    fully_shard(model, mesh=m, reshard_after_forward=reshard, mp_policy=_policy(mp))
+        fully_shard(layer, mesh=m, reshard_after_forward=reshard, mp_policy=_policy(mp), **extra)
+    fully_shard(model, mesh=m, reshard_after_forward=reshard, mp_policy=_policy(mp), **extra)
     with wire.record() as log:
         losses = train(model, batches(STEPS, cfg_name), dp_group=torch.distributed.group.WORLD)
     # a block unit mixes quantized bases and dense adapters/norms: one uint8 all-gather each
@@ -132,6 +135,7 @@ def check_gathers(gathers, floor, world, k, layers):
         pytest.param(4, "int4g32", "uneven", "bfloat16", "fsdp", id="4r-uneven-int4-bf16"),
         pytest.param(4, "int4g32", "uneven", None, "ac", id="4r-uneven-int4-ac"),
         pytest.param(4, "int8", "even", None, "hsdp", id="4r-hsdp-1x4-int8"),
+        pytest.param(4, "int8", "even", None, "offload", id="4r-cpu-offload-int8"),
         pytest.param(2, "int8", "even", None, "fsdp", id="2r-int8-trivial"),
     ],
 )
