@@ -45,12 +45,13 @@ import os
 from collections.abc import Iterator
 
 import torch
+from torch.utils import _python_dispatch
 
-from . import codec, collectives, dispatch, matmul, wire
+from . import agree, codec, collectives, dispatch, matmul, wire
 from .fsdp_padding import PADDED_ROWS
 from .layout import Constant, Opaque, Stacked, inner_slice
-from .layout_ops import VIEW_OF, canonical_dims
-from .tensor import QuantizedTensor
+from .layout_ops import canonical_dims, view_of
+from .tensor import PENDING, QuantizedTensor
 from .writes import FACTORY, SHARED
 
 ENABLED = os.environ.get("DTENSOR_QUANT_FASTPATH", "1") not in ("", "0")
@@ -180,10 +181,7 @@ def _alias_op(func, args, kwargs):
 @_fast("aten::t", "aten::transpose")
 def _transpose(func, args, kwargs):
     q = args[0]
-    if kwargs or type(q) is not QuantizedTensor:
-        return NotImplemented
-    inner = [getattr(q, name) for name in q.fmt.inner_names]
-    if type(inner[0]) is not torch.Tensor or inner[0].is_meta:
+    if kwargs or not _plain(q):
         return NotImplemented
     nd = q.ndim
     if len(args) == 1:
@@ -194,24 +192,34 @@ def _transpose(func, args, kwargs):
         d0, d1 = args[1] % nd, args[2] % nd
         if d0 == d1:
             return _alias(q)
-    key = ("transpose", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride(), d0, d1)
+    key = ("transpose", _key(q), d0, d1)
     hit = _PLANS.get(key)
     if hit is None:
         out = dispatch.HANDLERS["aten::transpose"](func, q, d0, d1)
         _remember(key, _meta(out), q)
         return out
-    views = []
-    for t in inner:  # layout_ops.view_of: the kernel cache follows a view to the tensor it was taken from
-        v = t.transpose(d0, d1)
-        owner = t.__dict__.get(VIEW_OF)
-        v.__dict__[VIEW_OF] = owner if owner is not None else (t._base if t._base is not None else t)
-        views.append(v)
-    out = _make(q, views, hit[0])
+    # The inner transposes are made when first read (tensor.PENDING): F.linear's t() is followed
+    # by an mm that reads the weight's own inner tensors (_mm below), so they are mostly never made.
+    out = _make(q, (), hit[0])
     d, od = q.__dict__, out.__dict__
+    od[PENDING] = (_transpose_inner, q, d0, d1)
     if SHARED in d:
         od[SHARED] = d[SHARED]
     od["_transposed_from"] = d.get("_transposed_from", q)
     return out
+
+
+def _transpose_inner(out: QuantizedTensor, q: QuantizedTensor, d0: int, d1: int) -> None:
+    """Set ``out``'s inner tensors to ``q``'s transposed, as the handler makes them.
+
+    Each records the tensor it views (``layout_ops.view_of``: kernels cache on that one). Made
+    below autograd's view tracking and any dispatch mode, as inside ``__torch_dispatch__``,
+    wherever the first read happens.
+    """
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _python_dispatch._disable_current_modes():
+        for name in q.fmt.inner_names:
+            t = getattr(q, name)
+            setattr(out, name, view_of(t.transpose(d0, d1), t))
 
 
 @_fast("aten::view", "aten::_unsafe_view")
@@ -295,13 +303,14 @@ def _all_gather(func, args, kwargs):
     hit = _PLANS.get(key)
     if hit is None:
         out = collectives.all_gather_into_tensor(func, q, group_size, group_name)
-        _remember(key, _gather_plan(q, out), q)
+        _remember(key, _gather_plan(q, out, group_size, group_name), q)
         return out
     plan = hit[0]
     if plan is _SLOW:
         return NotImplemented
-    meta, sent = plan
-    collectives.agree_layout(q, group_name, "all-gather")  # every call, as the handler does (EVERY_CALL honoured)
+    meta, sent, agreed = plan
+    if agree.EVERY_CALL or agreed not in agree.AGREED:  # collectives.agree_layout's own first test, key kept
+        collectives.agree_layout(q, group_name, "all-gather")
     buf = codec.pack([t for t, s in zip(inner, sent) if s is not None])
     wire.note(func._schema.name, buf)
     c10d = torch.ops._c10d_functional
@@ -311,14 +320,16 @@ def _all_gather(func, args, kwargs):
         if s is None:
             joined.append(t.clone())  # a tensor no rank sent: the same on all of them (cat_dim clones it)
         else:
-            offset, nbytes = s
-            per_rank = rows[:, offset : offset + nbytes].view(t.dtype).view(group_size, *t.shape)
-            joined.append(per_rank.reshape(group_size * t.shape[0], *t.shape[1:]))  # = torch.cat of the pieces
+            offset, nbytes, shape = s  # every rank's bytes of it, stacked along its dim 0 = torch.cat of the pieces
+            joined.append(rows.narrow(1, offset, nbytes).view(t.dtype).reshape(shape))
     return _make(q, joined, meta)
 
 
-def _gather_plan(q, out):
-    """``(result layout, per inner (byte offset, bytes) in the buffer or None if not sent)``, or _SLOW."""
+def _gather_plan(q, out, group_size, group_name):
+    """``(result layout, per inner (byte offset, bytes, gathered shape) or None if not sent, agreed key)``.
+
+    Or _SLOW. The agreed key is what :func:`collectives.agree_layout` looks up in ``agree.AGREED``.
+    """
     sent, offset = [], 0
     for name, t, row in zip(q.fmt.inner_names, _inner(q), q.rels):
         if not codec.varies(q, name):
@@ -327,9 +338,9 @@ def _gather_plan(q, out):
         if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
             return _SLOW  # whether the gathered pieces agree may be read from the data; or nothing to view
         nbytes = t.numel() * t.element_size()
-        sent.append((offset, nbytes))
+        sent.append((offset, nbytes, (group_size * t.shape[0], *t.shape[1:])))
         offset += -(-nbytes // codec.ALIGN) * codec.ALIGN
-    return _meta(out), tuple(sent)
+    return _meta(out), tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q))
 
 
 # -- the linear: mm of an activation and a transposed weight -----------------------
