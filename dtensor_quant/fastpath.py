@@ -196,13 +196,19 @@ def _transpose(func, args, kwargs):
     hit = _PLANS.get(key)
     if hit is None:
         out = dispatch.HANDLERS["aten::transpose"](func, q, d0, d1)
-        _remember(key, _meta(out), q)
+        # Deferred only where an unset inner name reaches QuantizedTensor.__getattr__: NF4's "mean"
+        # would otherwise read as torch.Tensor.mean.
+        _remember(key, (_meta(out), not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)), q)
         return out
-    # The inner transposes are made when first read (tensor.PENDING): F.linear's t() is followed
-    # by an mm that reads the weight's own inner tensors (_mm below), so they are mostly never made.
-    out = _make(q, (), hit[0])
+    meta, deferred = hit[0]
+    if deferred:
+        # The inner transposes are made when first read (tensor.PENDING): F.linear's t() is followed
+        # by an mm that reads the weight's own inner tensors (_mm below), so they are mostly never made.
+        out = _make(q, (), meta)
+        out.__dict__[PENDING] = (_transpose_inner, q, d0, d1)
+    else:
+        out = _make(q, [view_of(t.transpose(d0, d1), t) for t in _inner(q)], meta)
     d, od = q.__dict__, out.__dict__
-    od[PENDING] = (_transpose_inner, q, d0, d1)
     if SHARED in d:
         od[SHARED] = d[SHARED]
     od["_transposed_from"] = d.get("_transposed_from", q)
@@ -266,28 +272,51 @@ def _split(func, args, kwargs):
         outs = dispatch.HANDLERS[func._schema.name](func, *args)
         _remember(key, _split_plan(q, outs, dim), q)
         return outs
+    if hit[0] is _SLOW:
+        return NotImplemented
+    pieces, cuts = hit[0]
+    columns = [_cut(t, dim, c) for t, c in zip(_inner(q), cuts)]  # per inner, its piece of every output
     result = []
-    for meta, cuts, notes in hit[0]:
-        out = _make(q, [t.narrow(dim, i0, n) for t, (i0, n) in zip(_inner(q), cuts)], meta)
+    for i, (meta, notes) in enumerate(pieces):
+        out = _make(q, [col[i] for col in columns], meta)
         for k, v in notes:
             out.__dict__[k] = dict(v) if isinstance(v, dict) else v
         result.append(out)
     return result
 
 
+def _cut(t: torch.Tensor, dim: int, cuts) -> list[torch.Tensor]:
+    """``[t.narrow(dim, i0, n) for i0, n in cuts]``: one ``split_with_sizes`` when the cuts tile ``t``."""
+    tiling, pieces = cuts
+    if tiling is not None and t.shape[dim] == tiling[1]:
+        return t.split_with_sizes(tiling[0], dim)
+    return [t.narrow(dim, i0, n) for i0, n in pieces]
+
+
 def _split_plan(q, outs, dim):
-    """Per piece: its layout, each inner tensor's ``narrow(dim, i0, n)``, and the annotations slice_dim left."""
-    plan, start = [], 0
+    """``(per piece (layout, annotations slice_dim left), per inner (tiling or None, its narrows))``.
+
+    A tiling is ``(sizes, total)`` when an inner tensor's pieces follow one another from 0 to
+    ``total`` (what ``split_with_sizes`` makes in one op); a constant inner is not cut, so every
+    piece narrows the whole of it.
+    """
+    if not outs:
+        return _SLOW
+    pieces, narrows, start = [], [[] for _ in q.rels], 0
     for out in outs:
         stop = start + out.shape[dim]
-        cuts = []
-        for rel_row in q.rels:
+        for cuts, rel_row in zip(narrows, q.rels):
             i0, i1, _ = inner_slice(rel_row[dim], start, stop, q.shape[dim])
             cuts.append((i0, i1 - i0))
         notes = tuple((k, out.__dict__[k]) for k in _CHANGES_SLICES if k in out.__dict__)
-        plan.append((_meta(out), tuple(cuts), notes))
+        pieces.append((_meta(out), notes))
         start = stop
-    return tuple(plan)
+    per_inner = []
+    for cuts in narrows:
+        ends = [i0 + n for i0, n in cuts]
+        tiles = all(i0 == end for (i0, _), end in zip(cuts[1:], ends)) and cuts[0][0] == 0
+        per_inner.append(((tuple(n for _, n in cuts), ends[-1]) if tiles else None, tuple(cuts)))
+    return tuple(pieces), tuple(per_inner)
 
 
 # -- all-gather ------------------------------------------------------------------
@@ -308,29 +337,31 @@ def _all_gather(func, args, kwargs):
     plan = hit[0]
     if plan is _SLOW:
         return NotImplemented
-    meta, sent, agreed = plan
+    meta, sent, widths, agreed = plan
     if agree.EVERY_CALL or agreed not in agree.AGREED:  # collectives.agree_layout's own first test, key kept
         collectives.agree_layout(q, group_name, "all-gather")
     buf = codec.pack([t for t, s in zip(inner, sent) if s is not None])
     wire.note(func._schema.name, buf)
     c10d = torch.ops._c10d_functional
     rows = c10d.wait_tensor(c10d.all_gather_into_tensor(buf, group_size, group_name)).view(group_size, -1)
+    columns = rows.split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor (and per padding)
     joined = []
     for t, s in zip(inner, sent):
         if s is None:
             joined.append(t.clone())  # a tensor no rank sent: the same on all of them (cat_dim clones it)
         else:
-            offset, nbytes, shape = s  # every rank's bytes of it, stacked along its dim 0 = torch.cat of the pieces
-            joined.append(rows.narrow(1, offset, nbytes).view(t.dtype).reshape(shape))
+            column, shape = s  # every rank's piece, stacked along its dim 0 = torch.cat of the pieces
+            joined.append(columns[column].view(t.dtype).reshape(shape))
     return _make(q, joined, meta)
 
 
 def _gather_plan(q, out, group_size, group_name):
-    """``(result layout, per inner (byte offset, bytes, gathered shape) or None if not sent, agreed key)``.
+    """``(result layout, per inner (its column of the buffer, gathered shape) or None if not sent,
+    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed)``, or _SLOW.
 
-    Or _SLOW. The agreed key is what :func:`collectives.agree_layout` looks up in ``agree.AGREED``.
+    A rank's buffer is :func:`codec.pack` of the sent tensors: each one's bytes, then padding.
     """
-    sent, offset = [], 0
+    sent, widths = [], []
     for name, t, row in zip(q.fmt.inner_names, _inner(q), q.rels):
         if not codec.varies(q, name):
             sent.append(None)
@@ -338,9 +369,11 @@ def _gather_plan(q, out, group_size, group_name):
         if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
             return _SLOW  # whether the gathered pieces agree may be read from the data; or nothing to view
         nbytes = t.numel() * t.element_size()
-        sent.append((offset, nbytes, (group_size * t.shape[0], *t.shape[1:])))
-        offset += -(-nbytes // codec.ALIGN) * codec.ALIGN
-    return _meta(out), tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q))
+        sent.append((len(widths), (group_size * t.shape[0], *t.shape[1:])))
+        widths += [nbytes, -nbytes % codec.ALIGN] if nbytes % codec.ALIGN else [nbytes]
+    if not widths:
+        return _SLOW
+    return _meta(out), tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q))
 
 
 # -- the linear: mm of an activation and a transposed weight -----------------------
