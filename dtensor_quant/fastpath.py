@@ -247,11 +247,14 @@ def _view(func, args, kwargs):
         return out
     if hit[0] is _SLOW:
         return NotImplemented
-    rels, dims, shape, stride, dtype = hit[0]
-    # A flatten that does not follow the flat index is an Opaque, which equals only itself:
-    # a fresh one per result, as the handler makes, so two results never look like one grid.
-    rels = tuple((type(row[0])(),) if isinstance(row[0], Opaque) else row for row in rels)
-    return _make(q, [t.reshape(-1) for t in _inner(q)], (rels, dims, shape, stride, dtype))
+    meta = hit[0]
+    rels = meta[0]
+    if any(isinstance(row[0], Opaque) for row in rels):
+        # A flatten that does not follow the flat index is an Opaque, which equals only itself:
+        # a fresh one per result, as the handler makes, so two results never look like one grid.
+        rels = tuple((type(row[0])(),) if isinstance(row[0], Opaque) else row for row in rels)
+        meta = (rels, *meta[1:])
+    return _make(q, [t.reshape(-1) for t in _inner(q)], meta)
 
 
 # -- split ---------------------------------------------------------------------
