@@ -15,6 +15,13 @@ builds the wrapper directly. Covered: ``t``/``transpose``, the aliases
 of an activation and ``w.t()``. Only decisions are kept, never results or
 bytes: every call reads the inner tensors as they are.
 
+One result is lazier than the handler's: ``t()`` leaves its inner transposes
+to the first read of an inner tensor (:data:`~dtensor_quant.tensor.PENDING`),
+because the ``mm`` that follows it in every ``F.linear`` runs the kernel on
+the weight's own inner tensors. They are views, so reading them later gives
+what reading them at once would have; formats with an inner name that is
+also a Tensor attribute (NF4's ``mean``) get them at once.
+
 A layout here is what the decision depends on: the format, relation rows and
 orientation (by object identity: a plan pins the objects it was made for, so
 an identity cannot be reused while the plan lives, and an equal layout in a
