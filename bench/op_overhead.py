@@ -1,6 +1,6 @@
 """Per-op overhead of a quantized DTensor against the same op on a dense bf16 DTensor, one interleaved run.
 
-    python bench/op_overhead.py [--world 2] [--size 256] [--repeat 200]
+    python bench/op_overhead.py [--world 2] [--size 256] [--repeat 200] [--pin]
 
 A ``size x size`` weight (small, so the time is dispatch, not arithmetic) on
 ``--world`` gloo ranks with one thread each, as a dense bf16 DTensor and
@@ -30,6 +30,7 @@ installed.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -86,9 +87,11 @@ def ops(w, x):
 
 
 @torch.no_grad()
-def measure(size: int, repeat: int):
+def measure(size: int, repeat: int, pin: bool):
     torch.set_num_threads(1)
     world = torch.distributed.get_world_size()
+    if pin:  # rank r on CPU r: the ranks never share a core, as on a quiet machine
+        os.sched_setaffinity(0, {torch.distributed.get_rank() % os.cpu_count()})
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     dense = torch.randn(size, size, dtype=torch.bfloat16) * size**-0.5
@@ -141,10 +144,17 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r to CPU r: on a shared machine, the ranks then never wait for each other's core "
+        "(the collectives' ratios otherwise depend on how the scheduler places the ranks)",
+    )
     args = ap.parse_args()
-    res = run(measure, args.world, args.size, args.repeat, timeout=1800)[0]
+    res = run(measure, args.world, args.size, args.repeat, args.pin, timeout=1800)[0]
     print(
-        f"per-op time, {args.size}x{args.size} weight Shard(0) over {args.world} gloo ranks x 1 thread, "
+        f"per-op time, {args.size}x{args.size} weight Shard(0) over {args.world} gloo ranks x 1 thread"
+        f"{', each pinned to its own CPU' if args.pin else ''}, "
         f"median of {args.repeat} interleaved calls; ratio to the same op on a dense bf16 DTensor.\n"
         f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format with the fast path off"
     )
