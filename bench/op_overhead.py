@@ -1,6 +1,6 @@
 """Per-op overhead of a quantized DTensor against the same op on a dense bf16 DTensor, one interleaved run.
 
-    python bench/op_overhead.py [--world 2] [--size 256] [--repeat 200]
+    python bench/op_overhead.py [--world 2] [--size 256] [--repeat 200] [--pin]
 
 A ``size x size`` weight (small, so the time is dispatch, not arithmetic) on
 ``--world`` gloo ranks with one thread each, as a dense bf16 DTensor and
@@ -18,17 +18,19 @@ to dense. Target (issue 15): every ratio <= 1.2.
 
 The views have a floor that no library of Python tensor subclasses avoids: a
 dense view is one C++ call (about 1 us); a subclass view enters
-``__torch_dispatch__`` from C++ and builds a wrapper tensor in Python (about
-5 us more for a one-field subclass that does nothing else). So those rows
-are also compared with torchao's ``NF4Tensor`` (a Python subclass of the same
-kind, the one QLoRA users pick; as a DTensor's local tensor too) in the same
-run, when torchao is installed; the dense ratio is printed, but the fair
-comparison there is the torchao one.
+``__torch_dispatch__`` from C++ and builds a wrapper tensor in Python. The
+bench measures that floor in the same run: ``bare`` is a wrapper subclass
+with no inner tensor whose ``__torch_dispatch__`` does nothing but build the
+result's wrapper (``_make_wrapper_subclass``), also as a DTensor's local
+tensor. The views are also compared with torchao's ``NF4Tensor`` (a Python
+subclass of the same kind, the one QLoRA users pick) when torchao is
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -36,7 +38,7 @@ import common
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import fastpath
@@ -46,8 +48,28 @@ from dtensor_quant.launch import run
 FORMATS = {"bf16": None, "int8": parse_format("int8"), "int4": parse_format("int4:128")}  # short labels for the table
 SLOW = " off"  # suffix of the variants run without the fast path
 TORCHAO = "torchao NF4"
+BARE = "bare"
 VIEWS = ("DTensor .t()", "local .t()", "local view(-1)")
 TARGET = 1.2
+
+
+class Bare(torch.Tensor):
+    """The floor of a view of any Python wrapper subclass: dispatch into Python, build the result wrapper."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        x, op = args[0], func.overloadpacket
+        if op is torch.ops.aten.t:
+            shape, stride = x.shape[::-1], x.stride()[::-1]
+        elif op is torch.ops.aten.view and tuple(args[1]) == (-1,):
+            shape, stride = (x.numel(),), (1,)
+        elif op is torch.ops.aten.view and tuple(args[1]) == tuple(x.shape):  # DTensor.from_local's view_as
+            shape, stride = x.shape, x.stride()
+        else:
+            raise NotImplementedError(f"{func} on the bench's bare subclass")
+        return torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=x.dtype, device=x.device)
 
 
 def ops(w, x):
@@ -65,9 +87,11 @@ def ops(w, x):
 
 
 @torch.no_grad()
-def measure(size: int, repeat: int):
+def measure(size: int, repeat: int, pin: bool):
     torch.set_num_threads(1)
     world = torch.distributed.get_world_size()
+    if pin:  # rank r on CPU r: the ranks never share a core, as on a quiet machine
+        os.sched_setaffinity(0, {torch.distributed.get_rank() % os.cpu_count()})
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     dense = torch.randn(size, size, dtype=torch.bfloat16) * size**-0.5
@@ -80,6 +104,15 @@ def measure(size: int, repeat: int):
         if fmt is not None:
             calls[name + SLOW] = ops(distribute_tensor(w, mesh, [Shard(0)]), x)
             fast[name + SLOW] = False
+    rows = -(-size // world)
+    bare_local = torch.Tensor._make_wrapper_subclass(Bare, (rows, size), dtype=torch.bfloat16)
+    bare = DTensor.from_local(bare_local, mesh, [Shard(0)], run_check=False, shape=dense.shape, stride=dense.stride())
+    calls[BARE] = {
+        "DTensor .t()": lambda: bare.t(),
+        "local .t()": lambda: bare_local.t(),
+        "local view(-1)": lambda: bare_local.view(-1),
+    }
+    fast[BARE] = True
     to_nf4 = common.torchao_nf4()
     if to_nf4 is not None:
         nf4 = distribute_tensor(to_nf4(dense), mesh, [Shard(0)])
@@ -111,14 +144,21 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r to CPU r: on a shared machine, the ranks then never wait for each other's core "
+        "(the collectives' ratios otherwise depend on how the scheduler places the ranks)",
+    )
     args = ap.parse_args()
-    res = run(measure, args.world, args.size, args.repeat, timeout=1800)[0]
+    res = run(measure, args.world, args.size, args.repeat, args.pin, timeout=1800)[0]
     print(
-        f"per-op time, {args.size}x{args.size} weight Shard(0) over {args.world} gloo ranks x 1 thread, "
+        f"per-op time, {args.size}x{args.size} weight Shard(0) over {args.world} gloo ranks x 1 thread"
+        f"{', each pinned to its own CPU' if args.pin else ''}, "
         f"median of {args.repeat} interleaved calls; ratio to the same op on a dense bf16 DTensor.\n"
         f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format with the fast path off"
     )
-    quant = [n for n in res if n not in ("bf16", TORCHAO)]
+    quant = [n for n in res if n not in ("bf16", TORCHAO, BARE)]
     print(
         f"{'op':<26}{'bf16 us':>9}"
         + "".join(f"{n + ' us':>13}" for n in quant)
@@ -134,6 +174,11 @@ def main():
             + "".join(f"{r:>12.2f}" for r in ratios)
         )
         missed += [f"{op} {n} {r:.2f}x" for n, r in zip(quant, ratios) if r > TARGET and SLOW not in n]
+    print("views: the floor of any Python wrapper subclass (bare: dispatch + _make_wrapper_subclass, nothing else):")
+    for op in VIEWS:
+        floor = res[BARE][op]
+        rel = ", ".join(f"{n} {res[n][op] / floor:.2f}x" for n in quant)
+        print(f"{op:<26}bare {floor * 1e6:.1f} us = {floor / res['bf16'][op]:.2f}x bf16; {rel} of bare")
     if TORCHAO in res:
         print("views against another Python tensor subclass, torchao's NF4Tensor (same run):")
         for op in VIEWS:

@@ -29,7 +29,9 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes end to end in one ``uint8`` buffer, each padded to :data:`ALIGN` bytes."""
     parts = []
     for t in tensors:
-        b = t.contiguous().view(torch.uint8).reshape(-1)
+        b = t.contiguous().view(-1)
+        if b.dtype != torch.uint8:
+            b = b.view(torch.uint8)
         parts.append(b)
         if b.numel() % ALIGN:
             parts.append(b.new_zeros(ALIGN - b.numel() % ALIGN))

@@ -15,6 +15,13 @@ builds the wrapper directly. Covered: ``t``/``transpose``, the aliases
 of an activation and ``w.t()``. Only decisions are kept, never results or
 bytes: every call reads the inner tensors as they are.
 
+One result is lazier than the handler's: ``t()`` leaves its inner transposes
+to the first read of an inner tensor (:data:`~dtensor_quant.tensor.PENDING`),
+because the ``mm`` that follows it in every ``F.linear`` runs the kernel on
+the weight's own inner tensors. They are views, so reading them later gives
+what reading them at once would have; formats with an inner name that is
+also a Tensor attribute (NF4's ``mean``) get them at once.
+
 A layout here is what the decision depends on: the format, relation rows and
 orientation (by object identity: a plan pins the objects it was made for, so
 an identity cannot be reused while the plan lives, and an equal layout in a
@@ -45,12 +52,13 @@ import os
 from collections.abc import Iterator
 
 import torch
+from torch.utils import _python_dispatch
 
-from . import codec, collectives, dispatch, matmul, wire
+from . import agree, codec, collectives, dispatch, matmul, wire
 from .fsdp_padding import PADDED_ROWS
 from .layout import Constant, Opaque, Stacked, inner_slice
-from .layout_ops import VIEW_OF, canonical_dims
-from .tensor import QuantizedTensor
+from .layout_ops import canonical_dims, view_of
+from .tensor import PENDING, QuantizedTensor
 from .writes import FACTORY, SHARED
 
 ENABLED = os.environ.get("DTENSOR_QUANT_FASTPATH", "1") not in ("", "0")
@@ -180,10 +188,7 @@ def _alias_op(func, args, kwargs):
 @_fast("aten::t", "aten::transpose")
 def _transpose(func, args, kwargs):
     q = args[0]
-    if kwargs or type(q) is not QuantizedTensor:
-        return NotImplemented
-    inner = [getattr(q, name) for name in q.fmt.inner_names]
-    if type(inner[0]) is not torch.Tensor or inner[0].is_meta:
+    if kwargs or not _plain(q):
         return NotImplemented
     nd = q.ndim
     if len(args) == 1:
@@ -194,24 +199,40 @@ def _transpose(func, args, kwargs):
         d0, d1 = args[1] % nd, args[2] % nd
         if d0 == d1:
             return _alias(q)
-    key = ("transpose", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride(), d0, d1)
+    key = ("transpose", _key(q), d0, d1)
     hit = _PLANS.get(key)
     if hit is None:
         out = dispatch.HANDLERS["aten::transpose"](func, q, d0, d1)
-        _remember(key, _meta(out), q)
+        # Deferred only where an unset inner name reaches QuantizedTensor.__getattr__: NF4's "mean"
+        # would otherwise read as torch.Tensor.mean.
+        _remember(key, (_meta(out), not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)), q)
         return out
-    views = []
-    for t in inner:  # layout_ops.view_of: the kernel cache follows a view to the tensor it was taken from
-        v = t.transpose(d0, d1)
-        owner = t.__dict__.get(VIEW_OF)
-        v.__dict__[VIEW_OF] = owner if owner is not None else (t._base if t._base is not None else t)
-        views.append(v)
-    out = _make(q, views, hit[0])
+    meta, deferred = hit[0]
+    if deferred:
+        # The inner transposes are made when first read (tensor.PENDING): F.linear's t() is followed
+        # by an mm that reads the weight's own inner tensors (_mm below), so they are mostly never made.
+        out = _make(q, (), meta)
+        out.__dict__[PENDING] = (_transpose_inner, q, d0, d1)
+    else:
+        out = _make(q, [view_of(t.transpose(d0, d1), t) for t in _inner(q)], meta)
     d, od = q.__dict__, out.__dict__
     if SHARED in d:
         od[SHARED] = d[SHARED]
     od["_transposed_from"] = d.get("_transposed_from", q)
     return out
+
+
+def _transpose_inner(out: QuantizedTensor, q: QuantizedTensor, d0: int, d1: int) -> None:
+    """Set ``out``'s inner tensors to ``q``'s transposed, as the handler makes them.
+
+    Each records the tensor it views (``layout_ops.view_of``: kernels cache on that one). Made
+    below autograd's view tracking and any dispatch mode, as inside ``__torch_dispatch__``,
+    wherever the first read happens.
+    """
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _python_dispatch._disable_current_modes():
+        for name in q.fmt.inner_names:
+            t = getattr(q, name)
+            setattr(out, name, view_of(t.transpose(d0, d1), t))
 
 
 @_fast("aten::view", "aten::_unsafe_view")
@@ -233,11 +254,14 @@ def _view(func, args, kwargs):
         return out
     if hit[0] is _SLOW:
         return NotImplemented
-    rels, dims, shape, stride, dtype = hit[0]
-    # A flatten that does not follow the flat index is an Opaque, which equals only itself:
-    # a fresh one per result, as the handler makes, so two results never look like one grid.
-    rels = tuple((type(row[0])(),) if isinstance(row[0], Opaque) else row for row in rels)
-    return _make(q, [t.reshape(-1) for t in _inner(q)], (rels, dims, shape, stride, dtype))
+    meta = hit[0]
+    rels = meta[0]
+    if any(isinstance(row[0], Opaque) for row in rels):
+        # A flatten that does not follow the flat index is an Opaque, which equals only itself:
+        # a fresh one per result, as the handler makes, so two results never look like one grid.
+        rels = tuple((type(row[0])(),) if isinstance(row[0], Opaque) else row for row in rels)
+        meta = (rels, *meta[1:])
+    return _make(q, [t.reshape(-1) for t in _inner(q)], meta)
 
 
 # -- split ---------------------------------------------------------------------
@@ -258,28 +282,51 @@ def _split(func, args, kwargs):
         outs = dispatch.HANDLERS[func._schema.name](func, *args)
         _remember(key, _split_plan(q, outs, dim), q)
         return outs
+    if hit[0] is _SLOW:
+        return NotImplemented
+    pieces, cuts = hit[0]
+    columns = [_cut(t, dim, c) for t, c in zip(_inner(q), cuts)]  # per inner, its piece of every output
     result = []
-    for meta, cuts, notes in hit[0]:
-        out = _make(q, [t.narrow(dim, i0, n) for t, (i0, n) in zip(_inner(q), cuts)], meta)
+    for i, (meta, notes) in enumerate(pieces):
+        out = _make(q, [col[i] for col in columns], meta)
         for k, v in notes:
             out.__dict__[k] = dict(v) if isinstance(v, dict) else v
         result.append(out)
     return result
 
 
+def _cut(t: torch.Tensor, dim: int, cuts) -> list[torch.Tensor]:
+    """``[t.narrow(dim, i0, n) for i0, n in cuts]``: one ``split_with_sizes`` when the cuts tile ``t``."""
+    tiling, pieces = cuts
+    if tiling is not None and t.shape[dim] == tiling[1]:
+        return t.split_with_sizes(tiling[0], dim)
+    return [t.narrow(dim, i0, n) for i0, n in pieces]
+
+
 def _split_plan(q, outs, dim):
-    """Per piece: its layout, each inner tensor's ``narrow(dim, i0, n)``, and the annotations slice_dim left."""
-    plan, start = [], 0
+    """``(per piece (layout, annotations slice_dim left), per inner (tiling or None, its narrows))``.
+
+    A tiling is ``(sizes, total)`` when an inner tensor's pieces follow one another from 0 to
+    ``total`` (what ``split_with_sizes`` makes in one op); a constant inner is not cut, so every
+    piece narrows the whole of it.
+    """
+    if not outs:
+        return _SLOW
+    pieces, narrows, start = [], [[] for _ in q.rels], 0
     for out in outs:
         stop = start + out.shape[dim]
-        cuts = []
-        for rel_row in q.rels:
+        for cuts, rel_row in zip(narrows, q.rels):
             i0, i1, _ = inner_slice(rel_row[dim], start, stop, q.shape[dim])
             cuts.append((i0, i1 - i0))
         notes = tuple((k, out.__dict__[k]) for k in _CHANGES_SLICES if k in out.__dict__)
-        plan.append((_meta(out), tuple(cuts), notes))
+        pieces.append((_meta(out), notes))
         start = stop
-    return tuple(plan)
+    per_inner = []
+    for cuts in narrows:
+        ends = [i0 + n for i0, n in cuts]
+        tiles = all(i0 == end for (i0, _), end in zip(cuts[1:], ends)) and cuts[0][0] == 0
+        per_inner.append(((tuple(n for _, n in cuts), ends[-1]) if tiles else None, tuple(cuts)))
+    return tuple(pieces), tuple(per_inner)
 
 
 # -- all-gather ------------------------------------------------------------------
@@ -295,31 +342,36 @@ def _all_gather(func, args, kwargs):
     hit = _PLANS.get(key)
     if hit is None:
         out = collectives.all_gather_into_tensor(func, q, group_size, group_name)
-        _remember(key, _gather_plan(q, out), q)
+        _remember(key, _gather_plan(q, out, group_size, group_name), q)
         return out
     plan = hit[0]
     if plan is _SLOW:
         return NotImplemented
-    meta, sent = plan
-    collectives.agree_layout(q, group_name, "all-gather")  # every call, as the handler does (EVERY_CALL honoured)
+    meta, sent, widths, agreed = plan
+    if agree.EVERY_CALL or agreed not in agree.AGREED:  # collectives.agree_layout's own first test, key kept
+        collectives.agree_layout(q, group_name, "all-gather")
     buf = codec.pack([t for t, s in zip(inner, sent) if s is not None])
     wire.note(func._schema.name, buf)
     c10d = torch.ops._c10d_functional
     rows = c10d.wait_tensor(c10d.all_gather_into_tensor(buf, group_size, group_name)).view(group_size, -1)
+    columns = rows.split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor (and per padding)
     joined = []
     for t, s in zip(inner, sent):
         if s is None:
             joined.append(t.clone())  # a tensor no rank sent: the same on all of them (cat_dim clones it)
         else:
-            offset, nbytes = s
-            per_rank = rows[:, offset : offset + nbytes].view(t.dtype).view(group_size, *t.shape)
-            joined.append(per_rank.reshape(group_size * t.shape[0], *t.shape[1:]))  # = torch.cat of the pieces
+            column, shape = s  # every rank's piece, stacked along its dim 0 = torch.cat of the pieces
+            joined.append(columns[column].view(t.dtype).reshape(shape))
     return _make(q, joined, meta)
 
 
-def _gather_plan(q, out):
-    """``(result layout, per inner (byte offset, bytes) in the buffer or None if not sent)``, or _SLOW."""
-    sent, offset = [], 0
+def _gather_plan(q, out, group_size, group_name):
+    """``(result layout, per inner (its column of the buffer, gathered shape) or None if not sent,
+    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed)``, or _SLOW.
+
+    A rank's buffer is :func:`codec.pack` of the sent tensors: each one's bytes, then padding.
+    """
+    sent, widths = [], []
     for name, t, row in zip(q.fmt.inner_names, _inner(q), q.rels):
         if not codec.varies(q, name):
             sent.append(None)
@@ -327,9 +379,11 @@ def _gather_plan(q, out):
         if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
             return _SLOW  # whether the gathered pieces agree may be read from the data; or nothing to view
         nbytes = t.numel() * t.element_size()
-        sent.append((offset, nbytes))
-        offset += -(-nbytes // codec.ALIGN) * codec.ALIGN
-    return _meta(out), tuple(sent)
+        sent.append((len(widths), (group_size * t.shape[0], *t.shape[1:])))
+        widths += [nbytes, -nbytes % codec.ALIGN] if nbytes % codec.ALIGN else [nbytes]
+    if not widths:
+        return _SLOW
+    return _meta(out), tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q))
 
 
 # -- the linear: mm of an activation and a transposed weight -----------------------

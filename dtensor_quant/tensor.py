@@ -29,6 +29,11 @@ from .layout import LayoutError, Relation
 # ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
 Dims = tuple[tuple[int, ...], ...]
 
+# ``(fill, *args)`` on a QuantizedTensor whose inner tensors are made on first read:
+# ``fill(q, *args)`` sets them. The fast path's ``t()`` defers its inner transposes this way
+# (dtensor_quant.fastpath): F.linear's mm reads the weight's own inner tensors, not the view's.
+PENDING = "_dtensor_quant_pending"
+
 
 def contiguous_strides(shape) -> tuple[int, ...]:
     strides, acc = [], 1
@@ -77,6 +82,14 @@ class QuantizedTensor(torch.Tensor):
         self.dims = tuple(tuple(d) for d in dims)
         for name, t in inner.items():
             setattr(self, name, t)
+
+    def __getattr__(self, name: str):
+        # Only reached for a name that is not set: inner tensors still pending (see PENDING).
+        pending = self.__dict__.pop(PENDING, None)
+        if pending is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        pending[0](self, *pending[1:])
+        return getattr(self, name)
 
     @property
     def inner(self) -> dict[str, torch.Tensor]:

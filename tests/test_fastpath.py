@@ -223,3 +223,36 @@ def test_misaligned_split_raises_on_every_call(fmt):
     for _ in range(3):
         with pytest.raises(LayoutError):
             q.split(100, 1)
+
+
+def test_deferred_transposes_are_the_handlers_wherever_first_read():
+    """A fast ``t()`` makes its inner transposes on first read (tensor.PENDING): read after the
+    weight's bytes change, under a dispatch mode or with grad on, they are still the handler's views.
+    Not deferred where an inner name is also a Tensor attribute (NF4's ``mean``): it would read as
+    the method."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dtensor_quant.tensor import PENDING
+
+    x = _weight((2, 256), 3)
+    for fmt in FORMATS:
+        q, other = dq.quantize(_weight((64, 256), 1), fmt), dq.quantize(_weight((64, 256), 2), fmt)
+        deferred = not any(hasattr(torch.Tensor, n) for n in fmt.inner_names)
+        q.t()  # makes the plan
+        with fastpath.disabled():
+            want = q.t()
+        torch.nn.functional.linear(x, q)
+        views = [q.t() for _ in range(3)]
+        assert all((PENDING in v.__dict__) == deferred for v in views), fmt
+        with FakeTensorMode():
+            first = getattr(views[0], fmt.inner_names[-1])
+        with torch.enable_grad():
+            second = getattr(views[1], fmt.inner_names[-1])
+        assert type(first) is torch.Tensor and type(second) is torch.Tensor, fmt
+        assert not any(PENDING in v.__dict__ for v in views[:2]), fmt
+        for v in views:
+            _same_tensor(v, want, f"{fmt} deferred t()")
+            assert all(getattr(v, n)._base is None for n in fmt.inner_names), fmt  # as made inside dispatch
+        late = q.t()
+        q.copy_(other)
+        assert torch.equal(late.dequantize(), other.dequantize().t()), fmt
