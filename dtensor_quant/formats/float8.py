@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..blocks import block_reduce, safe_scale, scaled_into
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, OneToOne
@@ -79,6 +80,141 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     return True
 
 
+# -- the fused one-token kernel (dtensor_quant.native) ------------------------------------------------------
+# Each weight is bf16(float(code) * scale), as _dequantize computes it, and is multiplied by x in fp32: the codes
+# are read once, at memory speed, and no dense weight is written. NaN codes (0x7F, 0xFF) never reach it: prepare
+# sends such a weight to dequantize + mm.
+
+# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
+_KERNEL_MAX_TOKENS = 4
+
+_KERNEL_SOURCE = r"""
+// 32 codes -> their e4m3 values times 2^-120, as fp32: the bf16 bits (sign | magnitude << 4) in each lane's upper
+// half. lo holds bytes 8l..8l+3 of every 128-bit lane l, hi bytes 8l+4..8l+7 (dq_x_order says where x goes).
+__attribute__((target("avx512f,avx512bw")))
+static inline void dq_e4m3_raw(const uint8_t* p, __m512& lo, __m512& hi) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i bits = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x7F0)),
+                                   _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(short(0x8000))));
+    lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), bits));
+    hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), bits));
+}
+
+static inline int64_t dq_x_order(int64_t j) { return 8 * ((j % 16) / 4) + 4 * (j / 16) + j % 4; }
+
+// Any scale: the fp32 product (value * 2^-120 * 2^120 is exact, subnormal codes too), rounded to bf16 as integers.
+__attribute__((target("avx512f,avx512bw")))
+static float dq_f8_row(const uint8_t* row, float s, const float* xf, int64_t K) {
+    const __m512 up = _mm512_set1_ps(0x1p120f), vs = _mm512_set1_ps(s);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 lo, hi;
+        dq_e4m3_raw(row + k, lo, hi);
+        lo = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
+        hi = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs));
+        acc0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xf + k), acc0);
+        acc1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xf + k + 16), acc1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// Finite |s| >= 2^-117: every product is 0 or a normal fp32, where vcvtne2ps2bf16 rounds to nearest even exactly
+// like dq_bf16_rne; vdpbf16ps multiplies the bf16 pairs exactly and accumulates in fp32.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static float dq_f8_row_bf16(const uint8_t* row, float s, const uint16_t* xb, int64_t K) {
+    const __m512 up = _mm512_set1_ps(0x1p120f), vs = _mm512_set1_ps(s);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 lo, hi;
+        dq_e4m3_raw(row + k, lo, hi);
+        __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs),
+                                         _mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
+        acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb + k));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out,
+                       int64_t M, int64_t N, int64_t K, int64_t max_level, int64_t threads, int64_t* level) {
+    level[0] = max_level < 1 || K % 32 || !dq_avx512() ? 0 : max_level >= 2 && dq_avx512_bf16() ? 2 : 1;
+    if (!level[0] || M <= 0) return;
+    const bool bf16 = level[0] == 2;
+    uint16_t* xb = new uint16_t[K];  // x in dq_e4m3_raw's order, as bf16 and as fp32
+    float* xf = new float[K];
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t k = 0; k < K; ++k) {
+            xb[k] = x[m * K + k - k % 32 + dq_x_order(k % 32)];
+            xf[k] = dq_bf16_float(xb[k]);
+        }
+        #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
+        for (int64_t n = 0; n < N; ++n) {
+            float s = scale[n];
+            bool normal = std::isfinite(s) && std::fabs(s) >= 0x1p-117f;
+            float acc = bf16 && normal ? dq_f8_row_bf16(codes + n * K, s, xb, K) : dq_f8_row(codes + n * K, s, xf, K);
+            out[m * N + n] = dq_bf16_rne(acc);
+        }
+    }
+    delete[] xb;
+    delete[] xf;
+}
+"""
+_ARGTYPES = [
+    "const uint8_t*", "const float*", "const uint16_t*", "uint16_t*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+]  # fmt: skip
+
+
+def _probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, empty, empty, 0, 0, 32, 2, 1, level)
+    return int(level)
+
+
+def _kernel():
+    return native.load("float8", _KERNEL_SOURCE, _ARGTYPES, _probe)
+
+
+def _prepare(inner):
+    """``(codes as uint8, one fp32 scale per row)`` for the fused kernel, or None where it cannot run.
+
+    It needs a CPU with AVX-512, ``in % 32 == 0`` and no NaN code (checked
+    once here; the library caches the result per weight).
+    """
+    qdata, scale = inner["qdata"], inner["scale"]
+    if qdata.device.type != "cpu" or qdata.ndim != 2 or not qdata.shape[0] or qdata.shape[1] % 32:
+        return None
+    if _kernel() is None:
+        return None
+    codes = qdata.contiguous().view(torch.uint8)
+    if bool(((codes & 0x7F) == 0x7F).any()):
+        return None
+    return codes, scale.float().reshape(-1).expand(qdata.shape[0]).contiguous()
+
+
+def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in bf16 through the fused kernel from :func:`_prepare`'s result (bf16 ``x``); None if refused.
+
+    ``max_level`` caps the vector path (1: AVX-512F only, 2: AVX-512 BF16 too; default: the best here).
+    """
+    codes, scale = prepared
+    kernel, level = _kernel()
+    x = x.contiguous()
+    if x.shape[1] != codes.shape[1]:
+        raise ValueError(f"float8 kernel: activation width {x.shape[1]} != weight width {codes.shape[1]}")
+    out = x.new_empty((x.shape[0], codes.shape[0]))
+    ran = native.level_out()
+    level = level if max_level is None else min(level, max_level)
+    kernel(codes, scale, x, out, x.shape[0], codes.shape[0], codes.shape[1], level, torch.get_num_threads(), ran)
+    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
+
+
+def _linear(x, prepared, bias):
+    if prepared is None or x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS:
+        return None
+    out = fused_linear(x, prepared)
+    return out + bias if bias is not None and out is not None else out
+
+
 @dataclass(frozen=True)
 class Float8Rowwise(QuantFormat):
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (OneToOne(), Constant())}
@@ -92,6 +228,13 @@ class Float8Rowwise(QuantFormat):
 
     def unpack(self, inner, out):
         return _unpack(inner, out)
+
+    def prepare(self, inner):
+        return _prepare(inner)
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        return _linear(x, prepared, bias)
 
     def __str__(self) -> str:
         return "Float8Rowwise()"
@@ -111,6 +254,13 @@ class Float8Tensorwise(QuantFormat):
 
     def unpack(self, inner, out):
         return _unpack(inner, out)
+
+    def prepare(self, inner):
+        return _prepare(inner)
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        return _linear(x, prepared, bias)
 
     def __str__(self) -> str:
         return "Float8Tensorwise()"

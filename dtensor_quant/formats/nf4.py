@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..blocks import expand_to, nibbles_into, reduce_to
 from ..format import QuantFormat, Reducer
 from ..layout import Constant, flat_blocked
@@ -150,21 +151,59 @@ class NF4(QuantFormat):
         row-major order, so the scales are computed once per block (not per
         element) and broadcast over it. Needs whole scaler blocks.
         """
-        mean, scaler, factor = inner["mean"], inner["scaler"].reshape(-1), inner["factor"].reshape(-1)
-        numel, bs = out.numel(), self.block_size
-        if numel % bs or scaler.numel() != numel // bs or inner["qdata"].numel() * 2 != numel:
+        scale = self._block_scales(inner, out.numel())
+        if scale is None:
             return False
-        per_scaler = factor.repeat_interleave(self.scaler_block_size).narrow(0, 0, scaler.numel())
-        scale = (scaler / per_scaler).to(mean.dtype) + mean.reshape(())
-        big = torch.finfo(mean.dtype).max  # the same clamp as dequantize: finite weights stay finite
-        scale = torch.where(per_scaler.isfinite() & (per_scaler > 0), scale.clamp(-big, big), scale).unsqueeze(-1)
+        mean = inner["mean"]
         fits = out.dtype == mean.dtype and out.is_contiguous()
         values = out if fits else torch.empty(out.shape, dtype=mean.dtype, device=out.device)
         nibbles_into(inner["qdata"], NF4_LEVELS, values, high_first=True)
-        values.view(-1, bs).mul_(scale)
+        values.view(-1, self.block_size).mul_(scale.unsqueeze(-1))
         if not fits:
             out.copy_(values)
         return True
+
+    def _block_scales(self, inner: dict[str, torch.Tensor], numel: int) -> torch.Tensor | None:
+        """Each block's dequantized scale, in flat order (the weight's dtype); None unless the blocks are whole."""
+        mean, scaler, factor = inner["mean"], inner["scaler"].reshape(-1), inner["factor"].reshape(-1)
+        if numel % self.block_size or scaler.numel() != numel // self.block_size or inner["qdata"].numel() * 2 != numel:
+            return None
+        per_scaler = factor.repeat_interleave(self.scaler_block_size).narrow(0, 0, scaler.numel())
+        scale = (scaler / per_scaler).to(mean.dtype) + mean.reshape(())
+        big = torch.finfo(mean.dtype).max  # the same clamp as dequantize: finite weights stay finite
+        return torch.where(per_scaler.isfinite() & (per_scaler > 0), scale.clamp(-big, big), scale)
+
+    # The fused one-token kernel (dtensor_quant.native): each block's 16 weights bf16(level * scale) are one
+    # AVX-512 register, each code picks its weight with vpermps, an FMA adds weight * x in fp32. The codes are
+    # read once, at memory speed; no dense weight is ever written.
+    kernel_needs_whole_blocks = True
+
+    def prepare(self, inner):
+        """``(codes, block scales in fp32, levels in fp32)`` for the fused kernel, or None where it cannot run.
+
+        It needs whole blocks inside each row (``in % block_size == 0``, the
+        library checks the rest: ``kernel_needs_whole_blocks``), a bf16 or
+        fp32 weight (fp16 rounds each product to fp16 before the activation's
+        dtype), a CPU and the kernel built with AVX-512.
+        """
+        qdata, mean, bs = inner["qdata"], inner["mean"], self.block_size
+        if qdata.device.type != "cpu" or qdata.ndim != 2 or mean.dtype not in _KERNEL_WEIGHT_DTYPES or bs % 32:
+            return None
+        rows, cols = qdata.shape[0], qdata.shape[1] * 2
+        if not rows or cols % bs or _kernel() is None:
+            return None
+        scale = self._block_scales(inner, rows * cols)
+        if scale is None:
+            return None
+        levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype).float()
+        return qdata.contiguous(), scale.float().reshape(rows, cols // bs).contiguous(), levels
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        if prepared is None or x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS:
+            return None
+        out = fused_linear(x, prepared, self.block_size)
+        return out + bias if bias is not None and out is not None else out
 
     @staticmethod
     def _nearest(normalized: torch.Tensor) -> torch.Tensor:
@@ -173,3 +212,84 @@ class NF4(QuantFormat):
 
     def __str__(self) -> str:
         return f"NF4(block_size={self.block_size}, scaler_block_size={self.scaler_block_size})"
+
+
+# fp16 weights round each product to fp16 first; the kernel rounds once, to bf16.
+_KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
+_KERNEL_MAX_TOKENS = 4
+
+_KERNEL_SOURCE = r"""
+// out[m, n] = bf16(sum_k x[m, k] * w[n, k]), w[n, k] = bf16(level[code] * scale[n, k / bs]): NF4.dequantize's values.
+__attribute__((target("avx512f,avx512bw")))
+static float dq_nf4_row(const uint8_t* row, const float* scale, const float* xe, const float* xo, __m512 levels,
+                        int64_t K, int64_t bs) {
+    const __m512i mask = _mm512_set1_epi32(15);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / bs; ++b) {
+        __m512 table = dq_round_bf16_512(_mm512_mul_ps(levels, _mm512_set1_ps(scale[b])));  // the block's 16 weights
+        for (int64_t i = b * bs / 2; i < (b + 1) * bs / 2; i += 16) {  // 16 bytes: 32 weights
+            __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
+            __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);  // weight 2j
+            __m512 low = _mm512_permutexvar_ps(_mm512_and_si512(codes, mask), table);  // weight 2j + 1
+            acc0 = _mm512_fmadd_ps(high, _mm512_loadu_ps(xe + i), acc0);
+            acc1 = _mm512_fmadd_ps(low, _mm512_loadu_ps(xo + i), acc1);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void dq_nf4(const uint8_t* codes, const float* scale, const float* levels, const uint16_t* x, uint16_t* out,
+                   int64_t M, int64_t N, int64_t K, int64_t bs, int64_t threads) {
+    const __m512 lv = _mm512_loadu_ps(levels);
+    float* xs = new float[K];  // x's even elements (the high nibbles'), then its odd ones
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t i = 0; i < K / 2; ++i) {
+            xs[i] = dq_bf16_float(x[m * K + 2 * i]);
+            xs[K / 2 + i] = dq_bf16_float(x[m * K + 2 * i + 1]);
+        }
+        #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
+        for (int64_t n = 0; n < N; ++n) {
+            float acc = dq_nf4_row(codes + n * (K / 2), scale + n * (K / bs), xs, xs + K / 2, lv, K, bs);
+            out[m * N + n] = dq_bf16_rne(acc);
+        }
+    }
+    delete[] xs;
+}
+
+extern "C" void kernel(const uint8_t* codes, const float* scale, const float* levels, const uint16_t* x,
+                       uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t bs, int64_t max_level,
+                       int64_t threads, int64_t* level) {
+    level[0] = max_level >= 1 && bs % 32 == 0 && dq_avx512() ? 1 : 0;
+    if (level[0] && M > 0) dq_nf4(codes, scale, levels, x, out, M, N, K, bs, threads);
+}
+"""
+_ARGTYPES = [
+    "const uint8_t*", "const float*", "const float*", "const uint16_t*", "uint16_t*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+]  # fmt: skip
+
+
+def _probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, 1, 1, level)
+    return int(level)
+
+
+def _kernel():
+    return native.load("nf4", _KERNEL_SOURCE, _ARGTYPES, _probe)
+
+
+def fused_linear(x: torch.Tensor, prepared, block_size: int) -> torch.Tensor | None:
+    """``x @ W.T`` in bf16 through the fused kernel, from :meth:`NF4.prepare`'s result (bf16 ``x``); None if refused."""
+    codes, scale, levels = prepared
+    kernel, level = _kernel()
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0], codes.shape[0]))
+    k = codes.shape[1] * 2
+    if x.shape[1] != k:
+        raise ValueError(f"NF4 kernel: activation width {x.shape[1]} != weight width {k}")
+    ran = native.level_out()
+    kernel(codes, scale, levels, x, out, x.shape[0], codes.shape[0], k, block_size, level, torch.get_num_threads(), ran)
+    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
