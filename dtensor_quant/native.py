@@ -60,12 +60,32 @@ static inline float dq_bf16_float(uint16_t h) {
 
 // Flush-to-zero or denormals-are-zero (torch.set_flush_denormal(True)) would change tiny weights: no kernel then.
 static inline bool dq_exact_fp() { return (_mm_getcsr() & 0x8040) == 0; }
+static inline bool dq_avx2() {
+    return dq_exact_fp() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 static inline bool dq_avx512() {
-    return dq_exact_fp() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    return dq_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 static inline bool dq_avx512_bf16() { return dq_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
-// dq_bf16_rne on 16 lanes, the result widened back to fp32 (exact for denormals; quiet NaNs stay NaN).
+// dq_bf16_rne on 8 lanes, the result widened back to fp32 (exact for denormals; quiet NaNs stay NaN).
+__attribute__((target("avx2,fma")))
+static inline __m256 dq_round_bf16_256(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    u = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(u), _mm256_set1_ps(NAN), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+__attribute__((target("avx2,fma")))
+static inline float dq_sum_256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// dq_bf16_rne on 16 lanes, likewise.
 __attribute__((target("avx512f,avx512bw")))
 static inline __m512 dq_round_bf16_512(__m512 v) {
     __m512i u = _mm512_castps_si512(v);

@@ -50,28 +50,29 @@ def assert_close(out, x, dense):
 @pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
-    """bf16 and fp32 weights, bf16 activations: each weight is dequantize's to bf16, bit for bit."""
+    """bf16 and fp32 weights, bf16 activations, every vector path here: each weight is dequantize's, bit for bit."""
     q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, dq.NF4())
     dense = q.dequantize(torch.bfloat16)
     prepared = q.fmt.prepare(q.inner)
     assert prepared is not None
     cols = columns(shape[1], q.fmt.block_size)
-    out = nf4.fused_linear(one_hot_columns(q, cols), prepared, q.fmt.block_size)
-    assert torch.equal(out.t(), dense[:, cols])
     x = weight((1, shape[1]), seed=2)
-    assert_close(nf4.fused_linear(x, prepared, q.fmt.block_size), x, dense)
+    for level in range(1, nf4._kernel()[1] + 1):  # AVX2, AVX-512
+        out = nf4.fused_linear(one_hot_columns(q, cols), prepared, q.fmt.block_size, max_level=level)
+        assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
+        assert_close(nf4.fused_linear(x, prepared, q.fmt.block_size, max_level=level), x, dense)
 
 
 @pytest.mark.parametrize("fmt", [dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str)
 @pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
 def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
-    """Both vector paths (AVX-512 BF16 where the CPU has it, and AVX-512F) give dequantize's bits."""
+    """Every vector path this CPU has (AVX2, AVX-512, AVX-512 BF16) gives dequantize's bits."""
     q = dq.quantize(weight(shape, seed=1) * 0.02, fmt)
     dense = q.dequantize(torch.bfloat16)
     prepared = q.fmt.prepare(q.inner)
     cols = columns(shape[1], 32)
     x = weight((1, shape[1]), seed=2)
-    for level in (1, 2):
+    for level in range(1, float8._kernel()[1] + 1):
         out = float8.fused_linear(one_hot_columns(q, cols), prepared, max_level=level)
         assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
         assert_close(float8.fused_linear(x, prepared, max_level=level), x, dense)
@@ -95,7 +96,7 @@ def test_float8_kernel_extreme_scales_and_every_code():
     finite = dense.isfinite().all(1)
     assert torch.equal(expected.t()[finite], dense[finite]) and finite.sum() == 5  # 2^120 * 448 overflows too
     prepared = float8._prepare(inner)
-    for level in (1, 2):
+    for level in range(1, float8._kernel()[1] + 1):
         out = float8.fused_linear(x, prepared, max_level=level)
         assert torch.equal(out.isnan(), expected.isnan()), f"level {level}"
         assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"level {level}"

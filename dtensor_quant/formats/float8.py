@@ -100,7 +100,33 @@ static inline void dq_e4m3_raw(const uint8_t* p, __m512& lo, __m512& hi) {
     hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), bits));
 }
 
-static inline int64_t dq_x_order(int64_t j) { return 8 * ((j % 16) / 4) + 4 * (j / 16) + j % 4; }
+// The same for 16 codes with AVX2: lo holds bytes 8l..8l+3 of each 128-bit lane, hi bytes 8l+4..8l+7.
+__attribute__((target("avx2,fma")))
+static inline void dq_e4m3_raw_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256i bits = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 4), _mm256_set1_epi16(0x7F0)),
+                                   _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(short(0x8000))));
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), bits));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), bits));
+}
+
+// Where x[j] of a chunk of 2 * half codes goes: the lo lanes, then the hi lanes (half: 16 AVX-512, 8 AVX2).
+static inline int64_t dq_x_order(int64_t j, int64_t half) { return 8 * ((j % half) / 4) + 4 * (j / half) + j % 4; }
+
+__attribute__((target("avx2,fma")))
+static float dq_f8_row_avx2(const uint8_t* row, float s, const float* xf, int64_t K) {
+    const __m256 up = _mm256_set1_ps(0x1p120f), vs = _mm256_set1_ps(s);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256 lo, hi;
+        dq_e4m3_raw_avx2(row + k, lo, hi);
+        lo = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(lo, up), vs));
+        hi = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(hi, up), vs));
+        acc0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + k), acc0);
+        acc1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + k + 8), acc1);
+    }
+    return dq_sum_256(_mm256_add_ps(acc0, acc1));
+}
 
 // Any scale: the fp32 product (value * 2^-120 * 2^120 is exact, subnormal codes too), rounded to bf16 as integers.
 __attribute__((target("avx512f,avx512bw")))
@@ -134,23 +160,28 @@ static float dq_f8_row_bf16(const uint8_t* row, float s, const uint16_t* xb, int
     return _mm512_reduce_add_ps(acc);
 }
 
+// level 1: AVX2, 2: AVX-512, 3: AVX-512 with BF16 (the rows it is exact for).
 extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out,
                        int64_t M, int64_t N, int64_t K, int64_t max_level, int64_t threads, int64_t* level) {
-    level[0] = max_level < 1 || K % 32 || !dq_avx512() ? 0 : max_level >= 2 && dq_avx512_bf16() ? 2 : 1;
-    if (!level[0] || M <= 0) return;
-    const bool bf16 = level[0] == 2;
+    int64_t best = K % 32 ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+    level[0] = best < max_level ? best : max_level;
+    if (level[0] <= 0 || M <= 0) return;
+    const int64_t half = level[0] >= 2 ? 16 : 8;
     uint16_t* xb = new uint16_t[K];  // x in dq_e4m3_raw's order, as bf16 and as fp32
     float* xf = new float[K];
     for (int64_t m = 0; m < M; ++m) {
         for (int64_t k = 0; k < K; ++k) {
-            xb[k] = x[m * K + k - k % 32 + dq_x_order(k % 32)];
+            xb[k] = x[m * K + k - k % (2 * half) + dq_x_order(k % (2 * half), half)];
             xf[k] = dq_bf16_float(xb[k]);
         }
         #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
         for (int64_t n = 0; n < N; ++n) {
-            float s = scale[n];
-            bool normal = std::isfinite(s) && std::fabs(s) >= 0x1p-117f;
-            float acc = bf16 && normal ? dq_f8_row_bf16(codes + n * K, s, xb, K) : dq_f8_row(codes + n * K, s, xf, K);
+            const float s = scale[n];
+            const bool normal = std::isfinite(s) && std::fabs(s) >= 0x1p-117f;
+            const uint8_t* row = codes + n * K;
+            float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K)
+                        : level[0] >= 2         ? dq_f8_row(row, s, xf, K)
+                                                : dq_f8_row_avx2(row, s, xf, K);
             out[m * N + n] = dq_bf16_rne(acc);
         }
     }
@@ -166,7 +197,7 @@ _ARGTYPES = [
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 32, 2, 1, level)
+    kernel(empty, empty, empty, empty, 0, 0, 32, 3, 1, level)
     return int(level)
 
 
@@ -177,7 +208,7 @@ def _kernel():
 def _prepare(inner):
     """``(codes as uint8, one fp32 scale per row)`` for the fused kernel, or None where it cannot run.
 
-    It needs a CPU with AVX-512, ``in % 32 == 0`` and no NaN code (checked
+    It needs an x86 CPU with AVX2 or AVX-512, ``in % 32 == 0`` and no NaN code (checked
     once here; the library caches the result per weight).
     """
     qdata, scale = inner["qdata"], inner["scale"]
@@ -194,7 +225,7 @@ def _prepare(inner):
 def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
     """``x @ W.T`` in bf16 through the fused kernel from :func:`_prepare`'s result (bf16 ``x``); None if refused.
 
-    ``max_level`` caps the vector path (1: AVX-512F only, 2: AVX-512 BF16 too; default: the best here).
+    ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here).
     """
     codes, scale = prepared
     kernel, level = _kernel()
