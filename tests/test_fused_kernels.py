@@ -63,8 +63,8 @@ def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
         assert_close(nf4.fused_linear(x, prepared, q.fmt.block_size, max_level=level), x, dense)
 
 
-@pytest.mark.parametrize("fmt", [dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str)
-@pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
+@pytest.mark.parametrize("fmt", [dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(128)], ids=str)
+@pytest.mark.parametrize("shape", [(300, 2048), (40, 5632)])
 def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
     """Every vector path this CPU has (AVX2, AVX-512, AVX-512 BF16) gives dequantize's bits."""
     q = dq.quantize(weight(shape, seed=1) * 0.02, fmt)
@@ -112,7 +112,7 @@ def test_float8_nan_codes_take_the_plain_path():
     assert out[0, 3].isnan() and not out[0, :3].isnan().any()
 
 
-@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise()], ids=str)
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise()], ids=str)
 def test_decode_linear_takes_the_kernel_and_prefill_dequantizes(monkeypatch, fmt):
     """F.linear: 1-4 bf16 tokens run the kernel (bias added); more, or fp32 activations, dequantize + mm."""
     q = dq.quantize(weight((64, 2048), seed=1), fmt)

@@ -114,10 +114,11 @@ static inline void dq_e4m3_raw_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
 static inline int64_t dq_x_order(int64_t j, int64_t half) { return 8 * ((j % half) / 4) + 4 * (j / half) + j % 4; }
 
 __attribute__((target("avx2,fma")))
-static float dq_f8_row_avx2(const uint8_t* row, float s, const float* xf, int64_t K) {
-    const __m256 up = _mm256_set1_ps(0x1p120f), vs = _mm256_set1_ps(s);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+static float dq_f8_row_avx2(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
+    const __m256 up = _mm256_set1_ps(0x1p120f);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), vs = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
+        if (k % g == 0) vs = _mm256_set1_ps(s[k / g]);
         __m256 lo, hi;
         dq_e4m3_raw_avx2(row + k, lo, hi);
         lo = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(lo, up), vs));
@@ -130,10 +131,11 @@ static float dq_f8_row_avx2(const uint8_t* row, float s, const float* xf, int64_
 
 // Any scale: the fp32 product (value * 2^-120 * 2^120 is exact, subnormal codes too), rounded to bf16 as integers.
 __attribute__((target("avx512f,avx512bw")))
-static float dq_f8_row(const uint8_t* row, float s, const float* xf, int64_t K) {
-    const __m512 up = _mm512_set1_ps(0x1p120f), vs = _mm512_set1_ps(s);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+static float dq_f8_row(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
+    const __m512 up = _mm512_set1_ps(0x1p120f);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
+        if (k % g == 0) vs = _mm512_set1_ps(s[k / g]);
         __m512 lo, hi;
         dq_e4m3_raw(row + k, lo, hi);
         lo = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
@@ -144,13 +146,15 @@ static float dq_f8_row(const uint8_t* row, float s, const float* xf, int64_t K) 
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-// Finite |s| >= 2^-117: every product is 0 or a normal fp32, where vcvtne2ps2bf16 rounds to nearest even exactly
-// like dq_bf16_rne; vdpbf16ps multiplies the bf16 pairs exactly and accumulates in fp32.
+// Every scale of the row finite, |s| >= 2^-117: every product is 0 or a normal fp32, where vcvtne2ps2bf16
+// rounds to nearest even exactly like dq_bf16_rne; vdpbf16ps multiplies the bf16 pairs exactly and accumulates
+// in fp32.
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-static float dq_f8_row_bf16(const uint8_t* row, float s, const uint16_t* xb, int64_t K) {
-    const __m512 up = _mm512_set1_ps(0x1p120f), vs = _mm512_set1_ps(s);
-    __m512 acc = _mm512_setzero_ps();
+static float dq_f8_row_bf16(const uint8_t* row, const float* s, const uint16_t* xb, int64_t K, int64_t g) {
+    const __m512 up = _mm512_set1_ps(0x1p120f);
+    __m512 acc = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
+        if (k % g == 0) vs = _mm512_set1_ps(s[k / g]);
         __m512 lo, hi;
         dq_e4m3_raw(row + k, lo, hi);
         __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs),
@@ -160,10 +164,11 @@ static float dq_f8_row_bf16(const uint8_t* row, float s, const uint16_t* xb, int
     return _mm512_reduce_add_ps(acc);
 }
 
+// scale: [N, K / g], one per row and group of g columns (g = K: per row). w[n, k] = bf16(float(code) * scale).
 // level 1: AVX2, 2: AVX-512, 3: AVX-512 with BF16 (the rows it is exact for).
-extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out,
-                       int64_t M, int64_t N, int64_t K, int64_t max_level, int64_t threads, int64_t* level) {
-    int64_t best = K % 32 ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out, int64_t M,
+                       int64_t N, int64_t K, int64_t g, int64_t max_level, int64_t threads, int64_t* level) {
+    int64_t best = K % 32 || g % 32 || K % g ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
     level[0] = best < max_level ? best : max_level;
     if (level[0] <= 0 || M <= 0) return;
     const int64_t half = level[0] >= 2 ? 16 : 8;
@@ -176,12 +181,13 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t*
         }
         #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
         for (int64_t n = 0; n < N; ++n) {
-            const float s = scale[n];
-            const bool normal = std::isfinite(s) && std::fabs(s) >= 0x1p-117f;
+            const float* s = scale + n * (K / g);
+            bool normal = true;
+            for (int64_t i = 0; i < K / g; ++i) normal = normal && std::isfinite(s[i]) && std::fabs(s[i]) >= 0x1p-117f;
             const uint8_t* row = codes + n * K;
-            float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K)
-                        : level[0] >= 2         ? dq_f8_row(row, s, xf, K)
-                                                : dq_f8_row_avx2(row, s, xf, K);
+            float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K, g)
+                        : level[0] >= 2         ? dq_f8_row(row, s, xf, K, g)
+                                                : dq_f8_row_avx2(row, s, xf, K, g);
             out[m * N + n] = dq_bf16_rne(acc);
         }
     }
@@ -191,13 +197,13 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t*
 """
 _ARGTYPES = [
     "const uint8_t*", "const float*", "const uint16_t*", "uint16_t*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
 ]  # fmt: skip
 
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 32, 3, 1, level)
+    kernel(empty, empty, empty, empty, 0, 0, 32, 32, 3, 1, level)
     return int(level)
 
 
@@ -205,41 +211,46 @@ def _kernel():
     return native.load("float8", _KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
-def _prepare(inner):
-    """``(codes as uint8, one fp32 scale per row)`` for the fused kernel, or None where it cannot run.
+def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
+    """``(codes as uint8, fp32 scales [out, in / group])`` for the fused kernel, or None where it cannot run.
 
-    It needs an x86 CPU with AVX2 or AVX-512, ``in % 32 == 0`` and no NaN code (checked
-    once here; the library caches the result per weight).
+    ``scale`` holds one scale per row (or one for all, broadcast) and per
+    ``group`` columns. It needs an x86 CPU with AVX2 or AVX-512, ``in`` and
+    ``group`` multiples of 32, and no NaN code (checked once here; the library
+    caches the result per weight).
     """
-    qdata, scale = inner["qdata"], inner["scale"]
-    if qdata.device.type != "cpu" or qdata.ndim != 2 or not qdata.shape[0] or qdata.shape[1] % 32:
-        return None
-    if _kernel() is None:
+    rows, cols = qdata.shape if qdata.ndim == 2 else (0, 0)
+    if qdata.device.type != "cpu" or not rows or cols % 32 or group % 32 or cols % group or _kernel() is None:
         return None
     codes = qdata.contiguous().view(torch.uint8)
     if bool(((codes & 0x7F) == 0x7F).any()):
         return None
-    return codes, scale.float().reshape(-1).expand(qdata.shape[0]).contiguous()
+    return codes, scale.float().expand(rows, cols // group).contiguous()
+
+
+def _prepare(inner):
+    return kernel_prepare(inner["qdata"], inner["scale"], inner["qdata"].shape[-1])
 
 
 def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel from :func:`_prepare`'s result (bf16 ``x``); None if refused.
+    """``x @ W.T`` in bf16 through the fused kernel from :func:`kernel_prepare`'s result (bf16 ``x``); None if refused.
 
     ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here).
     """
     codes, scale = prepared
     kernel, level = _kernel()
     x = x.contiguous()
-    if x.shape[1] != codes.shape[1]:
-        raise ValueError(f"float8 kernel: activation width {x.shape[1]} != weight width {codes.shape[1]}")
-    out = x.new_empty((x.shape[0], codes.shape[0]))
+    (rows, cols), group = codes.shape, codes.shape[1] // scale.shape[1]
+    if x.shape[1] != cols:
+        raise ValueError(f"float8 kernel: activation width {x.shape[1]} != weight width {cols}")
+    out = x.new_empty((x.shape[0], rows))
     ran = native.level_out()
     level = level if max_level is None else min(level, max_level)
-    kernel(codes, scale, x, out, x.shape[0], codes.shape[0], codes.shape[1], level, torch.get_num_threads(), ran)
+    kernel(codes, scale, x, out, x.shape[0], rows, cols, group, level, torch.get_num_threads(), ran)
     return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
 
 
-def _linear(x, prepared, bias):
+def kernel_linear(x, prepared, bias):
     if prepared is None or x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS:
         return None
     out = fused_linear(x, prepared)
@@ -265,7 +276,7 @@ class Float8Rowwise(QuantFormat):
 
     def linear(self, x, prepared, bias):
         """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        return _linear(x, prepared, bias)
+        return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
         return "Float8Rowwise()"
@@ -291,7 +302,7 @@ class Float8Tensorwise(QuantFormat):
 
     def linear(self, x, prepared, bias):
         """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        return _linear(x, prepared, bias)
+        return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
         return "Float8Tensorwise()"
