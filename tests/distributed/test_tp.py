@@ -64,7 +64,7 @@ def test_tp_float32_tokens_equal(ranks, fmt_name, quantize_first, sequence_paral
         assert noise < 1e-5, noise
 
 
-@pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g128", "nf4b32s4", "f8row"])  # the last two: fused decode kernels
 def test_tp_bf16_within_rounding(ranks, fmt_name):
     for equal, noise, tie in ranks(2).run(tp_generate, fmt_name, 2, True, True, torch.bfloat16):
         assert noise < tp_inference.ROUNDING_BOUND, noise
