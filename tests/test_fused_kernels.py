@@ -80,21 +80,22 @@ def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
 
 def test_float8_kernel_extreme_scales_and_every_code():
     """Every non-NaN code, subnormals included, under scales from tiny (products below bf16's normal range,
-    where the BF16 path must not be used) to huge (products that overflow to Inf), and an Inf scale.
+    where the BF16 path must not be used) to huge (products that overflow to Inf), and an Inf scale; 127.5 and
+    2^7 on either side of the BF16 path's upper bound.
 
     A row holding an Inf weight turns its one-hot outputs into NaN (0 * Inf), exactly as the fp32 product
     with the dequantized weight does: that product is the reference.
     """
     codes = torch.arange(256, dtype=torch.uint8)
     codes = torch.cat([codes[(codes & 0x7F) != 0x7F], torch.zeros(2, dtype=torch.uint8)])  # 256 a row
-    codes = torch.stack([codes.roll(i * 37) for i in range(8)])
-    scale = torch.tensor([1.0, 2.0**-130, 2.0**-117, 2.0**-118, 3.1e-3, 2.0**120, 3.0e38, float("inf")])
+    codes = torch.stack([codes.roll(i * 37) for i in range(10)])
+    scale = torch.tensor([1.0, 2.0**-130, 2.0**-117, 2.0**-118, 3.1e-3, 127.5, 2.0**7, 2.0**120, 3.0e38, float("inf")])
     inner = {"qdata": codes.view(torch.float8_e4m3fn), "scale": scale.to(torch.bfloat16).reshape(-1, 1)}
     dense = float8._dequantize(inner, torch.bfloat16)
     x = torch.eye(codes.shape[1], dtype=torch.bfloat16)
     expected = (x.float() @ dense.float().t()).to(torch.bfloat16)
     finite = dense.isfinite().all(1)
-    assert torch.equal(expected.t()[finite], dense[finite]) and finite.sum() == 5  # 2^120 * 448 overflows too
+    assert torch.equal(expected.t()[finite], dense[finite]) and finite.sum() == 7  # 2^120 * 448 overflows too
     prepared = float8._prepare(inner)
     for level in range(1, float8._kernel()[1] + 1):
         out = float8.fused_linear(x, prepared, max_level=level)

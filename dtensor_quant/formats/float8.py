@@ -146,19 +146,17 @@ static float dq_f8_row(const uint8_t* row, const float* s, const float* xf, int6
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-// Every scale of the row finite, |s| >= 2^-117: every product is 0 or a normal fp32, where vcvtne2ps2bf16
-// rounds to nearest even exactly like dq_bf16_rne; vdpbf16ps multiplies the bf16 pairs exactly and accumulates
-// in fp32.
+// Every scale of the row in [2^-117, 2^7): every product is 0 or a normal fp32, where vcvtne2ps2bf16 rounds to
+// nearest even exactly like dq_bf16_rne, and s * 2^120 is finite, so one multiply gives the exact product;
+// vdpbf16ps multiplies the bf16 pairs exactly and accumulates in fp32.
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static float dq_f8_row_bf16(const uint8_t* row, const float* s, const uint16_t* xb, int64_t K, int64_t g) {
-    const __m512 up = _mm512_set1_ps(0x1p120f);
     __m512 acc = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
-        if (k % g == 0) vs = _mm512_set1_ps(s[k / g]);
+        if (k % g == 0) vs = _mm512_set1_ps(s[k / g] * 0x1p120f);
         __m512 lo, hi;
         dq_e4m3_raw(row + k, lo, hi);
-        __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs),
-                                         _mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
+        __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, vs), _mm512_mul_ps(lo, vs));
         acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb + k));
     }
     return _mm512_reduce_add_ps(acc);
@@ -182,8 +180,8 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t*
         #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
         for (int64_t n = 0; n < N; ++n) {
             const float* s = scale + n * (K / g);
-            bool normal = true;
-            for (int64_t i = 0; i < K / g; ++i) normal = normal && std::isfinite(s[i]) && std::fabs(s[i]) >= 0x1p-117f;
+            bool normal = true;  // NaN and Inf scales are not
+            for (int64_t i = 0; i < K / g; ++i) normal &= std::fabs(s[i]) >= 0x1p-117f && std::fabs(s[i]) < 128;
             const uint8_t* row = codes + n * K;
             float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K, g)
                         : level[0] >= 2         ? dq_f8_row(row, s, xf, K, g)
