@@ -132,3 +132,24 @@ def load(name: str, source: str, argtypes: list[str], probe: Callable[[Callable]
 def level_out() -> torch.Tensor:
     """The one-element buffer a kernel reports its vector level in."""
     return torch.zeros(1, dtype=torch.int64)
+
+
+class Lazy:
+    """A format's ``prepare`` result for a kernel that only some calls run: built by the first call that runs it.
+
+    The library prepares a weight before every matmul it takes part in
+    (cached per weight, or per call for FSDP2's gathered weights); a
+    one-token kernel's inputs (NF4's block scales, a scan for float8 NaN
+    codes) would then cost every prefill and training step without ever
+    being used. ``get()`` builds them once, on the first decode call.
+    """
+
+    __slots__ = ("_build", "_built", "_value")
+
+    def __init__(self, build: Callable[[], object]):
+        self._build, self._value, self._built = build, None, False
+
+    def get(self):
+        if not self._built:
+            self._value, self._built = self._build(), True
+        return self._value

@@ -53,7 +53,7 @@ def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
     """bf16 and fp32 weights, bf16 activations, every vector path here: each weight is dequantize's, bit for bit."""
     q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, dq.NF4())
     dense = q.dequantize(torch.bfloat16)
-    prepared = q.fmt.prepare(q.inner)
+    prepared = q.fmt.prepare(q.inner).get()
     assert prepared is not None
     cols = columns(shape[1], q.fmt.block_size)
     x = weight((1, shape[1]), seed=2)
@@ -69,7 +69,7 @@ def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
     """Every vector path this CPU has (AVX2, AVX-512, AVX-512 BF16) gives dequantize's bits."""
     q = dq.quantize(weight(shape, seed=1) * 0.02, fmt)
     dense = q.dequantize(torch.bfloat16)
-    prepared = q.fmt.prepare(q.inner)
+    prepared = q.fmt.prepare(q.inner).get()
     cols = columns(shape[1], 32)
     x = weight((1, shape[1]), seed=2)
     for level in range(1, float8._kernel()[1] + 1):
@@ -96,7 +96,7 @@ def test_float8_kernel_extreme_scales_and_every_code():
     expected = (x.float() @ dense.float().t()).to(torch.bfloat16)
     finite = dense.isfinite().all(1)
     assert torch.equal(expected.t()[finite], dense[finite]) and finite.sum() == 7  # 2^120 * 448 overflows too
-    prepared = float8._prepare(inner)
+    prepared = float8._prepare(inner).get()
     for level in range(1, float8._kernel()[1] + 1):
         out = float8.fused_linear(x, prepared, max_level=level)
         assert torch.equal(out.isnan(), expected.isnan()), f"level {level}"
@@ -106,7 +106,7 @@ def test_float8_kernel_extreme_scales_and_every_code():
 def test_float8_nan_codes_take_the_plain_path():
     q = dq.quantize(weight((32, 2048), seed=1), dq.Float8Rowwise())
     q.inner["qdata"].view(torch.uint8)[3, 100] = 0x7F
-    assert q.fmt.prepare(q.inner) is None
+    assert q.fmt.prepare(q.inner).get() is None
     x = weight((1, 2048), seed=2)
     out = F.linear(x, q)
     torch.testing.assert_close(out, x @ q.dequantize().t(), rtol=0, atol=0, equal_nan=True)
@@ -158,6 +158,19 @@ def test_unavailable_compiler_falls_back(monkeypatch, caplog):
     monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
     assert nf4._kernel() is None
     q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
-    assert q.fmt.prepare(q.inner) is None
+    assert q.fmt.prepare(q.inner).get() is None
     x = weight((1, 2048), seed=2)
     assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+
+
+def test_kernel_inputs_are_built_by_the_first_decode_call_only(monkeypatch):
+    """Prefill and fp32 calls never build NF4's block scales; the first decode call does, once per weight."""
+    built, original = [], dq.NF4.kernel_inputs
+    monkeypatch.setattr(dq.NF4, "kernel_inputs", lambda f, inner: built.append(1) or original(f, inner))
+    q = dq.quantize(weight((64, 2048), seed=1), dq.NF4())
+    F.linear(weight((16, 2048), seed=2), q)
+    F.linear(weight((1, 2048), seed=2, dtype=torch.float32), q)
+    assert not built
+    F.linear(weight((1, 2048), seed=2), q)
+    F.linear(weight((2, 2048), seed=3), q)
+    assert len(built) == 1

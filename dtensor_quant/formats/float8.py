@@ -227,7 +227,7 @@ def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
 
 
 def _prepare(inner):
-    return kernel_prepare(inner["qdata"], inner["scale"], inner["qdata"].shape[-1])
+    return native.Lazy(lambda: kernel_prepare(inner["qdata"], inner["scale"], inner["qdata"].shape[-1]))
 
 
 def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
@@ -249,9 +249,10 @@ def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> tor
 
 
 def kernel_linear(x, prepared, bias):
-    if prepared is None or x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS:
+    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.native.Lazy` of :func:`kernel_prepare`."""
+    if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
         return None
-    out = fused_linear(x, prepared)
+    out = fused_linear(x, prepared.get())
     return out + bias if bias is not None and out is not None else out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..blocks import block_reduce, expand_blocks
 from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne
@@ -94,11 +95,12 @@ class Float8Blockwise(QuantFormat):
         The product ``float32(code) * scale_inv`` rounds to fp32 and then to the activation's dtype, as in
         ``dequantize``. Shards start on block boundaries, so row ``r`` of a shard has scale row ``r // b``.
         """
+        return native.Lazy(lambda: self._kernel_inputs(inner))
+
+    def _kernel_inputs(self, inner):
         scale, b = inner["scale_inv"], self.block_size
-        if scale.dtype != torch.float32 or inner["qdata"].shape[-1] % b:
-            return None
-        rows = inner["qdata"].shape[0]
-        if scale.shape[0] != -(-rows // b):
+        rows, cols = inner["qdata"].shape
+        if scale.dtype != torch.float32 or cols % b or scale.shape[0] != -(-rows // b):
             return None
         return kernel_prepare(inner["qdata"], scale.repeat_interleave(b, 0)[:rows], b)
 

@@ -52,6 +52,7 @@ otherwise):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,10 @@ class NF4(QuantFormat):
     kernel_needs_whole_blocks = True
 
     def prepare(self, inner):
+        """The fused kernel's inputs, built by the first call that runs it (:class:`~dtensor_quant.native.Lazy`)."""
+        return native.Lazy(functools.partial(self.kernel_inputs, inner))
+
+    def kernel_inputs(self, inner):
         """``(codes, block scales in fp32, levels in fp32)`` for the fused kernel, or None where it cannot run.
 
         It needs whole blocks inside each row (``in % block_size == 0``, the
@@ -200,9 +205,9 @@ class NF4(QuantFormat):
 
     def linear(self, x, prepared, bias):
         """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        if prepared is None or x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS:
+        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
             return None
-        out = fused_linear(x, prepared, self.block_size)
+        out = fused_linear(x, prepared.get(), self.block_size)
         return out + bias if bias is not None and out is not None else out
 
     @staticmethod
@@ -310,7 +315,7 @@ def _kernel():
 
 
 def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel, from :meth:`NF4.prepare`'s result (bf16 ``x``); None if refused.
+    """``x @ W.T`` in bf16 through the fused kernel, from :meth:`NF4.kernel_inputs` (bf16 ``x``); None if refused.
 
     ``max_level`` caps the vector path (1: AVX2, 2: AVX-512; default: the best here).
     """
