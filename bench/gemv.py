@@ -50,7 +50,7 @@ def variants(shape):
         out[name] = (lambda q=q: F.linear(x, q), nbytes)
         if name in LEVELS:
             module, levels = LEVELS[name]
-            prepared, best = fmt.prepare(q.inner).get(), (module._kernel() or (None, 0))[1]
+            prepared, best = fmt.prepare(q.inner).get(), (module.kernel() or (None, 0))[1]
             for level, isa in levels.items():
                 if prepared is not None and level <= best:
                     args = (fmt.block_size,) if name == "NF4" else ()

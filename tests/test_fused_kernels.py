@@ -21,7 +21,7 @@ from dtensor_quant.formats import float8, nf4
 from dtensor_quant.testing import weight
 
 pytestmark = pytest.mark.skipif(
-    nf4._kernel() is None or float8._kernel() is None,
+    nf4.kernel() is None or float8.kernel() is None,
     reason="no fused kernels here (no C++ compiler for inductor, or no AVX-512)",
 )
 
@@ -57,7 +57,7 @@ def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
     assert prepared is not None
     cols = columns(shape[1], q.fmt.block_size)
     x = weight((1, shape[1]), seed=2)
-    for level in range(1, nf4._kernel()[1] + 1):  # AVX2, AVX-512
+    for level in range(1, nf4.kernel()[1] + 1):  # AVX2, AVX-512
         out = nf4.fused_linear(one_hot_columns(q, cols), prepared, q.fmt.block_size, max_level=level)
         assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
         assert_close(nf4.fused_linear(x, prepared, q.fmt.block_size, max_level=level), x, dense)
@@ -72,7 +72,7 @@ def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
     prepared = q.fmt.prepare(q.inner).get()
     cols = columns(shape[1], 32)
     x = weight((1, shape[1]), seed=2)
-    for level in range(1, float8._kernel()[1] + 1):
+    for level in range(1, float8.kernel()[1] + 1):
         out = float8.fused_linear(one_hot_columns(q, cols), prepared, max_level=level)
         assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
         assert_close(float8.fused_linear(x, prepared, max_level=level), x, dense)
@@ -91,13 +91,13 @@ def test_float8_kernel_extreme_scales_and_every_code():
     codes = torch.stack([codes.roll(i * 37) for i in range(10)])
     scale = torch.tensor([1.0, 2.0**-130, 2.0**-117, 2.0**-118, 3.1e-3, 127.5, 2.0**7, 2.0**120, 3.0e38, float("inf")])
     inner = {"qdata": codes.view(torch.float8_e4m3fn), "scale": scale.to(torch.bfloat16).reshape(-1, 1)}
-    dense = float8._dequantize(inner, torch.bfloat16)
+    dense = dq.Float8Rowwise().dequantize(inner, torch.bfloat16)
     x = torch.eye(codes.shape[1], dtype=torch.bfloat16)
     expected = (x.float() @ dense.float().t()).to(torch.bfloat16)
     finite = dense.isfinite().all(1)
     assert torch.equal(expected.t()[finite], dense[finite]) and finite.sum() == 7  # 2^120 * 448 overflows too
-    prepared = float8._prepare(inner).get()
-    for level in range(1, float8._kernel()[1] + 1):
+    prepared = float8.kernel_prepare(inner["qdata"], inner["scale"], codes.shape[1])
+    for level in range(1, float8.kernel()[1] + 1):
         out = float8.fused_linear(x, prepared, max_level=level)
         assert torch.equal(out.isnan(), expected.isnan()), f"level {level}"
         assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"level {level}"
@@ -156,7 +156,7 @@ def test_unavailable_compiler_falls_back(monkeypatch, caplog):
         assert native.load("broken", "this is not C++", ["int64_t*"], lambda k: 1) is None
     assert "broken kernel unavailable" in caplog.text
     monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
-    assert nf4._kernel() is None
+    assert nf4.kernel() is None
     q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
     assert q.fmt.prepare(q.inner).get() is None
     x = weight((1, 2048), seed=2)

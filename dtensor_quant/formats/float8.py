@@ -205,7 +205,8 @@ def _probe(kernel) -> int:
     return int(level)
 
 
-def _kernel():
+def kernel():
+    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
     return native.load("float8", _KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -218,7 +219,7 @@ def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
     caches the result per weight).
     """
     rows, cols = qdata.shape if qdata.ndim == 2 else (0, 0)
-    if qdata.device.type != "cpu" or not rows or cols % 32 or group % 32 or cols % group or _kernel() is None:
+    if qdata.device.type != "cpu" or not rows or cols % 32 or group % 32 or cols % group or kernel() is None:
         return None
     codes = qdata.contiguous().view(torch.uint8)
     if bool(((codes & 0x7F) == 0x7F).any()):
@@ -236,7 +237,7 @@ def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> tor
     ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here).
     """
     codes, scale = prepared
-    kernel, level = _kernel()
+    run, level = kernel()
     x = x.contiguous()
     (rows, cols), group = codes.shape, codes.shape[1] // scale.shape[1]
     if x.shape[1] != cols:
@@ -244,7 +245,7 @@ def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> tor
     out = x.new_empty((x.shape[0], rows))
     ran = native.level_out()
     level = level if max_level is None else min(level, max_level)
-    kernel(codes, scale, x, out, x.shape[0], rows, cols, group, level, torch.get_num_threads(), ran)
+    run(codes, scale, x, out, x.shape[0], rows, cols, group, level, torch.get_num_threads(), ran)
     return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
 
 

@@ -195,7 +195,7 @@ class NF4(QuantFormat):
         if qdata.device.type != "cpu" or qdata.ndim != 2 or mean.dtype not in _KERNEL_WEIGHT_DTYPES or bs % 32:
             return None
         rows, cols = qdata.shape[0], qdata.shape[1] * 2
-        if not rows or cols % bs or _kernel() is None:
+        if not rows or cols % bs or kernel() is None:
             return None
         scale = self._block_scales(inner, rows * cols)
         if scale is None:
@@ -310,7 +310,8 @@ def _probe(kernel) -> int:
     return int(level)
 
 
-def _kernel():
+def kernel():
+    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
     return native.load("nf4", _KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -320,7 +321,7 @@ def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | No
     ``max_level`` caps the vector path (1: AVX2, 2: AVX-512; default: the best here).
     """
     codes, scale, levels = prepared
-    kernel, level = _kernel()
+    run, level = kernel()
     level = level if max_level is None else min(level, max_level)
     x = x.contiguous()
     out = x.new_empty((x.shape[0], codes.shape[0]))
@@ -328,5 +329,5 @@ def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | No
     if x.shape[1] != k:
         raise ValueError(f"NF4 kernel: activation width {x.shape[1]} != weight width {k}")
     ran = native.level_out()
-    kernel(codes, scale, levels, x, out, x.shape[0], codes.shape[0], k, block_size, level, torch.get_num_threads(), ran)
+    run(codes, scale, levels, x, out, x.shape[0], codes.shape[0], k, block_size, level, torch.get_num_threads(), ran)
     return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)

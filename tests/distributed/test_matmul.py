@@ -19,7 +19,7 @@ FUSED = (dq.NF4, dq.Float8Rowwise, dq.Float8Tensorwise, dq.Float8Blockwise)
 
 
 def fused_kernels_here():
-    return nf4._kernel() is not None and float8._kernel() is not None
+    return nf4.kernel() is not None and float8.kernel() is not None
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
