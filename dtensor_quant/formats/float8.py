@@ -113,33 +113,47 @@ static inline void dq_e4m3_raw_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
 // Where x[j] of a chunk of 2 * half codes goes: the lo lanes, then the hi lanes (half: 16 AVX-512, 8 AVX2).
 static inline int64_t dq_x_order(int64_t j, int64_t half) { return 8 * ((j % half) / 4) + 4 * (j / half) + j % 4; }
 
+// Integer rounding, exact for any scale. kSmall: every scale of the row below 2^7 in magnitude, so s * 2^120 is
+// finite and one multiply gives the exact product, which cannot be NaN (no NaN code, finite scale).
+template <bool kSmall>
 __attribute__((target("avx2,fma")))
 static float dq_f8_row_avx2(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
     const __m256 up = _mm256_set1_ps(0x1p120f);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), vs = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-        if (k % g == 0) vs = _mm256_set1_ps(s[k / g]);
+        if (k % g == 0) vs = _mm256_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
         __m256 lo, hi;
         dq_e4m3_raw_avx2(row + k, lo, hi);
-        lo = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(lo, up), vs));
-        hi = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(hi, up), vs));
+        if (kSmall) {
+            lo = dq_round_bf16_256_finite(_mm256_mul_ps(lo, vs));
+            hi = dq_round_bf16_256_finite(_mm256_mul_ps(hi, vs));
+        } else {
+            lo = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(lo, up), vs));
+            hi = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(hi, up), vs));
+        }
         acc0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + k), acc0);
         acc1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + k + 8), acc1);
     }
     return dq_sum_256(_mm256_add_ps(acc0, acc1));
 }
 
-// Any scale: the fp32 product (value * 2^-120 * 2^120 is exact, subnormal codes too), rounded to bf16 as integers.
+// The same with AVX-512 (value * 2^-120 * 2^120 is exact, subnormal codes too).
+template <bool kSmall>
 __attribute__((target("avx512f,avx512bw")))
 static float dq_f8_row(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
     const __m512 up = _mm512_set1_ps(0x1p120f);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
-        if (k % g == 0) vs = _mm512_set1_ps(s[k / g]);
+        if (k % g == 0) vs = _mm512_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
         __m512 lo, hi;
         dq_e4m3_raw(row + k, lo, hi);
-        lo = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
-        hi = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs));
+        if (kSmall) {
+            lo = dq_round_bf16_512_finite(_mm512_mul_ps(lo, vs));
+            hi = dq_round_bf16_512_finite(_mm512_mul_ps(hi, vs));
+        } else {
+            lo = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
+            hi = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs));
+        }
         acc0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xf + k), acc0);
         acc1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xf + k + 16), acc1);
     }
@@ -180,12 +194,17 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t*
         #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
         for (int64_t n = 0; n < N; ++n) {
             const float* s = scale + n * (K / g);
-            bool normal = true;  // NaN and Inf scales are not
-            for (int64_t i = 0; i < K / g; ++i) normal &= std::fabs(s[i]) >= 0x1p-117f && std::fabs(s[i]) < 128;
+            bool small = true, normal = true;  // NaN and Inf scales are neither
+            for (int64_t i = 0; i < K / g; ++i) {
+                small &= std::fabs(s[i]) < 128;
+                normal &= std::fabs(s[i]) < 128 && std::fabs(s[i]) >= 0x1p-117f;
+            }
             const uint8_t* row = codes + n * K;
             float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K, g)
-                        : level[0] >= 2         ? dq_f8_row(row, s, xf, K, g)
-                                                : dq_f8_row_avx2(row, s, xf, K, g);
+                        : level[0] >= 2         ? (small ? dq_f8_row<true>(row, s, xf, K, g)
+                                                         : dq_f8_row<false>(row, s, xf, K, g))
+                        : small                 ? dq_f8_row_avx2<true>(row, s, xf, K, g)
+                                                : dq_f8_row_avx2<false>(row, s, xf, K, g);
             out[m * N + n] = dq_bf16_rne(acc);
         }
     }
