@@ -90,7 +90,7 @@ class Float8Blockwise(QuantFormat):
         return True
 
     def prepare(self, inner):
-        """float8's fused one-token kernel with a scale per row and block of columns, where it can run (else None).
+        """float8's fused one-token kernel with a scale per row and block of columns, built on first use.
 
         The product ``float32(code) * scale_inv`` rounds to fp32 and then to the activation's dtype, as in
         ``dequantize``. Shards start on block boundaries, so row ``r`` of a shard has scale row ``r // b``.
@@ -99,6 +99,8 @@ class Float8Blockwise(QuantFormat):
 
     def _kernel_inputs(self, inner):
         scale, b = inner["scale_inv"], self.block_size
+        if inner["qdata"].ndim != 2:
+            return None
         rows, cols = inner["qdata"].shape
         if scale.dtype != torch.float32 or cols % b or scale.shape[0] != -(-rows // b):
             return None
