@@ -141,6 +141,11 @@ class QuantFormat:
         """
         return False
 
+    #: True: ``prepare``/``linear`` only ever see the inner tensors of a weight laid out as a fresh weight of
+    #: its shape (blocks whole, in quantizing order: what ``unpack`` assumes), as for a format whose blocks run
+    #: over the flat index; any other shard or slice dequantizes. False: any canonical weight.
+    kernel_needs_whole_blocks: bool = False
+
     def prepare(self, inner: dict[str, torch.Tensor]):
         """The kernel's view of a canonical weight (cached by the library); default: ``inner``."""
         return inner

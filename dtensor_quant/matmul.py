@@ -110,10 +110,13 @@ def kernel_linear_impl(
 
     ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations.
     """
-    out = fmt.linear(x, prepared(fmt, inner), bias)
+    shape = (out_features, x.shape[-1])
+    whole = not fmt.kernel_needs_whole_blocks or unpack.fresh_inner(
+        fmt, tuple(blocks), shape, tuple(tuple(t.shape) for t in inner.values())
+    )
+    out = fmt.linear(x, prepared(fmt, inner), bias) if whole else None
     if out is not None:
         return out
-    shape = (out_features, x.shape[-1])
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out

@@ -16,6 +16,8 @@ values are the same bits ``dequantize`` gives: the tests compare them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .format import weight_layout
@@ -92,15 +94,20 @@ def dense_inner(fmt, inner: dict[str, torch.Tensor], blocks, shape, dtype: torch
     (slices start on block boundaries, so equal blocks and lengths mean the
     same blocks in the same order), and whole column blocks.
     """
+    if not fresh_inner(fmt, tuple(blocks), tuple(shape), tuple(tuple(t.shape) for t in inner.values())):
+        return None
+    out = torch.empty(tuple(shape), dtype=dtype, device=next(iter(inner.values())).device)
+    return out if out.numel() == 0 or fmt.unpack(inner, out) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def fresh_inner(fmt, blocks: tuple[int, ...], shape: tuple[int, ...], inner_shapes: tuple[tuple[int, ...], ...]):
+    """:func:`dense_inner`'s precondition, from hashable facts (cached: the matmul kernels ask it per call)."""
     try:
         fresh = weight_layout(fmt, shape)
     except ValueError:
-        return None
+        return False
     rels = [fresh[name] for name in fmt.inner_names]
     if block_sizes(rels) != list(blocks) or any(b > 0 and shape[1] % b for b in blocks[1::2]):
-        return None
-    for t, row in zip(inner.values(), rels):
-        if tuple(t.shape) != tuple(rel.inner_len(n) for rel, n in zip(row, shape)):
-            return None
-    out = torch.empty(tuple(shape), dtype=dtype, device=next(iter(inner.values())).device)
-    return out if out.numel() == 0 or fmt.unpack(inner, out) else None
+        return False
+    return all(t == tuple(rel.inner_len(n) for rel, n in zip(row, shape)) for t, row in zip(inner_shapes, rels))

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..blocks import block_reduce, expand_blocks
 from ..format import QuantFormat, Reducer
 from ..layout import Blocked, OneToOne
-from .float8 import codes_into, table_fits
+from .float8 import codes_into, kernel_linear, kernel_prepare, table_fits
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -87,6 +88,27 @@ class Float8Blockwise(QuantFormat):
         if not fits:
             out.copy_(values)
         return True
+
+    def prepare(self, inner):
+        """float8's fused one-token kernel with a scale per row and block of columns, built on first use.
+
+        The product ``float32(code) * scale_inv`` rounds to fp32 and then to the activation's dtype, as in
+        ``dequantize``. Shards start on block boundaries, so row ``r`` of a shard has scale row ``r // b``.
+        """
+        return native.Lazy(lambda: self._kernel_inputs(inner))
+
+    def _kernel_inputs(self, inner):
+        scale, b = inner["scale_inv"], self.block_size
+        if inner["qdata"].ndim != 2:
+            return None
+        rows, cols = inner["qdata"].shape
+        if scale.dtype != torch.float32 or cols % b or scale.shape[0] != -(-rows // b):
+            return None
+        return kernel_prepare(inner["qdata"], scale.repeat_interleave(b, 0)[:rows], b)
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations, at most a few rows (decode): the fused kernel; else None (dequantize + mm)."""
+        return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
         return f"Float8Blockwise({self.block_size})"

@@ -7,6 +7,7 @@ roundings, and any differing token must be a near-tie that this rounding
 explains. Quantized weights are compared byte for byte.
 """
 
+import os
 import time
 
 import llama
@@ -69,6 +70,40 @@ def test_tp_bf16_within_rounding(ranks, fmt_name):
     for equal, noise, tie in ranks(2).run(tp_generate, fmt_name, 2, True, True, torch.bfloat16):
         assert noise < tp_inference.ROUNDING_BOUND, noise
         assert equal or tie["near_tie"], tie
+
+
+def one_token_through_fused_kernels(fmt_name):
+    """One decode token on the TP model (every Linear's fused kernel, counted) and on one process, dequantizing."""
+    from dtensor_quant.formats import float8, nf4
+
+    calls, originals = [], {module: module.fused_linear for module in (float8, nf4)}
+
+    def counting(original):
+        return lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+
+    try:
+        for module, original in originals.items():
+            module.fused_linear = counting(original)
+        model = tp_inference.build_tp(llama.Config(), FORMATS[fmt_name], mesh(2), dtype=torch.bfloat16)
+        token = torch.tensor([[7]])
+        with torch.no_grad():
+            logits = model(token).float()
+            os.environ["DTENSOR_QUANT_NATIVE"] = "0"  # the reference: dequantize + mm
+            expected = reference_model(FORMATS[fmt_name], torch.bfloat16)(token).float()
+    finally:  # the ranks live on for other tests
+        os.environ.pop("DTENSOR_QUANT_NATIVE", None)
+        for module, original in originals.items():
+            module.fused_linear = original
+    return len(calls), ((logits - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("fmt_name", ["nf4b32s4", "f8row", "f8block128"])
+def test_tp_decode_runs_the_fused_kernels(ranks, fmt_name):
+    """TP=2, one bf16 token: all 15 quantized Linears of each rank run NF4's/float8's fused kernel, and the logits
+    are one process's (dequantize + mm) up to rounding."""
+    for calls, noise in ranks(2).run(one_token_through_fused_kernels, fmt_name):
+        assert calls == 15
+        assert noise < tp_inference.ROUNDING_BOUND, noise
 
 
 @pytest.mark.slow

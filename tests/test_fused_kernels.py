@@ -1,0 +1,176 @@
+"""The fused one-token kernels of NF4 and float8 (dtensor_quant.native): exact weights, dense results.
+
+A one-hot activation row ``e_k`` makes the kernel return column ``k`` of the
+weight it used, rounded once to bf16 -- which the weight already is -- so
+comparing those columns with ``dequantize`` checks the kernel's weights bit
+for bit. Random activations then check the sum against dequantize + mm at the
+tolerance every kernel path has (tests/distributed/test_matmul.py: the fp32
+sum's order and the bf16 output). Widths are TinyLlama's (2048 and 5632
+columns, where NF4's scale factors run across rows), with few rows.
+"""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtensor_quant as dq
+from dtensor_quant import native
+from dtensor_quant.formats import float8, nf4
+from dtensor_quant.testing import weight
+
+pytestmark = pytest.mark.skipif(
+    nf4.kernel() is None or float8.kernel() is None,
+    reason="no fused kernels here (no C++ compiler for inductor, or no AVX-512)",
+)
+
+TOL = 2e-2  # bf16, relative to the largest output: test_matmul.py's bound for every kernel
+
+
+def one_hot_columns(q, cols):
+    """Rows ``e_k`` for each ``k`` in ``cols`` (bf16), as the kernel sees activations."""
+    x = torch.zeros(len(cols), q.shape[1], dtype=torch.bfloat16)
+    x[torch.arange(len(cols)), torch.tensor(cols)] = 1
+    return x
+
+
+def columns(k, block):
+    """Every block's first and last column, and a spread between."""
+    picked = {0, k - 1, *range(block - 1, k, block * 7), *range(block, k, block * 5), *range(3, k, 97)}
+    return sorted(picked)
+
+
+def assert_close(out, x, dense):
+    expected = x.float() @ dense.float().t()
+    err = (out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-30)
+    assert err <= TOL, f"relative error {err:.2e} > {TOL}"
+
+
+@pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
+    """bf16 and fp32 weights, bf16 activations, every vector path here: each weight is dequantize's, bit for bit."""
+    q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, dq.NF4())
+    dense = q.dequantize(torch.bfloat16)
+    prepared = q.fmt.prepare(q.inner).get()
+    assert prepared is not None
+    cols = columns(shape[1], q.fmt.block_size)
+    x = weight((1, shape[1]), seed=2)
+    for level in range(1, nf4.kernel()[1] + 1):  # AVX2, AVX-512
+        out = nf4.fused_linear(one_hot_columns(q, cols), prepared, q.fmt.block_size, max_level=level)
+        assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
+        assert_close(nf4.fused_linear(x, prepared, q.fmt.block_size, max_level=level), x, dense)
+
+
+@pytest.mark.parametrize("fmt", [dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise(128)], ids=str)
+@pytest.mark.parametrize("shape", [(300, 2048), (40, 5632)])
+def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
+    """Every vector path this CPU has (AVX2, AVX-512, AVX-512 BF16) gives dequantize's bits."""
+    q = dq.quantize(weight(shape, seed=1) * 0.02, fmt)
+    dense = q.dequantize(torch.bfloat16)
+    prepared = q.fmt.prepare(q.inner).get()
+    cols = columns(shape[1], 32)
+    x = weight((1, shape[1]), seed=2)
+    for level in range(1, float8.kernel()[1] + 1):
+        out = float8.fused_linear(one_hot_columns(q, cols), prepared, max_level=level)
+        assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
+        assert_close(float8.fused_linear(x, prepared, max_level=level), x, dense)
+
+
+def test_float8_kernel_extreme_scales_and_every_code():
+    """Every non-NaN code, subnormals included, under scales from tiny (products below bf16's normal range,
+    where the BF16 path must not be used) to huge (products that overflow to Inf), and an Inf scale; 127.5 and
+    2^7 on either side of the BF16 path's upper bound.
+
+    A row holding an Inf weight turns its one-hot outputs into NaN (0 * Inf), exactly as the fp32 product
+    with the dequantized weight does: that product is the reference.
+    """
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = torch.cat([codes[(codes & 0x7F) != 0x7F], torch.zeros(2, dtype=torch.uint8)])  # 256 a row
+    codes = torch.stack([codes.roll(i * 37) for i in range(10)])
+    scale = torch.tensor([1.0, 2.0**-130, 2.0**-117, 2.0**-118, 3.1e-3, 127.5, 2.0**7, 2.0**120, 3.0e38, float("inf")])
+    inner = {"qdata": codes.view(torch.float8_e4m3fn), "scale": scale.to(torch.bfloat16).reshape(-1, 1)}
+    dense = dq.Float8Rowwise().dequantize(inner, torch.bfloat16)
+    x = torch.eye(codes.shape[1], dtype=torch.bfloat16)
+    expected = (x.float() @ dense.float().t()).to(torch.bfloat16)
+    finite = dense.isfinite().all(1)
+    assert torch.equal(expected.t()[finite], dense[finite]) and finite.sum() == 7  # 2^120 * 448 overflows too
+    prepared = float8.kernel_prepare(inner["qdata"], inner["scale"], codes.shape[1])
+    for level in range(1, float8.kernel()[1] + 1):
+        out = float8.fused_linear(x, prepared, max_level=level)
+        assert torch.equal(out.isnan(), expected.isnan()), f"level {level}"
+        assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"level {level}"
+
+
+def test_float8_nan_codes_take_the_plain_path():
+    q = dq.quantize(weight((32, 2048), seed=1), dq.Float8Rowwise())
+    q.inner["qdata"].view(torch.uint8)[3, 100] = 0x7F
+    assert q.fmt.prepare(q.inner).get() is None
+    x = weight((1, 2048), seed=2)
+    out = F.linear(x, q)
+    torch.testing.assert_close(out, x @ q.dequantize().t(), rtol=0, atol=0, equal_nan=True)
+    assert out[0, 3].isnan() and not out[0, :3].isnan().any()
+
+
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise()], ids=str)
+def test_decode_linear_takes_the_kernel_and_prefill_dequantizes(monkeypatch, fmt):
+    """F.linear: 1-4 bf16 tokens run the kernel (bias added); more, or fp32 activations, dequantize + mm."""
+    q = dq.quantize(weight((64, 2048), seed=1), fmt)
+    bias = weight((64,), seed=3)
+    ran, original = [], type(fmt).linear
+
+    def spy(f, x, prepared, b):
+        out = original(f, x, prepared, b)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(fmt), "linear", spy)
+    dense = q.dequantize(torch.bfloat16)
+    for tokens in (1, 4, 5):
+        x = weight((tokens, 2048), seed=2)
+        out = F.linear(x, q, bias)
+        assert ran.pop() == (tokens <= 4)
+        assert_close(out - bias, x, dense)
+        if tokens > 4:
+            assert torch.equal(out, x @ dense.t() + bias)
+    x = weight((1, 2048), seed=2, dtype=torch.float32)
+    assert torch.equal(F.linear(x, q), x @ q.dequantize(torch.float32).t()) and not ran.pop()
+
+
+def test_nf4_slice_whose_blocks_differ_from_a_fresh_weight_dequantizes(monkeypatch):
+    """A column slice keeps the full weight's 8-row scale factors; a fresh [64, 1024] weight has 16-row ones:
+    the flat-order kernel must not read it (``kernel_needs_whole_blocks``)."""
+    q = dq.quantize(weight((64, 2048), seed=1), dq.NF4())
+    piece = q[:, :1024]
+    prepare_calls = []
+    monkeypatch.setattr(dq.NF4, "prepare", lambda f, inner: prepare_calls.append(1))
+    x = weight((1, 1024), seed=2)
+    assert torch.equal(F.linear(x, piece), x @ piece.dequantize().t())
+    assert not prepare_calls
+
+
+def test_unavailable_compiler_falls_back(monkeypatch, caplog):
+    """A source that does not compile (as with no C++ compiler) gives None, logged; DTENSOR_QUANT_NATIVE=0 too."""
+    with caplog.at_level(logging.INFO, logger="dtensor_quant.native"):
+        assert native.load("broken", "this is not C++", ["int64_t*"], lambda k: 1) is None
+    assert "broken kernel unavailable" in caplog.text
+    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
+    assert nf4.kernel() is None
+    q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
+    assert q.fmt.prepare(q.inner).get() is None
+    x = weight((1, 2048), seed=2)
+    assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+
+
+def test_kernel_inputs_are_built_by_the_first_decode_call_only(monkeypatch):
+    """Prefill and fp32 calls never build NF4's block scales; the first decode call does, once per weight."""
+    built, original = [], dq.NF4.kernel_inputs
+    monkeypatch.setattr(dq.NF4, "kernel_inputs", lambda f, inner: built.append(1) or original(f, inner))
+    q = dq.quantize(weight((64, 2048), seed=1), dq.NF4())
+    F.linear(weight((16, 2048), seed=2), q)
+    F.linear(weight((1, 2048), seed=2, dtype=torch.float32), q)
+    assert not built
+    F.linear(weight((1, 2048), seed=2), q)
+    F.linear(weight((2, 2048), seed=3), q)
+    assert len(built) == 1
