@@ -1,0 +1,95 @@
+"""Keep a tensor-parallel degree when a quantized weight cannot be cut along its columns.
+
+A row-parallel Linear (torch's ``RowwiseParallel``) shards its weight's
+columns (``Shard(1)``). A format whose blocks run along a row, or across
+rows of the flattened weight (NF4's scale factors cover 16,384 consecutive
+weights), can refuse that cut at a degree where it accepts a cut of the
+rows (``Shard(0)``): TinyLlama's down-projection ``[2048, 5632]`` in NF4 at
+TP 2 and 4. Such a layer can still be tensor-parallel as
+
+    ColwiseParallel(input_layouts=<the row style's input>, output_layouts=<the row style's output>)
+
+torch's ColwiseParallel wraps the incoming activation (sharded on its last
+dim after a column-parallel layer) with that layout and redistributes it to
+``Replicate`` (an all-gather), each rank computes its rows of the output
+fully, and the output ``Shard(-1)`` is redistributed to the row style's
+output layout (an all-gather for ``Replicate``; an all-to-all for
+sequence parallelism's ``Shard(1)``). Every output element is computed on
+one rank exactly as on one process: no partial sums, so no reordered
+additions. The cost at decode is two small all-gathers instead of one
+all-reduce, and a rank holds ``1/tp`` of the weight as before.
+
+:func:`adapt_tp_plan` makes that switch for exactly the layers that need it
+and says which and why; it never switches a layer whose row-parallel cut
+is legal, and refuses (on every rank alike, before any collective) a layer
+that neither cut can hold.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from .format import QuantFormat
+from .layout import LayoutError
+from .planner import Layer, check
+from .tensor import QuantizedTensor
+
+log = logging.getLogger(__name__)
+
+
+def adapt_tp_plan(
+    model: nn.Module, plan: dict[str, ParallelStyle], tp: int | DeviceMesh, fmt: QuantFormat | None = None
+) -> tuple[dict[str, ParallelStyle], dict[str, str]]:
+    """``plan`` with every row-parallel Linear whose weight cannot take ``Shard(1)`` at ``tp`` made column-parallel.
+
+    ``model``: not yet parallelized; its quantized weights give their own
+    format, and ``fmt`` (if given) is the format dense weights will be
+    quantized to after ``parallelize_module``. ``tp``: the TP degree or the
+    1-D TP mesh. Returns ``(new plan, {fqn: why})``: the switched layers, each
+    with the planner's reason the row-parallel cut was refused. Raises
+    :class:`LayoutError` naming every layer that neither cut can hold.
+    """
+    degree = tp.size() if isinstance(tp, DeviceMesh) else int(tp)
+    if isinstance(tp, DeviceMesh) and tp.ndim != 1:
+        raise ValueError(f"adapt_tp_plan takes the 1-D tensor-parallel mesh, got a {tp.ndim}-D mesh {tp.mesh.shape}")
+    new, switched, refused = dict(plan), {}, []
+    for fqn, style in plan.items():
+        if type(style) is not RowwiseParallel or degree == 1:
+            continue
+        module = model.get_submodule(fqn)
+        if not isinstance(module, nn.Linear):  # an Embedding: row-parallel means Shard(0) there
+            continue
+        weight = module.weight
+        if isinstance(weight, DTensor):
+            raise ValueError(f"{fqn}: adapt the plan before parallelize_module (its weight is already a DTensor)")
+        wfmt = weight.fmt if isinstance(weight, QuantizedTensor) else fmt
+        if wfmt is None:
+            continue
+        shape = tuple(weight.shape)
+        row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
+        if row.legal:
+            continue
+        col = check(Layer(fqn, shape, "colwise"), wfmt, 1, degree)
+        if not col.legal:
+            refused.append(f"{fqn} {list(shape)} in {wfmt}: row-parallel: {row.why}; column-parallel: {col.why}")
+            continue
+        new[fqn] = ColwiseParallel(
+            input_layouts=style.input_layouts[0] or Shard(-1),
+            output_layouts=style.output_layouts[0] or Replicate(),
+            use_local_output=style.use_local_output,
+        )
+        switched[fqn] = row.why
+        log.info("%s: row-parallel refused at TP %d (%s); column-parallel with a gathered input", fqn, degree, row.why)
+    if refused:
+        raise LayoutError(
+            f"no tensor-parallel cut is legal at TP {degree} for "
+            + "; ".join(refused)
+            + ". Choose another degree (python -m dtensor_quant plan), a smaller block size, "
+            "dtensor_quant.pad_for_tp, or leave the layer unquantized or replicated."
+        )
+    return new, switched

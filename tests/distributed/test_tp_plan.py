@@ -1,0 +1,149 @@
+"""adapt_tp_plan: a row-parallel layer its format cannot cut by columns becomes column-parallel, bit-exactly.
+
+A SwiGLU MLP with the real MLP width of TinyLlama (5632) and a small model
+dim (256): NF4's scale factors cover 16,384 consecutive weights, so the
+down-projection ``[256, 5632]`` cannot be cut along its columns at TP 2 or
+4, while 128 or 64 of its rows are whole factor blocks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import dtensor_quant as dq
+from dtensor_quant.formats import nf4
+from dtensor_quant.testing import mesh, weight
+from dtensor_quant.tp_plan import adapt_tp_plan
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False, dtype=torch.bfloat16)
+        self.w3 = nn.Linear(dim, hidden, bias=False, dtype=torch.bfloat16)
+        self.w2 = nn.Linear(hidden, dim, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A norm on sequence shards before the MLP (sequence parallelism's pattern)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, dtype=torch.bfloat16)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+def quantized(model, dim, fmt):
+    for i, lin in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
+        lin.weight = nn.Parameter(dq.quantize(weight(tuple(lin.weight.shape), seed=i), fmt), requires_grad=False)
+    return model
+
+
+PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
+
+def switched_mlp(dim, hidden, tokens):
+    """The TP MLP's outputs against one process's, for a few token counts."""
+    tp = dist.get_world_size()
+    model = quantized(MLP(dim, hidden), dim, dq.NF4())
+    reference = quantized(MLP(dim, hidden), dim, dq.NF4())
+    plan, switched = adapt_tp_plan(model, PLAN, tp)
+    assert list(switched) == ["w2"] and "5632 columns are cut" in switched["w2"], switched
+    assert type(plan["w2"]) is ColwiseParallel and plan["w1"] is PLAN["w1"] and plan["w3"] is PLAN["w3"]
+    parallelize_module(model, mesh(tp), plan)
+    assert model.w2.weight.placements == (Shard(0),)
+    out, calls, original = {}, [], nf4.fused_linear
+    nf4.fused_linear = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        with torch.no_grad():
+            for n in tokens:
+                x = weight((1, n, dim), seed=100 + n)
+                calls.clear()
+                y = model(x)
+                out[n] = [len(calls)]
+                y_ref = reference(x)
+                out[n] += [torch.equal(y, y_ref), (y.float() - y_ref.float()).abs().max().item()]
+    finally:  # the ranks live on for other tests
+        nf4.fused_linear = original
+    return switched["w2"], out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_switched_down_projection_matches_one_process(ranks, world):
+    results = ranks(world).run(switched_mlp, 256, 5632, (1, 2, 5))
+    assert len({why for why, _ in results}) == 1  # one reason, on every rank
+    for _, out in results:
+        # Every output element is computed on one rank from the same bytes as on one process, with no partial
+        # sums: bit-exact for one token (the decode kernel) and for more (dequantize + mm).
+        assert out[1][0] == 3, out  # one token: w1, w3 and the switched w2 each run the fused NF4 kernel
+        assert all(equal for _, equal, _ in out.values()), out
+
+
+def switched_sequence_parallel(dim, hidden):
+    tp = dist.get_world_size()
+    model = quantized(Block(dim, hidden), dim, dq.NF4())
+    reference = quantized(Block(dim, hidden), dim, dq.NF4())
+    reference.norm.load_state_dict(model.norm.state_dict())
+    plan = {
+        "norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w3": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    plan, switched = adapt_tp_plan(model, plan, mesh(tp))
+    assert list(switched) == ["mlp.w2"] and plan["mlp.w2"].output_layouts == (Shard(1),)
+    parallelize_module(model, mesh(tp), plan)
+    x = weight((1, 2 * tp, dim), seed=7)
+    with torch.no_grad():
+        local = model(x.chunk(tp, dim=1)[dist.get_rank()])  # sequence shards in, sequence shards out
+        expected = reference(x).chunk(tp, dim=1)[dist.get_rank()]
+    return torch.equal(local, expected)
+
+
+def test_sequence_parallel_output_stays_sequence_sharded(ranks):
+    assert all(ranks(2).run(switched_sequence_parallel, 256, 5632))
+
+
+def unswitchable(dim, hidden):
+    """Neither cut legal: the error, on every rank, before parallelize_module or any collective."""
+    model = quantized(MLP(dim, hidden), dim, dq.NF4())
+    try:
+        adapt_tp_plan(model, PLAN, dist.get_world_size())
+    except dq.LayoutError as e:
+        return str(e)
+    raise AssertionError("a layer no cut can hold was not refused")
+
+
+def test_unswitchable_refused_on_every_rank(ranks):
+    errors = ranks(4).run(unswitchable, 64, 5632)
+    assert len(set(errors)) == 1, errors
+    assert "no tensor-parallel cut is legal at TP 4 for w2 [64, 5632]" in errors[0], errors[0]
+    assert "row-parallel: the 5632 columns" in errors[0] and "column-parallel: the 64 rows" in errors[0], errors[0]
+
+
+def test_legal_row_cut_is_kept():
+    """No rank needed: a format that can cut the columns keeps torchtitan's style, and dense weights are left alone."""
+    model = quantized(MLP(256, 5632), 256, dq.Int8Rowwise())
+    plan, switched = adapt_tp_plan(model, PLAN, 4)
+    assert switched == {} and plan == PLAN
+    plan, switched = adapt_tp_plan(MLP(256, 5632), PLAN, 4)
+    assert switched == {}
+    plan, switched = adapt_tp_plan(MLP(256, 5632), PLAN, 4, fmt=dq.NF4())  # to be quantized after parallelizing
+    assert list(switched) == ["w2"]
