@@ -8,7 +8,10 @@ The model is examples/llama.py's at TinyLlama-1.1B's widths (dim 2048, MLP
 5632, 32 query and 4 key/value heads; ``--layers`` blocks, vocabulary
 ``--vocab``), sharded with torchtitan's plan (examples/tp_inference.py) over
 local gloo ranks, one thread per rank. Every Linear (the output head too) is
-quantized with ``dtensor_quant.quantize_`` or left dense (bf16).
+quantized with ``dtensor_quant.quantize_`` or left dense (bf16). Where a
+format cannot cut a row-parallel weight's columns at a degree (NF4's w2
+[2048, 5632] at TP 2 and 4), ``dtensor_quant.adapt_tp_plan`` makes it
+column-parallel with a gathered input, and the row's ``plan`` column says so.
 
 One decode step is a forward of one token (``[1, 1]``): the weights are read
 once, the regime where weight-only quantization should win. Each round times
@@ -73,7 +76,7 @@ def measure(cfg, specs, rounds: int, calls: int, compile_too: bool, threads: int
     token = torch.tensor([[7]])
     modes = ["eager", "compiled"] if compile_too else ["eager"]
     variants = {(mode, name): None for mode in modes for name in ["bf16", *specs]}
-    compile_s, skipped = {}, {}
+    compile_s, skipped, notes = {}, {}, {}
     for mode, name in list(variants):
         start = time.perf_counter()
         try:
@@ -82,6 +85,7 @@ def measure(cfg, specs, rounds: int, calls: int, compile_too: bool, threads: int
             skipped[name] = str(e).split(":")[0] + f": {tp}-way TP plan not legal for this layout"
             del variants[mode, name]
             continue
+        notes[name] = plan_note(model.tp_switched)
         first = model(token)  # warm-up: kernel caches (int4 repacks once), compilation
         compile_s[mode, name] = time.perf_counter() - start
         variants[mode, name] = model
@@ -109,6 +113,7 @@ def measure(cfg, specs, rounds: int, calls: int, compile_too: bool, threads: int
                 "ratio_vs_bf16": t / ms[mode, "bf16"],
                 "setup_s": compile_s[mode, name],
                 "max_abs_diff_vs_eager": compile_s.get((mode, name, "max_abs_diff"), ""),
+                "plan": notes[name],
             }
         )
     for name, why in skipped.items():
@@ -121,9 +126,18 @@ def measure(cfg, specs, rounds: int, calls: int, compile_too: bool, threads: int
                 "ratio_vs_bf16": float("nan"),
                 "setup_s": 0.0,
                 "max_abs_diff_vs_eager": why,
+                "plan": "",
             }
         )
     return rows
+
+
+def plan_note(switched: dict) -> str:
+    """'torchtitan' or, where adapt_tp_plan switched row-parallel layers, which ones (by their name in a block)."""
+    if not switched:
+        return "torchtitan"
+    names = sorted({fqn.split(".", 2)[-1] for fqn in switched})
+    return f"torchtitan, {'+'.join(names)} column-parallel (gathered input) x{len(switched)}"
 
 
 def plot(rows, path: Path) -> bool:
@@ -153,7 +167,17 @@ def plot(rows, path: Path) -> bool:
         ax.set_ylabel(f"one-token decode time / {mode} bf16 (log)")
         ax.set_title(f"{mode}: dim 2048, MLP 5632, one token")
         ax.legend(fontsize=7)
-    fig.tight_layout()
+    switched = sorted(
+        {f"{r['format']} TP={r['tp']}" for r in rows if r.get("plan", "torchtitan") not in ("torchtitan", "")}
+    )
+    if switched:
+        fig.text(
+            0.01,
+            0.005,
+            "not torchtitan's plan (down-projection column-parallel, gathered input): " + ", ".join(switched),
+            fontsize=7,
+        )
+    fig.tight_layout(rect=(0, 0.03 if switched else 0, 1, 1))
     fig.savefig(path, dpi=110)
     return True
 
@@ -182,13 +206,16 @@ def main(argv=None) -> int:
             rows += pool.run(measure, cfg, args.formats, args.rounds, args.calls, args.compile, args.threads)[0]
         for r in rows:
             if r["tp"] == tp:
-                print(f"  {r['mode']:<9}{r['format']:<44}{r['ms']:>9.2f} ms{r['ratio_vs_bf16']:>7.2f}x", flush=True)
+                print(
+                    f"  {r['mode']:<9}{r['format']:<44}{r['ms']:>9.2f} ms{r['ratio_vs_bf16']:>7.2f}x  {r['plan']}",
+                    flush=True,
+                )
     print(
         f"\none-token decode, dim {cfg.dim}, MLP {cfg.hidden_dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
         f"bf16 activations, {args.threads} thread(s) per rank, {os.cpu_count()} CPU cores, "
         f"median of {args.rounds}x{args.calls} calls, load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'TP':>3}  {'mode':<9}{'format':<32}{'ms':>9}{'x bf16':>8}  {'max|compiled-eager|':>20}")
+    print(f"{'TP':>3}  {'mode':<9}{'format':<32}{'ms':>9}{'x bf16':>8}  {'max|compiled-eager|':>20}  plan")
     for r in rows:
         diff = r["max_abs_diff_vs_eager"]
         if r["mode"] == "skipped":
@@ -196,7 +223,7 @@ def main(argv=None) -> int:
             continue
         print(
             f"{r['tp']:>3}  {r['mode']:<9}{r['format']:<32}{r['ms']:>9.2f}{r['ratio_vs_bf16']:>8.2f}"
-            f"  {diff if diff == '' else f'{diff:.3g}':>20}"
+            f"  {diff if diff == '' else f'{diff:.3g}':>20}  {r['plan']}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "decode.csv", "w", newline="") as f:

@@ -21,6 +21,7 @@ from .padding import pad_for_tp
 from .placements import check_placements, legal_mesh_sizes
 from .quantize import quantize
 from .tensor import QuantizedTensor
+from .tp_plan import adapt_tp_plan
 
 __all__ = [
     "NF4",
@@ -40,6 +41,7 @@ __all__ = [
     "QuantFormat",
     "QuantizedTensor",
     "UnsupportedOpError",
+    "adapt_tp_plan",
     "check_placements",
     "checkpoint",
     "custom_ops",

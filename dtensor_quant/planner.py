@@ -214,6 +214,9 @@ def _alternatives(layer: Layer, fmt: QuantFormat, mesh, placements) -> str:
     smaller = _smaller_block(layer, fmt, mesh, placements)
     if smaller:
         out.append(f"{smaller} would be legal here")
+    colwise = dataclasses.replace(layer, style="colwise")
+    if layer.style == "rowwise" and len(layer.shape) == 2 and tp > 1 and _legal_at(colwise, fmt, dp, tp, ep):
+        out.append(f"or keep tp={tp} with this layer column-parallel on a gathered input (dtensor_quant.adapt_tp_plan)")
     return "; ".join(out)
 
 

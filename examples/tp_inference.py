@@ -84,12 +84,18 @@ def build_tp(cfg, fmt, mesh, *, seed=0, dtype=torch.bfloat16, quantize_first=Tru
     ``quantize_first`` quantizes the full weights and lets parallelize_module
     shard the quantized tensors; otherwise the dense DTensor weights are
     quantized shard by shard after sharding. Both give the same bytes.
+
+    A row-parallel layer whose format cannot cut its columns at this degree
+    (NF4's down-projection at TinyLlama's widths) is made column-parallel with
+    a gathered input (``dq.adapt_tp_plan``); ``model.tp_switched`` maps each
+    such layer to the reason.
     """
     model = llama.build(cfg, seed, dtype).to(mesh.device_type)
     model.freqs = model.freqs.to(mesh.device_type)
     if fmt is not None and quantize_first:
         dq.quantize_(model, fmt)
-    parallelize_module(model, mesh, tp_plan(model, sequence_parallel))
+    plan, model.tp_switched = dq.adapt_tp_plan(model, tp_plan(model, sequence_parallel), mesh, fmt)
+    parallelize_module(model, mesh, plan)
     if fmt is not None and not quantize_first:
         dq.quantize_(model, fmt)
     return model
@@ -140,6 +146,7 @@ def run(args) -> dict:
         "tokens": tokens[0, args.prompt_len :].tolist(),
         "tok_s": {"tp_quantized": n / tp_s, "tp_dense": n / dense_s, "one_process_quantized": n / ref_s},
         "bytes": linear_bytes(model),
+        "switched": model.tp_switched,
     }
 
 
@@ -196,6 +203,11 @@ def report(args, results: list[dict]) -> bool:
         + (", sequence-parallel" if args.sequence_parallel else "")
         + (f", compiled ({args.compile})" if args.compile != "none" else "")
     )
+    if r["switched"]:
+        print(
+            f"column-parallel with a gathered input instead of row-parallel ({args.format} cannot cut their columns "
+            f"at TP {world}): {', '.join(r['switched'])}\n  first reason: {next(iter(r['switched'].values()))}"
+        )
     print(f"tokens (rank 0): {r['tokens']}")
     equal = all(x["match"] for x in results)
     print(f"tokens equal to the one-process quantized model on every rank: {equal}")

@@ -56,7 +56,10 @@ def test_refusal_explains_and_suggests():
     cells = {c.tp: c for c in result.rows[0][1]}
     assert "cut at column 1366" in cells[3].why and "multiple of 128" in cells[3].why
     assert "'scale' is blocked by 128" in cells[3].why
-    assert cells[3].alternatives == "nearest legal tp: 2 or 4"
+    assert cells[3].alternatives == (
+        "nearest legal tp: 2 or 4; or keep tp=3 with this layer column-parallel on a gathered input "
+        "(dtensor_quant.adapt_tp_plan)"
+    )
     assert cells[8].legal
     assert "cut at column 64" in cells[64].why
     assert "nearest legal tp: 32" in cells[64].alternatives

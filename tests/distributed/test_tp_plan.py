@@ -147,3 +147,16 @@ def test_legal_row_cut_is_kept():
     assert switched == {}
     plan, switched = adapt_tp_plan(MLP(256, 5632), PLAN, 4, fmt=dq.NF4())  # to be quantized after parallelizing
     assert list(switched) == ["w2"]
+
+
+def test_planner_suggests_the_switch():
+    """The planner's refusal of TinyLlama's NF4 down-projection names the way to keep the degree."""
+    from dtensor_quant.planner import plan
+
+    ((_, cells),) = plan([("w2", (2048, 5632), "rowwise")], dq.NF4(), tp=[2, 4]).rows
+    for cell in cells:
+        assert not cell.legal and "column-parallel on a gathered input (dtensor_quant.adapt_tp_plan)" in (
+            cell.alternatives
+        ), cell.alternatives
+    ((_, cells),) = plan([("w2", (64, 5632), "rowwise")], dq.NF4(), tp=[4]).rows  # 16 rows: no whole factor
+    assert "adapt_tp_plan" not in cells[0].alternatives, cells[0].alternatives
