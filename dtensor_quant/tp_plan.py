@@ -27,8 +27,10 @@ that neither cut can hold.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,13 +39,19 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from .format import QuantFormat
 from .layout import LayoutError
 from .planner import Layer, check
+from .quantize import quantize
 from .tensor import QuantizedTensor
+from .unpack import whole_blocks
 
 log = logging.getLogger(__name__)
 
 
 def adapt_tp_plan(
-    model: nn.Module, plan: dict[str, ParallelStyle], tp: int | DeviceMesh, fmt: QuantFormat | None = None
+    model: nn.Module,
+    plan: dict[str, ParallelStyle],
+    tp: int | DeviceMesh,
+    fmt: QuantFormat | None = None,
+    kernels: bool = False,
 ) -> tuple[dict[str, ParallelStyle], dict[str, str]]:
     """``plan`` with every row-parallel Linear whose weight cannot take ``Shard(1)`` at ``tp`` made column-parallel.
 
@@ -53,6 +61,12 @@ def adapt_tp_plan(
     1-D TP mesh. Returns ``(new plan, {fqn: why})``: the switched layers, each
     with the planner's reason the row-parallel cut was refused. Raises
     :class:`LayoutError` naming every layer that neither cut can hold.
+
+    ``kernels``: also switch a layer whose column shards are legal but not
+    laid out as a fresh weight, where its format's kernel needs that
+    (``kernel_needs_whole_blocks``) and its row shards are: such a shard
+    would be dequantized at every call (NF4's ``wo`` [2048, 2048] at TP 2,
+    whose factors span 8 whole rows).
     """
     degree = tp.size() if isinstance(tp, DeviceMesh) else int(tp)
     if isinstance(tp, DeviceMesh) and tp.ndim != 1:
@@ -72,10 +86,18 @@ def adapt_tp_plan(
             continue
         shape = tuple(weight.shape)
         row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
-        if row.legal:
-            continue
         col = check(Layer(fqn, shape, "colwise"), wfmt, 1, degree)
-        if not col.legal:
+        if row.legal:
+            if not (kernels and col.legal and wfmt.kernel_needs_whole_blocks):
+                continue
+            if _kernel_ready(shape, wfmt, degree, 1, weight.dtype) or not _kernel_ready(
+                shape, wfmt, degree, 0, weight.dtype
+            ):
+                continue
+            row = dataclasses.replace(
+                row, why=f"its column shards are not laid out as a fresh weight: {wfmt}'s kernel would dequantize them"
+            )
+        elif not col.legal:
             refused.append(f"{fqn} {list(shape)} in {wfmt}: row-parallel: {row.why}; column-parallel: {col.why}")
             continue
         new[fqn] = ColwiseParallel(
@@ -84,7 +106,7 @@ def adapt_tp_plan(
             use_local_output=style.use_local_output,
         )
         switched[fqn] = row.why
-        log.info("%s: row-parallel refused at TP %d (%s); column-parallel with a gathered input", fqn, degree, row.why)
+        log.info("%s: column-parallel with a gathered input at TP %d, not row-parallel: %s", fqn, degree, row.why)
     if refused:
         raise LayoutError(
             f"no tensor-parallel cut is legal at TP {degree} for "
@@ -93,3 +115,9 @@ def adapt_tp_plan(
             "dtensor_quant.pad_for_tp, or leave the layer unquantized or replicated."
         )
     return new, switched
+
+
+def _kernel_ready(shape, fmt: QuantFormat, tp: int, dim: int, dtype) -> bool:
+    """Whether every ``tp``-way shard along ``dim`` is laid out as a fresh weight (on meta tensors: no data)."""
+    q = quantize(torch.empty(shape, dtype=dtype, device="meta"), fmt)
+    return all(whole_blocks(piece) for piece in torch.chunk(q, tp, dim=dim))

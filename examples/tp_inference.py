@@ -86,15 +86,16 @@ def build_tp(cfg, fmt, mesh, *, seed=0, dtype=torch.bfloat16, quantize_first=Tru
     quantized shard by shard after sharding. Both give the same bytes.
 
     A row-parallel layer whose format cannot cut its columns at this degree
-    (NF4's down-projection at TinyLlama's widths) is made column-parallel with
-    a gathered input (``dq.adapt_tp_plan``); ``model.tp_switched`` maps each
+    (NF4's down-projection at TinyLlama's widths), or whose column shards its
+    kernel could not run on (NF4's ``wo``), is made column-parallel with a
+    gathered input (``dq.adapt_tp_plan``); ``model.tp_switched`` maps each
     such layer to the reason.
     """
     model = llama.build(cfg, seed, dtype).to(mesh.device_type)
     model.freqs = model.freqs.to(mesh.device_type)
     if fmt is not None and quantize_first:
         dq.quantize_(model, fmt)
-    plan, model.tp_switched = dq.adapt_tp_plan(model, tp_plan(model, sequence_parallel), mesh, fmt)
+    plan, model.tp_switched = dq.adapt_tp_plan(model, tp_plan(model, sequence_parallel), mesh, fmt, kernels=True)
     parallelize_module(model, mesh, plan)
     if fmt is not None and not quantize_first:
         dq.quantize_(model, fmt)
@@ -205,8 +206,8 @@ def report(args, results: list[dict]) -> bool:
     )
     if r["switched"]:
         print(
-            f"column-parallel with a gathered input instead of row-parallel ({args.format} cannot cut their columns "
-            f"at TP {world}): {', '.join(r['switched'])}\n  first reason: {next(iter(r['switched'].values()))}"
+            f"column-parallel with a gathered input instead of row-parallel at TP {world}: "
+            + "".join(f"\n  {fqn}: {why}" for fqn, why in r["switched"].items())
         )
     print(f"tokens (rank 0): {r['tokens']}")
     equal = all(x["match"] for x in results)

@@ -58,13 +58,13 @@ def quantized(model, dim, fmt):
 PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
 
 
-def switched_mlp(dim, hidden, tokens):
+def switched_mlp(dim, hidden, tokens, kernels=False, why="5632 columns are cut"):
     """The TP MLP's outputs against one process's, for a few token counts."""
     tp = dist.get_world_size()
     model = quantized(MLP(dim, hidden), dim, dq.NF4())
     reference = quantized(MLP(dim, hidden), dim, dq.NF4())
-    plan, switched = adapt_tp_plan(model, PLAN, tp)
-    assert list(switched) == ["w2"] and "5632 columns are cut" in switched["w2"], switched
+    plan, switched = adapt_tp_plan(model, PLAN, tp, kernels=kernels)
+    assert list(switched) == ["w2"] and why in switched["w2"], switched
     assert type(plan["w2"]) is ColwiseParallel and plan["w1"] is PLAN["w1"] and plan["w3"] is PLAN["w3"]
     parallelize_module(model, mesh(tp), plan)
     assert model.w2.weight.placements == (Shard(0),)
@@ -93,6 +93,30 @@ def test_switched_down_projection_matches_one_process(ranks, world):
         # sums: bit-exact for one token (the decode kernel) and for more (dequantize + mm).
         assert out[1][0] == 3, out  # one token: w1, w3 and the switched w2 each run the fused NF4 kernel
         assert all(equal for _, equal, _ in out.values()), out
+
+
+def test_kernels_switches_a_legal_cut_the_kernel_cannot_run_on(ranks):
+    """MLP 2048: NF4 can cut w2 [256, 2048] by columns, but a factor spans 8 whole rows, so a column shard is
+    not laid out as a fresh weight and the fused kernel would not run on it; with ``kernels`` it is switched."""
+    model = quantized(MLP(256, 2048), 256, dq.NF4())
+    assert adapt_tp_plan(model, PLAN, 2) == (PLAN, {})
+    assert ranks(2).run(fused_calls_unswitched, 256, 2048) == [2, 2]  # w1 and w3 only: w2 dequantizes
+    why = "column shards are not laid out as a fresh weight"
+    for _, out in ranks(2).run(switched_mlp, 256, 2048, (1,), True, why):
+        assert out[1][0] == 3 and out[1][1], out
+
+
+def fused_calls_unswitched(dim, hidden):
+    model = quantized(MLP(dim, hidden), dim, dq.NF4())
+    parallelize_module(model, mesh(dist.get_world_size()), PLAN)
+    calls, original = [], nf4.fused_linear
+    nf4.fused_linear = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        with torch.no_grad():
+            model(weight((1, 1, dim), seed=3))
+    finally:
+        nf4.fused_linear = original
+    return len(calls)
 
 
 def switched_sequence_parallel(dim, hidden):
