@@ -174,3 +174,16 @@ def test_kernel_inputs_are_built_by_the_first_decode_call_only(monkeypatch):
     F.linear(weight((1, 2048), seed=2), q)
     F.linear(weight((2, 2048), seed=3), q)
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Int8Rowwise()], ids=str)
+def test_weight_made_in_inference_mode(fmt):
+    """A weight quantized under ``torch.inference_mode`` (no version counter) decodes, and an in-place load into it
+    there is seen: its kernel inputs are not cached against versions it does not have."""
+    x = weight((1, 2048), seed=2)
+    with torch.inference_mode():
+        q = dq.quantize(weight((64, 2048), seed=1), fmt)
+        other = dq.quantize(weight((64, 2048), seed=7) * 3, fmt)
+        assert_close(F.linear(x, q), x, q.dequantize(torch.bfloat16))
+        q.copy_(other)
+        assert_close(F.linear(x, q), x, other.dequantize(torch.bfloat16))
