@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import agree, wire
+from . import agree, wire, writes
 from .codec import pack, packed_size, unpack, varies
 from .dispatch import implements
 from .layout import partial_refused
@@ -101,6 +101,7 @@ def _write(inner: list[torch.Tensor], received: list[torch.Tensor]) -> None:
     for t, r in zip(inner, received):
         t.copy_(r)
         torch.autograd.graph.increment_version(t)
+    writes.note_write()
 
 
 @implements("_c10d_functional::broadcast")

@@ -187,3 +187,20 @@ def test_weight_made_in_inference_mode(fmt):
         assert_close(F.linear(x, q), x, q.dequantize(torch.bfloat16))
         q.copy_(other)
         assert_close(F.linear(x, q), x, other.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Int4Groupwise(128)], ids=str)
+def test_writes_through_one_view_reach_kernels_of_another(fmt):
+    """Inner views made inside dispatch keep version counters of their own: a write into a weight after a linear
+    of a kept row view, and a write into that view after a linear of the weight, are both seen by the next linear
+    (compared with a clone, whose kernel inputs are new)."""
+    x = weight((1, 2048), seed=2)
+    q, other, third = (dq.quantize(weight((256, 2048), seed=s) * (s + 1), fmt) for s in (1, 5, 9))
+    view = q[:128]
+    F.linear(x, q), F.linear(x, view)
+    q.copy_(other)
+    assert torch.equal(F.linear(x, view), F.linear(x, other[:128].clone()))
+    if not isinstance(fmt, dq.NF4):  # NF4's shared mean refuses a write into rows from another weight
+        view.copy_(third[:128])
+        assert torch.equal(F.linear(x, q), F.linear(x, q.clone()))
+        assert not torch.equal(F.linear(x, q), F.linear(x, other))
