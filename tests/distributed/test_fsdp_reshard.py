@@ -230,8 +230,9 @@ def mixed_unit_patterns(k):
     """Two FSDP2 units, each a frozen quantized Linear and a trainable dense one (one unit, mixed), on 4 ranks.
 
     One run of: two forwards before one backward; a no_grad forward (no backward follows) between steps and
-    before a forward of the next; 2 micro-batches accumulated; ``set_reshard_after_forward`` off for an eval
-    and back on. Returns every loss, eval output and updated dense weight (full), to compare bit for bit.
+    before a forward of the next; 2 micro-batches accumulated; a no_grad eval between a backward and
+    ``optimizer.step()``; ``set_reshard_after_forward`` off for an eval and back on. Returns every loss, eval
+    output and updated dense weight (full), to compare bit for bit.
     """
     blocks = []
     for i in range(2):
@@ -267,6 +268,11 @@ def mixed_unit_patterns(k):
     with torch.no_grad():
         seen.append(model(xs[2]))
     seen.append(loss(xs[5]).detach())  # a grad forward after a no_grad one, then none
+    loss(xs[3]).backward()
+    with torch.no_grad():
+        seen.append(model(xs[2]))  # an eval between a backward and its step: the next forward sees the step
+    opt.step()
+    opt.zero_grad()
     step([xs[0]])
     # (toggled after a backward: torch 2.13 itself fails an all-gather of a group left post-forward-sharded)
     model.set_reshard_after_forward(False)
