@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import agree, wire
+from . import agree, wire, writes
 from .codec import pack, packed_size, unpack, varies
 from .dispatch import implements
 from .layout import partial_refused
@@ -74,8 +74,7 @@ def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, tim
     wire.note(func._schema.name, out_buf)
     _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
     work.wait()
-    for t, received in zip(like, unpack(out_buf, like)):
-        t.copy_(received)
+    _write(like, unpack(out_buf, like))
     return [out], work
 
 
@@ -89,9 +88,20 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
     wire.note(func._schema.name, buf)
     _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
     work.wait()
-    for t, received in zip(like, unpack(buf, like)):
-        t.copy_(received)
+    _write(like, unpack(buf, like))
     return [q], work
+
+
+def _write(inner: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+    """Copy received bytes into a weight's inner tensors, bumping their versions as ``copy_``'s handler does.
+
+    In-place ops inside ``__torch_dispatch__`` skip the bump; without it a kernel weight prepared
+    from the old bytes (matmul's cache, keyed on versions) would still be used.
+    """
+    for t, r in zip(inner, received):
+        t.copy_(r)
+        torch.autograd.graph.increment_version(t)
+    writes.note_write()
 
 
 @implements("_c10d_functional::broadcast")

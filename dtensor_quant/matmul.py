@@ -20,7 +20,11 @@ weight; the result is cached on the weight's first inner tensor (its base,
 for a view; one entry per view, so every expert of a stack keeps its own)
 keyed by every inner tensor's address, shape and strides and checked
 against their versions, so an in-place update (``copy_``, a checkpoint
-load) rebuilds it.
+load) rebuilds it -- also one through another view of the same bytes,
+whose inner tensors have version counters of their own
+(:data:`~dtensor_quant.writes.GENERATION`). Inference tensors (made under
+``torch.inference_mode``) have no version counter: their weights are
+prepared on every call.
 Under ``torch.compile`` the kernel call is one opaque custom op,
 ``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
 the compiled graph then finds the same cache at run time instead of
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import unpack
+from . import unpack, writes
 from .bits import is_tracing
 from .dequant import dequantize
 from .dispatch import UnsupportedOpError, implements
@@ -89,12 +93,12 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
     if any(is_tracing(t) for t in tensors):
         return fmt.prepare(inner)
     anchor = _anchor(tensors[0])
-    if anchor.__dict__.get(_NO_CACHE_ATTR):
-        return fmt.prepare(inner)
+    if anchor.__dict__.get(_NO_CACHE_ATTR) or any(t.is_inference() for t in tensors):
+        return fmt.prepare(inner)  # inference tensors have no version counter: a write could not be seen
     # One entry per view of the anchor: the experts of a stack are views of one base tensor.
     cache = anchor.__dict__.setdefault(_CACHE_ATTR, {})
     where = (fmt, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
-    versions = tuple(t._version for t in tensors)
+    versions = (writes.GENERATION[0], *(t._version for t in tensors))  # a write through another view too
     hit = cache.get(where)
     if hit is not None and hit[0] == versions:
         return hit[1]

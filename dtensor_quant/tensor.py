@@ -85,10 +85,17 @@ class QuantizedTensor(torch.Tensor):
 
     def __getattr__(self, name: str):
         # Only reached for a name that is not set: inner tensors still pending (see PENDING).
-        pending = self.__dict__.pop(PENDING, None)
-        if pending is None:
+        # Made first, the mark dropped after: another thread reading meanwhile makes the same views
+        # itself instead of finding them neither pending nor set; a fill that raises stays pending.
+        d = self.__dict__
+        pending = d.get(PENDING)
+        if pending is not None:
+            pending[0](self, *pending[1:])
+            d.pop(PENDING, None)
+        elif name in d:  # set by another thread since this lookup missed it
+            return d[name]
+        else:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        pending[0](self, *pending[1:])
         return getattr(self, name)
 
     @property

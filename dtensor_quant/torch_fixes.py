@@ -113,16 +113,20 @@ def install_fsdp_post_forward_reshard() -> None:
     """Let FSDP2 reshard parameters with all-gather hooks to a smaller mesh after the forward.
 
     Needed for an integer ``reshard_after_forward`` (other than 1 and the shard world size, which
-    torch maps to False and True); :func:`dtensor_quant.fsdp.fully_shard` calls it. Call it yourself
+    torch maps to False and True); :func:`dtensor_quant.fsdp.fully_shard` calls it. Groups with such
+    parameters also reshard fully after a forward without grad (no backward will use that shard). Call it yourself
     before using torch's own ``fully_shard`` that way. Raises ``RuntimeError`` if this torch lacks
     the FSDP2 internals it replaces (written against torch 2.13).
     """
-    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     cls = getattr(_fsdp_param, "FSDPParam", None)
     state = getattr(_fsdp_param, "ShardedState", None)
     missing = [f"FSDPParam.{n}" for n in _FSDP_PARAM_NEEDS if cls is None or not hasattr(cls, n)]
     missing += [] if hasattr(state, "SHARDED_POST_FORWARD") else ["ShardedState.SHARDED_POST_FORWARD"]
+    group_cls = getattr(_fsdp_param_group, "FSDPParamGroup", None)
+    missing += [f"FSDPParamGroup.{n}" for n in ("reshard", "_to_sharded") if not hasattr(group_cls, n)]
+    missing += [] if hasattr(_fsdp_param_group, "TrainingState") else ["_fsdp_param_group.TrainingState"]
     if not missing and not isinstance(cls.__dict__.get("all_gather_inputs"), property):
         missing.append("FSDPParam.all_gather_inputs as a property")
     if missing:
@@ -196,7 +200,25 @@ def install_fsdp_post_forward_reshard() -> None:
         self._dq_forward_all_gather = (data.all_gather_metadata, tuple(data.all_gather_input_sizes))
         return inputs
 
+    # A forward without grad has no backward to serve, yet torch keeps its post-forward shard: a
+    # no_grad eval between a backward and optimizer.step() leaves the pre-step values there, and the
+    # next forward is gathered from them (the step silently missing from that forward). Groups with
+    # all-gather hooks reshard fully after such a forward, as with reshard_after_forward=True.
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    torch_reshard = group_cls.reshard
+
+    def reshard(self) -> None:
+        if (
+            not torch.is_grad_enabled()
+            and self._training_state == _fsdp_param_group.TrainingState.FORWARD
+            and any(extension_on_dim0(p) for p in self.fsdp_params)
+        ):
+            return self._to_sharded()
+        return torch_reshard(self)
+
     to_sharded_post_forward.keeps_extension_chunks = True
     to_sharded_post_forward.__doc__ = torch_to_sharded_post_forward.__doc__
     cls.to_sharded_post_forward = to_sharded_post_forward
     cls.all_gather_inputs = property(all_gather_inputs, doc=cls.__dict__["all_gather_inputs"].__doc__)
+    reshard.__doc__ = torch_reshard.__doc__
+    group_cls.reshard = reshard

@@ -30,6 +30,18 @@ import torch
 from .bits import same_bits
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, Stacked
 
+# Counts the writes into quantized tensors' bytes (copy_, the in-place collectives). The inner views
+# a view op makes inside __torch_dispatch__ are not autograd views and keep version counters of their
+# own, so a write through ``w[:n]`` leaves ``w``'s inner versions as they were (and a write into ``w``,
+# a kept view's): what is cached from the bytes (matmul's prepared kernel weights) checks this too.
+GENERATION = [0]
+
+
+def note_write() -> None:
+    """Call after writing into a quantized tensor's inner tensors: caches derived from bytes go stale."""
+    GENERATION[0] += 1
+
+
 SHARED = "_dq_shared_outside"  # on a view: {inner index: (relation, dim, start, stop) of the cut}
 FACTORY = "_dq_factory"  # on a factory's output: rows past a leading narrow of it are padding
 

@@ -256,3 +256,30 @@ def test_deferred_transposes_are_the_handlers_wherever_first_read():
         late = q.t()
         q.copy_(other)
         assert torch.equal(late.dequantize(), other.dequantize().t()), fmt
+
+
+def test_deferred_transpose_read_from_several_threads():
+    """Threads reading one pending ``t()`` at once all see its inner tensors: a reader that arrives while
+    another makes them must not find them neither pending nor set (an AttributeError, 'no attribute inner')."""
+    import threading
+
+    q = dq.quantize(_weight((64, 256), 1), dq.Int8Rowwise())
+    q.t()  # makes the plan
+    want = q.dequantize().t()
+    errors, wrong = [], []
+
+    def read(v, start):
+        start.wait()
+        try:
+            wrong.append(not torch.equal(v.dequantize(), want))
+        except Exception as e:
+            errors.append(repr(e))
+
+    for _ in range(30):
+        v, start = q.t(), threading.Barrier(4)
+        threads = [threading.Thread(target=read, args=(v, start)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and not any(wrong), errors[:1]

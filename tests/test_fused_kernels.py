@@ -174,3 +174,33 @@ def test_kernel_inputs_are_built_by_the_first_decode_call_only(monkeypatch):
     F.linear(weight((1, 2048), seed=2), q)
     F.linear(weight((2, 2048), seed=3), q)
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Int8Rowwise()], ids=str)
+def test_weight_made_in_inference_mode(fmt):
+    """A weight quantized under ``torch.inference_mode`` (no version counter) decodes, and an in-place load into it
+    there is seen: its kernel inputs are not cached against versions it does not have."""
+    x = weight((1, 2048), seed=2)
+    with torch.inference_mode():
+        q = dq.quantize(weight((64, 2048), seed=1), fmt)
+        other = dq.quantize(weight((64, 2048), seed=7) * 3, fmt)
+        assert_close(F.linear(x, q), x, q.dequantize(torch.bfloat16))
+        q.copy_(other)
+        assert_close(F.linear(x, q), x, other.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Int4Groupwise(128)], ids=str)
+def test_writes_through_one_view_reach_kernels_of_another(fmt):
+    """Inner views made inside dispatch keep version counters of their own: a write into a weight after a linear
+    of a kept row view, and a write into that view after a linear of the weight, are both seen by the next linear
+    (compared with a clone, whose kernel inputs are new)."""
+    x = weight((1, 2048), seed=2)
+    q, other, third = (dq.quantize(weight((256, 2048), seed=s) * (s + 1), fmt) for s in (1, 5, 9))
+    view = q[:128]
+    F.linear(x, q), F.linear(x, view)
+    q.copy_(other)
+    assert torch.equal(F.linear(x, view), F.linear(x, other[:128].clone()))
+    if not isinstance(fmt, dq.NF4):  # NF4's shared mean refuses a write into rows from another weight
+        view.copy_(third[:128])
+        assert torch.equal(F.linear(x, q), F.linear(x, q.clone()))
+        assert not torch.equal(F.linear(x, q), F.linear(x, other))

@@ -58,6 +58,7 @@ def _copy_(func, dst, src, non_blocking=False):
         # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
         # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
         torch.autograd.graph.increment_version(d)
+    writes.note_write()  # other views of these bytes keep their own versions
     return dst
 
 

@@ -221,3 +221,75 @@ def plain_torch_fully_shard():
 def test_plain_torch_fully_shard_after_install(ranks):
     for gathers, one_shard in ranks(4).run(plain_torch_fully_shard):
         assert gathers == [(torch.uint8, 2 * one_shard)], (gathers, one_shard)
+
+
+# -- usage patterns: forward twice, no_grad forwards, accumulation, toggling ------------------------------
+
+
+def mixed_unit_patterns(k):
+    """Two FSDP2 units, each a frozen quantized Linear and a trainable dense one (one unit, mixed), on 4 ranks.
+
+    One run of: two forwards before one backward; a no_grad forward (no backward follows) between steps and
+    before a forward of the next; 2 micro-batches accumulated; a no_grad eval between a backward and
+    ``optimizer.step()``; ``set_reshard_after_forward`` off for an eval and back on. Returns every loss, eval
+    output and updated dense weight (full), to compare bit for bit.
+    """
+    blocks = []
+    for i in range(2):
+        frozen = nn.Linear(128, 64, bias=False)
+        q = dq.quantize(weight((64, 128), seed=10 + i, dtype=torch.float32) * 0.1, dq.NF4(32, 4))
+        frozen.weight = nn.Parameter(q, requires_grad=False)
+        dense = nn.Linear(64, 128, bias=False)
+        dense.weight = nn.Parameter(weight((128, 64), seed=20 + i, dtype=torch.float32) * 0.1)
+        blocks.append(nn.Sequential(frozen, dense))
+    model = nn.Sequential(*blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh(4), reshard_after_forward=k)
+    fully_shard(model, mesh=mesh(4), reshard_after_forward=k)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    xs = [weight((3, 128), seed=30 + i, dtype=torch.float32) for i in range(6)]
+    seen = []
+
+    def loss(x):
+        return model(x).square().mean()
+
+    def step(micro):
+        for x in micro:
+            total = sum(loss(xi) for xi in x) if isinstance(x, tuple) else loss(x)
+            total.backward()
+            seen.append(total.detach())
+        opt.step()
+        opt.zero_grad()
+
+    step([(xs[0], xs[1])])  # two forwards, one backward
+    with torch.no_grad():
+        seen.append(model(xs[2]))  # no backward follows
+    step([xs[3], xs[4]])  # accumulated
+    with torch.no_grad():
+        seen.append(model(xs[2]))
+    seen.append(loss(xs[5]).detach())  # a grad forward after a no_grad one, then none
+    loss(xs[3]).backward()
+    with torch.no_grad():
+        seen.append(model(xs[2]))  # an eval between a backward and its step: the next forward sees the step
+    opt.step()
+    opt.zero_grad()
+    step([xs[0]])
+    # (toggled after a backward: torch 2.13 itself fails an all-gather of a group left post-forward-sharded)
+    model.set_reshard_after_forward(False)
+    with torch.no_grad():
+        seen.append(model(xs[2]))
+    model.set_reshard_after_forward(True)
+    step([xs[1]])
+    seen += [b[1].weight.full_tensor().detach() for b in blocks]
+    return seen
+
+
+def test_mixed_unit_usage_patterns_match_reshard_true(ranks):
+    """Integer k gives exactly what ``True`` gives through every pattern, on every rank."""
+    pool = ranks(4)
+    with_k, with_true = pool.run(mixed_unit_patterns, 2, timeout=300), pool.run(mixed_unit_patterns, True, timeout=300)
+    for got, want in zip(with_k, with_true):
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.isfinite().all() and torch.equal(a, b), i
+    assert not torch.equal(with_k[0][-1], weight((128, 64), seed=21, dtype=torch.float32) * 0.1)  # it trained

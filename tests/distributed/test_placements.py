@@ -345,3 +345,33 @@ def test_property_gather_of_shard_is_identity(ranks, fmt_name, rows, half_cols, 
         assert results == ["round trip"] * world
     else:
         assert results == ["LayoutError"] * world
+
+
+def kernel_sees_received_bytes(fmt_name):
+    """A weight that ran a linear, then received another rank's bytes in place (broadcast, scatter): its next
+    linear uses the received bytes, not kernel inputs prepared from the old ones."""
+    import torch.nn.functional as F
+
+    fmt, rank = _fmt(fmt_name), torch.distributed.get_rank()
+    x = weight((1, 256), seed=5)
+    out = {}
+    for how in ("broadcast", "scatter"):
+        mine = dq.quantize(weight((128, 256), seed=rank + 1), fmt)
+        full = dq.quantize(weight((128, 256), seed=1), fmt)  # rank 0's
+        target = mine if how == "broadcast" else mine[:64]
+        F.linear(x, target)  # prepares its kernel weight from this rank's bytes
+        if how == "broadcast":
+            torch.distributed.broadcast(target, src=0)
+            want = full
+        else:
+            pieces = [full[:64], full[64:]] if rank == 0 else None
+            torch.distributed.scatter(target, pieces, src=0)
+            want = full[64 * rank : 64 * rank + 64]
+        out[how] = torch.equal(F.linear(x, target), F.linear(x, want))
+    return out
+
+
+@pytest.mark.parametrize("fmt_name", ["nf4", "f8row", "int4g32"])
+def test_kernel_sees_bytes_received_in_place(ranks, fmt_name):
+    for result in ranks(2).run(kernel_sees_received_bytes, fmt_name):
+        assert result == {"broadcast": True, "scatter": True}
