@@ -43,6 +43,16 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# Keys of a QuantizedTensor's __dict__ that the library owns: its layout and every note or cache it
+# keeps on a tensor (all named with these prefixes). Anything else (``_is_param``, a user's tag) is left.
+_STATE_KEYS = frozenset({"fmt", "rels", "dims", "_transposed_from", "fsdp_padded_rows"})
+_STATE_PREFIXES = ("_dtensor_quant", "_dq_")
+
+
+def _library_state(key: str, fmt) -> bool:
+    return key in _STATE_KEYS or key.startswith(_STATE_PREFIXES) or key in fmt.inner_names
+
+
 class QuantizedTensor(torch.Tensor):
     """A quantized weight: inner tensors plus the relations that tie them to logical dims.
 
@@ -97,6 +107,27 @@ class QuantizedTensor(torch.Tensor):
         else:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         return getattr(self, name)
+
+    # ``param.data = other``: torch's setter swaps only the C++ metadata (shape, strides, dtype), so
+    # the inner tensors -- the values -- would silently stay the old ones. Take ``other``'s state too.
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, other) -> None:
+        if not isinstance(other, QuantizedTensor):
+            raise ValueError(
+                f"cannot assign a {type(other).__name__} to .data of a quantized tensor ({self.fmt}): its "
+                "values live in its inner tensors, which a dense tensor cannot replace. Quantize it first "
+                "(dtensor_quant.quantize(t, fmt)), or replace the parameter itself "
+                "(module.weight = nn.Parameter(t, requires_grad=False))."
+            )
+        torch._C.TensorBase.data.__set__(self, other)
+        d = self.__dict__
+        for key in [k for k in d if _library_state(k, self.fmt)]:
+            del d[key]  # the old format's inner tensors, relations, cached plans and view notes
+        d.update({k: v for k, v in other.__dict__.items() if _library_state(k, other.fmt)})
 
     @property
     def inner(self) -> dict[str, torch.Tensor]:

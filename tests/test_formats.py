@@ -373,3 +373,21 @@ def test_top_level_dequantize_is_the_inverse_of_quantize():
     with pytest.raises(TypeError, match="expects a quantized tensor"):
         dq.dequantize(w)
     assert "interop" in dq.__all__ and "dequantize" in dq.__all__
+
+
+@pytest.mark.parametrize("fmt_b", [dq.Int8Rowwise(), dq.NF4(), dq.Float8Rowwise()], ids=str)
+def test_assigning_data_takes_the_new_weights_values_and_keeps_the_parameters_tags(fmt_b):
+    # torch's .data setter swaps only the C++ metadata: the old inner tensors (the values) used to stay.
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    a = dq.quantize(torch.randn(64, 256, dtype=torch.bfloat16), dq.Int4Groupwise(128))
+    b = dq.quantize(torch.randn(32, 256, dtype=torch.bfloat16), fmt_b)
+    lin = torch.nn.Linear(256, 64, bias=False)
+    lin.weight = torch.nn.Parameter(a, requires_grad=False)
+    lin(x), lin.weight.t()  # caches a linear plan and kernel inputs on the old weight
+    lin.weight.tag = "kept"
+    lin.weight.data = b
+    assert lin.weight.fmt == fmt_b and lin.weight.shape == b.shape and lin.weight.tag == "kept"
+    assert torch.equal(lin.weight.dequantize(), b.dequantize())
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, b))
+    with pytest.raises(ValueError, match="Quantize it first"):
+        lin.weight.data = torch.randn(32, 256)
