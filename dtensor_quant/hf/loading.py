@@ -16,6 +16,7 @@ from ..quantize import quantize
 from ..shard_quant import MeshReducer, quantize_local
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from ..tensor import contiguous_strides
+from ..writes import note_write
 from .match import plan
 from .safetensors_io import Checkpoint
 from .tensors import local_slice, local_tensor
@@ -119,6 +120,7 @@ def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk
         for name, rels in layout.items():
             i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
             q.inner[name][i0:i1].copy_(part.inner[name])
+        note_write()  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
 
 
 def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:

@@ -290,3 +290,17 @@ def test_save_replaces_a_previous_export(checkpoints, tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists()
     dq.hf.save(model, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == ["model.safetensors"]
+
+
+def test_a_view_made_before_a_load_sees_the_loaded_bytes(tmp_path):
+    """The loader writes row runs into the inner tensors; kernel inputs cached from a kept view must not survive."""
+    path = hc.write_dense("llama", tmp_path / "other", False, seed=1)
+    model = build("llama", "single", "int4g128")
+    w = model.model.layers[0].mlp.down_proj.weight
+    view = w[:64]
+    x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
+    before = torch.nn.functional.linear(x, view)  # caches the int4 kernel's repacked rows of the view
+    dq.hf.load(model, path)
+    after = torch.nn.functional.linear(x, view)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, torch.nn.functional.linear(x, w[:64]))
