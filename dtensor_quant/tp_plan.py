@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from fnmatch import fnmatch
 
 import torch
 from torch import nn
@@ -71,42 +72,19 @@ def adapt_tp_plan(
     degree = tp.size() if isinstance(tp, DeviceMesh) else int(tp)
     if isinstance(tp, DeviceMesh) and tp.ndim != 1:
         raise ValueError(f"adapt_tp_plan takes the 1-D tensor-parallel mesh, got a {tp.ndim}-D mesh {tp.mesh.shape}")
-    new, switched, refused = dict(plan), {}, []
-    for fqn, style in plan.items():
+    new, switched, refused = {}, {}, []
+    for key, style in plan.items():
         if type(style) is not RowwiseParallel or degree == 1:
+            new[key] = style
             continue
-        module = model.get_submodule(fqn)
-        if not isinstance(module, nn.Linear):  # an Embedding: row-parallel means Shard(0) there
-            continue
-        weight = module.weight
-        if isinstance(weight, DTensor):
-            raise ValueError(f"{fqn}: adapt the plan before parallelize_module (its weight is already a DTensor)")
-        wfmt = weight.fmt if isinstance(weight, QuantizedTensor) else fmt
-        if wfmt is None:
-            continue
-        shape = tuple(weight.shape)
-        row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
-        col = check(Layer(fqn, shape, "colwise"), wfmt, 1, degree)
-        if row.legal:
-            if not (kernels and col.legal and wfmt.kernel_needs_whole_blocks):
-                continue
-            if _kernel_ready(shape, wfmt, degree, 1, weight.dtype) or not _kernel_ready(
-                shape, wfmt, degree, 0, weight.dtype
-            ):
-                continue
-            row = dataclasses.replace(
-                row, why=f"its column shards are not laid out as a fresh weight: {wfmt}'s kernel would dequantize them"
-            )
-        elif not col.legal:
-            refused.append(f"{fqn} {list(shape)} in {wfmt}: row-parallel: {row.why}; column-parallel: {col.why}")
-            continue
-        new[fqn] = ColwiseParallel(
-            input_layouts=style.input_layouts[0] or Shard(-1),
-            output_layouts=style.output_layouts[0] or Replicate(),
-            use_local_output=style.use_local_output,
-        )
-        switched[fqn] = row.why
-        log.info("%s: column-parallel with a gathered input at TP %d, not row-parallel: %s", fqn, degree, row.why)
+        # A key with "*" (transformers' _tp_plan: "model.layers.*.mlp.down_proj") stays one key unless
+        # some module it matches is switched; then every match gets its own entry, in the same place.
+        fqns = _matching(model, key) if "*" in key else [key]
+        styles = {fqn: _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) for fqn in fqns}
+        if all(s is style for s in styles.values()):
+            new[key] = style
+        else:
+            new.update(styles)
     if refused:
         raise LayoutError(
             f"no tensor-parallel cut is legal at TP {degree} for "
@@ -115,6 +93,52 @@ def adapt_tp_plan(
             "dtensor_quant.pad_for_tp, or leave the layer unquantized or replicated."
         )
     return new, switched
+
+
+def _matching(model: nn.Module, pattern: str) -> list[str]:
+    """The module names ``pattern`` matches atom by atom (fnmatch), as ``parallelize_module`` matches them."""
+    atoms = pattern.split(".")
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name and len(name.split(".")) == len(atoms) and all(map(fnmatch, name.split("."), atoms))
+    ]
+
+
+def _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) -> ParallelStyle:
+    """``style`` for the module ``fqn``, or its column-parallel replacement (noted in ``switched``)."""
+    module = model.get_submodule(fqn)
+    if not isinstance(module, nn.Linear):  # an Embedding: row-parallel means Shard(0) there
+        return style
+    weight = module.weight
+    if isinstance(weight, DTensor):
+        raise ValueError(f"{fqn}: adapt the plan before parallelize_module (its weight is already a DTensor)")
+    wfmt = weight.fmt if isinstance(weight, QuantizedTensor) else fmt
+    if wfmt is None:
+        return style
+    shape = tuple(weight.shape)
+    row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
+    col = check(Layer(fqn, shape, "colwise"), wfmt, 1, degree)
+    if row.legal:
+        if not (kernels and col.legal and wfmt.kernel_needs_whole_blocks):
+            return style
+        if _kernel_ready(shape, wfmt, degree, 1, weight.dtype) or not _kernel_ready(
+            shape, wfmt, degree, 0, weight.dtype
+        ):
+            return style
+        row = dataclasses.replace(
+            row, why=f"its column shards are not laid out as a fresh weight: {wfmt}'s kernel would dequantize them"
+        )
+    elif not col.legal:
+        refused.append(f"{fqn} {list(shape)} in {wfmt}: row-parallel: {row.why}; column-parallel: {col.why}")
+        return style
+    switched[fqn] = row.why
+    log.info("%s: column-parallel with a gathered input at TP %d, not row-parallel: %s", fqn, degree, row.why)
+    return ColwiseParallel(
+        input_layouts=style.input_layouts[0] or Shard(-1),
+        output_layouts=style.output_layouts[0] or Replicate(),
+        use_local_output=style.use_local_output,
+    )
 
 
 def _kernel_ready(shape, fmt: QuantFormat, tp: int, dim: int, dtype) -> bool:

@@ -58,8 +58,10 @@ def build(path: Path, fmt, dtype, mesh=None):
     # An FP8 block-scale checkpoint keeps lm_head dense (as DeepSeek-V3 and Qwen3-FP8 publish it).
     stored = "quantization_config" in config.to_dict() and isinstance(fmt, dq.Float8Blockwise)
     dq.quantize_(model, fmt, filter_fn=lambda m, fqn: not (stored and fqn == "lm_head"))
-    if mesh is not None:
-        parallelize_module(model, mesh, dq.hf.tp_plan(model))
+    model.tp_switched = {}
+    if mesh is not None:  # row-parallel layers the format cannot cut by columns go column-parallel (said below)
+        plan, model.tp_switched = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), mesh, kernels=True)
+        parallelize_module(model, mesh, plan)
     dq.hf.materialize(model, "cpu")
     start = time.perf_counter()
     result = dq.hf.load(model, path)
@@ -84,7 +86,7 @@ def run(args) -> dict:
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     tokens = generate(model, prompt, args.tokens)
     out = {"tokens": tokens[0].tolist(), "read": result.bytes_read, "file": result.file_bytes, "seconds": seconds,
-           "quantized": len(result.quantized) + len(result.prequantized)}  # fmt: skip
+           "quantized": len(result.quantized) + len(result.prequantized), "switched": model.tp_switched}  # fmt: skip
     if dist.get_rank() == 0:
         single, _, _ = build(path, fmt, dtype)
         out["expected"] = generate(single, prompt, args.tokens)[0].tolist()
@@ -94,6 +96,8 @@ def run(args) -> dict:
 def report(args, results: list[dict]) -> bool:
     r = results[0]
     print(f"{args.model}: {len(results)} ranks, {args.format}, {args.dtype}, {r['quantized']} quantized weights")
+    for fqn, why in r["switched"].items():
+        print(f"{fqn}: column-parallel on a gathered input (dq.adapt_tp_plan): {why}")
     print(f"tokens (rank 0): {r['tokens']}")
     equal = all(x["tokens"] == r["expected"] for x in results)
     print(f"tokens equal to the one-process quantized model on every rank: {equal}")

@@ -12,16 +12,19 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_hf_tp_inference_example(tmp_path):
+@pytest.mark.parametrize("fmt", ["int4:128", "nf4"])  # nf4: down_proj's column cut is illegal, so it is switched
+def test_hf_tp_inference_example(tmp_path, fmt):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_tp_inference.py"), str(tmp_path / "tiny"), "--write-tiny",
-         "llama", "--world", "2", "--format", "int4:128"],
+         "llama", "--world", "2", "--format", fmt],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens equal to the one-process quantized model on every rank: True" in out.stdout
     assert out.stdout.count("(0.500x the files)") == 2, out.stdout  # every tensor is split in two
+    switched = "mlp.down_proj: column-parallel on a gathered input"
+    assert out.stdout.count(switched) == (2 if fmt == "nf4" else 0), out.stdout
 
 
 @pytest.mark.slow

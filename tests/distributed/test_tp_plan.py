@@ -184,3 +184,17 @@ def test_planner_suggests_the_switch():
         ), cell.alternatives
     ((_, cells),) = plan([("w2", (64, 5632), "rowwise")], dq.NF4(), tp=[4]).rows  # 16 rows: no whole factor
     assert "adapt_tp_plan" not in cells[0].alternatives, cells[0].alternatives
+
+
+def test_wildcard_keys_expand_only_where_a_match_is_switched():
+    """transformers' plans name layers by pattern ("layers.*.w2"), as parallelize_module matches them."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(quantized(MLP(256, 5632), 256, dq.NF4()) for _ in range(2))
+    plan = {"layers.*.w1": ColwiseParallel(), "layers.*.w3": ColwiseParallel(), "layers.*.w2": RowwiseParallel()}
+    new, switched = adapt_tp_plan(model, plan, 2)
+    assert list(new) == ["layers.*.w1", "layers.*.w3", "layers.0.w2", "layers.1.w2"]
+    assert sorted(switched) == ["layers.0.w2", "layers.1.w2"]
+    assert all(type(new[k]) is ColwiseParallel and new[k].input_layouts == (Shard(-1),) for k in switched)
+    dense = nn.Module()
+    dense.layers = nn.ModuleList(quantized(MLP(256, 5632), 256, dq.Int8Rowwise()) for _ in range(2))
+    assert adapt_tp_plan(dense, plan, 2) == (plan, {})
