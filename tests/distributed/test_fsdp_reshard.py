@@ -226,7 +226,7 @@ def test_plain_torch_fully_shard_after_install(ranks):
 # -- usage patterns: forward twice, no_grad forwards, accumulation, toggling ------------------------------
 
 
-def mixed_unit_patterns(k):
+def mixed_unit_patterns(k, gathered_quantized=False):
     """Two FSDP2 units, each a frozen quantized Linear and a trainable dense one (one unit, mixed), on 4 ranks.
 
     One run of: two forwards before one backward; a no_grad forward (no backward follows) between steps and
@@ -243,6 +243,11 @@ def mixed_unit_patterns(k):
         dense.weight = nn.Parameter(weight((128, 64), seed=20 + i, dtype=torch.float32) * 0.1)
         blocks.append(nn.Sequential(frozen, dense))
     model = nn.Sequential(*blocks)
+    if gathered_quantized:  # the trainable Linears all-gathered in Int8Rowwise (GatherQuantized)
+        from dtensor_quant.gather_quantized import GatherQuantized, gather_quantized_
+
+        gather_quantized_(model, dq.Int8Rowwise(), filter_fn=lambda m, fqn: fqn.endswith(".1"))
+        assert all(isinstance(b[1].weight, GatherQuantized) for b in blocks)
     for block in blocks:
         fully_shard(block, mesh=mesh(4), reshard_after_forward=k)
     fully_shard(model, mesh=mesh(4), reshard_after_forward=k)
@@ -281,13 +286,16 @@ def mixed_unit_patterns(k):
     model.set_reshard_after_forward(True)
     step([xs[1]])
     seen += [b[1].weight.full_tensor().detach() for b in blocks]
-    return seen
+    return [t.dequantize() if hasattr(t, "dequantize") else t for t in seen]
 
 
-def test_mixed_unit_usage_patterns_match_reshard_true(ranks):
+@pytest.mark.parametrize("gathered_quantized", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_mixed_unit_usage_patterns_match_reshard_true(ranks, gathered_quantized):
     """Integer k gives exactly what ``True`` gives through every pattern, on every rank."""
     pool = ranks(4)
-    with_k, with_true = pool.run(mixed_unit_patterns, 2, timeout=300), pool.run(mixed_unit_patterns, True, timeout=300)
+    args = (gathered_quantized,)
+    with_k = pool.run(mixed_unit_patterns, 2, *args, timeout=300)
+    with_true = pool.run(mixed_unit_patterns, True, *args, timeout=300)
     for got, want in zip(with_k, with_true):
         assert len(got) == len(want)
         for i, (a, b) in enumerate(zip(got, want)):
