@@ -1,10 +1,13 @@
-"""What several benchmarks need and none of them measures: the optional plotting and torchao imports.
+"""What several benchmarks need and none of them measures: the optional plotting and torchao imports, CSV output.
 
 The benchmarks run as scripts (``python bench/<name>.py``), so this directory
 is on ``sys.path`` and they ``import common``.
 """
 
 from __future__ import annotations
+
+import csv
+from pathlib import Path
 
 
 def pyplot():
@@ -30,3 +33,12 @@ def torchao_nf4():
         except ImportError:
             return None
     return to_nf4
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """``rows`` (one dict per measurement, the first one's keys as the header) to ``path``, its folder made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

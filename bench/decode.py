@@ -28,7 +28,6 @@ Writes docs/decode.csv and (with matplotlib) docs/decode.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -225,11 +224,7 @@ def main(argv=None) -> int:
             f"{r['tp']:>3}  {r['mode']:<9}{r['format']:<32}{r['ms']:>9.2f}{r['ratio_vs_bf16']:>8.2f}"
             f"  {diff if diff == '' else f'{diff:.3g}':>20}  {r['plan']}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    common.write_csv(rows, args.out / "decode.csv")
     print(
         f"\nwrote {args.out / 'decode.csv'}"
         + (f" and {args.out / 'decode.png'}" if plot(rows, args.out / "decode.png") else "")

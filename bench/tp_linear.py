@@ -22,7 +22,6 @@ bf16 at every TP degree measured.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import time
@@ -176,11 +175,7 @@ def main(argv=None) -> int:
             f"{r['layer'] + ' ' + r['shape']:<20}{r['tp']:>3}{r['tokens']:>8}  {r['format']:<20}"
             f"{r['ms']:>10.2f}{r['ratio_vs_bf16']:>8.2f}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "tp_linear.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    common.write_csv(rows, args.out / "tp_linear.csv")
     decode = [r for r in rows if r["phase"] == "decode" and r["format"] != "bf16"]
     worst = max(decode, key=lambda r: r["ratio_vs_bf16"]) if decode else None
     print(
