@@ -68,23 +68,20 @@ static inline bool dq_avx512() {
 }
 static inline bool dq_avx512_bf16() { return dq_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
-// dq_bf16_rne on 8 lanes, the result widened back to fp32 (exact for denormals; quiet NaNs stay NaN).
-__attribute__((target("avx2,fma")))
-static inline __m256 dq_round_bf16_256(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    u = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    return _mm256_blendv_ps(_mm256_castsi256_ps(u), _mm256_set1_ps(NAN), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
-
-// dq_round_bf16_256 for values that cannot be NaN (Inf stays Inf; overflow rounds to it as in RNE).
+// dq_bf16_rne on 8 lanes for values that cannot be NaN, the result widened back to fp32 (exact for
+// denormals; Inf stays Inf; overflow rounds to it as in RNE).
 __attribute__((target("avx2,fma")))
 static inline __m256 dq_round_bf16_256_finite(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The same for any value: NaN lanes become the canonical quiet NaN, as dq_bf16_rne makes them.
+__attribute__((target("avx2,fma")))
+static inline __m256 dq_round_bf16_256(__m256 v) {
+    return _mm256_blendv_ps(dq_round_bf16_256_finite(v), _mm256_set1_ps(NAN), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
 __attribute__((target("avx2,fma")))
@@ -94,23 +91,19 @@ static inline float dq_sum_256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// dq_bf16_rne on 16 lanes, likewise.
+// The two on 16 lanes.
 __attribute__((target("avx512f,avx512bw")))
-static inline __m512 dq_round_bf16_512(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    u = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(u), _mm512_set1_ps(NAN));
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static inline __m512 dq_round_bf16_512_finite(__m512 v) {  // likewise, for values that cannot be NaN
+static inline __m512 dq_round_bf16_512_finite(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512 dq_round_bf16_512(__m512 v) {
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, dq_round_bf16_512_finite(v), _mm512_set1_ps(NAN));
 }
 """
 
