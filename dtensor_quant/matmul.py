@@ -34,6 +34,9 @@ itself.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from . import unpack, writes
@@ -62,6 +65,8 @@ from .tensor import QuantizedTensor
 
 _CACHE_ATTR = "_dtensor_quant_prepared"
 _NO_CACHE_ATTR = "_dtensor_quant_never_cache"
+
+log = logging.getLogger(__name__)
 
 
 def _anchor(t: torch.Tensor) -> torch.Tensor:
@@ -118,12 +123,27 @@ def kernel_linear_impl(
     whole = not fmt.kernel_needs_whole_blocks or unpack.fresh_inner(
         fmt, tuple(blocks), shape, tuple(tuple(t.shape) for t in inner.values())
     )
+    if not whole:
+        _say_no_kernel(fmt, shape)
     out = fmt.linear(x, prepared(fmt, inner), bias) if whole else None
     if out is not None:
         return out
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
+
+
+@functools.cache
+def _say_no_kernel(fmt: QuantFormat, shape: tuple[int, int]) -> None:
+    """Once per format and shape: this weight's kernel cannot run on it, so every call dequantizes."""
+    log.warning(
+        "dtensor_quant: a %s weight of shape %s is not laid out as a fresh weight of its shape (a column slice or "
+        "shard whose blocks differ), so %s's kernel cannot run on it and every matmul dequantizes it. In tensor "
+        "parallelism, dtensor_quant.adapt_tp_plan(..., kernels=True) makes such a layer column-parallel instead.",
+        fmt,
+        list(shape),
+        type(fmt).__name__,
+    )
 
 
 @torch.library.custom_op("dtensor_quant::kernel_linear", mutates_args=())

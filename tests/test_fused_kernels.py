@@ -204,3 +204,17 @@ def test_writes_through_one_view_reach_kernels_of_another(fmt):
         view.copy_(third[:128])
         assert torch.equal(F.linear(x, q), F.linear(x, q.clone()))
         assert not torch.equal(F.linear(x, q), F.linear(x, other))
+
+
+def test_a_weight_the_kernel_cannot_read_is_said_once(caplog):
+    """NF4's wo column shard at TP 2 (TinyLlama's [2048, 2048], few rows kept: a factor spans 8 whole rows): the
+    kernel cannot run on it, so every matmul dequantizes it; that is said once per format and shape, with the
+    way out."""
+    q = dq.quantize(weight((40, 2048), seed=3), dq.NF4())
+    piece = q[:, :1024]
+    x = weight((1, 1024), seed=4)
+    with caplog.at_level(logging.WARNING, logger="dtensor_quant.matmul"):
+        for _ in range(3):
+            assert torch.equal(F.linear(x, piece), x @ piece.dequantize().t())
+    said = [r.getMessage() for r in caplog.records if "every matmul dequantizes" in r.getMessage()]
+    assert len(said) == 1 and "[40, 1024]" in said[0] and "adapt_tp_plan" in said[0], said
