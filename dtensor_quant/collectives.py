@@ -74,7 +74,7 @@ def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, tim
     wire.note(func._schema.name, out_buf)
     _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
     work.wait()
-    _write(like, unpack(out_buf, like))
+    writes.write_inner(zip(like, unpack(out_buf, like)))
     return [out], work
 
 
@@ -88,20 +88,8 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
     wire.note(func._schema.name, buf)
     _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
     work.wait()
-    _write(like, unpack(buf, like))
+    writes.write_inner(zip(like, unpack(buf, like)))
     return [q], work
-
-
-def _write(inner: list[torch.Tensor], received: list[torch.Tensor]) -> None:
-    """Copy received bytes into a weight's inner tensors, bumping their versions as ``copy_``'s handler does.
-
-    In-place ops inside ``__torch_dispatch__`` skip the bump; without it a kernel weight prepared
-    from the old bytes (matmul's cache, keyed on versions) would still be used.
-    """
-    for t, r in zip(inner, received):
-        t.copy_(r)
-        torch.autograd.graph.increment_version(t)
-    writes.note_write()
 
 
 @implements("_c10d_functional::broadcast")

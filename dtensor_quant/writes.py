@@ -42,6 +42,18 @@ def note_write() -> None:
     GENERATION[0] += 1
 
 
+def write_inner(pairs, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)`` inner tensor pair, from inside ``__torch_dispatch__``.
+
+    In-place ops there skip the version bump (the ADInplaceOrView key is already past); bump it, and
+    note the write, so caches keyed on versions (matmul's prepared kernel weights) see it.
+    """
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=non_blocking)
+        torch.autograd.graph.increment_version(dst)
+    note_write()
+
+
 SHARED = "_dq_shared_outside"  # on a view: {inner index: (relation, dim, start, stop) of the cut}
 FACTORY = "_dq_factory"  # on a factory's output: rows past a leading narrow of it are padding
 

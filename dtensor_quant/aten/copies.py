@@ -50,15 +50,8 @@ def _copy_(func, dst, src, non_blocking=False):
                 f"source and {tuple(d.shape)}:{d.dtype} in the destination"
             )
     keep = writes.check_copy(dst, src, describe)  # every check before the first byte moves
-    for name in dst.fmt.inner_names:
-        if name in keep:
-            continue
-        d, s = getattr(dst, name), getattr(src, name)
-        d.copy_(s, non_blocking=non_blocking)
-        # In-place ops inside __torch_dispatch__ skip the version bump (the ADInplaceOrView key is
-        # already past); bump it so caches keyed on versions (matmul's prepared weights) see the write.
-        torch.autograd.graph.increment_version(d)
-    writes.note_write()  # other views of these bytes keep their own versions
+    pairs = [(getattr(dst, n), getattr(src, n)) for n in dst.fmt.inner_names if n not in keep]
+    writes.write_inner(pairs, non_blocking=non_blocking)  # other views of these bytes keep their own versions
     return dst
 
 
