@@ -10,6 +10,7 @@ columns, where NF4's scale factors run across rows), with few rows.
 """
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -150,17 +151,41 @@ def test_nf4_slice_whose_blocks_differ_from_a_fresh_weight_dequantizes(monkeypat
     assert not prepare_calls
 
 
-def test_unavailable_compiler_falls_back(monkeypatch, caplog):
-    """A source that does not compile (as with no C++ compiler) gives None, logged; DTENSOR_QUANT_NATIVE=0 too."""
-    with caplog.at_level(logging.INFO, logger="dtensor_quant.native"):
-        assert native.load("broken", "this is not C++", ["int64_t*"], lambda k: 1) is None
-    assert "broken kernel unavailable" in caplog.text
-    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
-    assert nf4.kernel() is None
+def test_a_failed_build_warns_once_and_dequantizes(monkeypatch, tmp_path):
+    """NF4's kernel source replaced by one that does not compile (as with no C++ compiler): the first linear warns,
+    once, naming the dequantize + mm path it takes instead; every later one is silent and gives that path's result."""
+    broken = tmp_path / "nf4.cpp"
+    broken.write_text('#include "native_prelude.h"\nthis is not C++\n')
+    monkeypatch.setattr(nf4, "KERNEL_SOURCE", broken)
     q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
-    assert q.fmt.prepare(q.inner).get() is None
     x = weight((1, 2048), seed=2)
-    assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+    said = [w for w in said if issubclass(w.category, native.KernelUnavailableWarning)]
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert "nf4 C++ kernel" in str(said[0].message) and "dequantize + mm" in str(said[0].message)
+
+
+def test_native_off_falls_back_silently(monkeypatch):
+    """DTENSOR_QUANT_NATIVE=0: no kernel, no warning, the dequantize + mm result."""
+    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert nf4.kernel() is None
+        q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
+        assert q.fmt.prepare(q.inner).get() is None
+        x = weight((1, 2048), seed=2)
+        assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+
+
+def test_kernel_sources_ship_with_the_package():
+    """Every format's kernel is a .cpp file beside its module (package data), with the shared header it includes."""
+    for module in (nf4, float8):
+        assert module.KERNEL_SOURCE.is_file() and module.KERNEL_SOURCE.suffix == ".cpp"
+        text = native.source(module.KERNEL_SOURCE)
+        assert "dq_bf16_rne" in text and '#include "native_prelude.h"' not in text
 
 
 def test_kernel_inputs_are_built_by_the_first_decode_call_only(monkeypatch):

@@ -13,6 +13,7 @@ amax / 448``; ``w ~= float(q) * scale``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -88,130 +89,7 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
 # Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
 _KERNEL_MAX_TOKENS = 4
 
-_KERNEL_SOURCE = r"""
-// 32 codes -> their e4m3 values times 2^-120, as fp32: the bf16 bits (sign | magnitude << 4) in each lane's upper
-// half. lo holds bytes 8l..8l+3 of every 128-bit lane l, hi bytes 8l+4..8l+7 (dq_x_order says where x goes).
-__attribute__((target("avx512f,avx512bw")))
-static inline void dq_e4m3_raw(const uint8_t* p, __m512& lo, __m512& hi) {
-    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    __m512i bits = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x7F0)),
-                                   _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(short(0x8000))));
-    lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), bits));
-    hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), bits));
-}
-
-// The same for 16 codes with AVX2: lo holds bytes 8l..8l+3 of each 128-bit lane, hi bytes 8l+4..8l+7.
-__attribute__((target("avx2,fma")))
-static inline void dq_e4m3_raw_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m256i bits = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 4), _mm256_set1_epi16(0x7F0)),
-                                   _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(short(0x8000))));
-    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), bits));
-    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), bits));
-}
-
-// Where x[j] of a chunk of 2 * half codes goes: the lo lanes, then the hi lanes (half: 16 AVX-512, 8 AVX2).
-static inline int64_t dq_x_order(int64_t j, int64_t half) { return 8 * ((j % half) / 4) + 4 * (j / half) + j % 4; }
-
-// Integer rounding, exact for any scale. kSmall: every scale of the row below 2^7 in magnitude, so s * 2^120 is
-// finite and one multiply gives the exact product, which cannot be NaN (no NaN code, finite scale).
-template <bool kSmall>
-__attribute__((target("avx2,fma")))
-static float dq_f8_row_avx2(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
-    const __m256 up = _mm256_set1_ps(0x1p120f);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), vs = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        if (k % g == 0) vs = _mm256_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
-        __m256 lo, hi;
-        dq_e4m3_raw_avx2(row + k, lo, hi);
-        if (kSmall) {
-            lo = dq_round_bf16_256_finite(_mm256_mul_ps(lo, vs));
-            hi = dq_round_bf16_256_finite(_mm256_mul_ps(hi, vs));
-        } else {
-            lo = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(lo, up), vs));
-            hi = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(hi, up), vs));
-        }
-        acc0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + k), acc0);
-        acc1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + k + 8), acc1);
-    }
-    return dq_sum_256(_mm256_add_ps(acc0, acc1));
-}
-
-// The same with AVX-512 (value * 2^-120 * 2^120 is exact, subnormal codes too).
-template <bool kSmall>
-__attribute__((target("avx512f,avx512bw")))
-static float dq_f8_row(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
-    const __m512 up = _mm512_set1_ps(0x1p120f);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        if (k % g == 0) vs = _mm512_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
-        __m512 lo, hi;
-        dq_e4m3_raw(row + k, lo, hi);
-        if (kSmall) {
-            lo = dq_round_bf16_512_finite(_mm512_mul_ps(lo, vs));
-            hi = dq_round_bf16_512_finite(_mm512_mul_ps(hi, vs));
-        } else {
-            lo = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
-            hi = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs));
-        }
-        acc0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xf + k), acc0);
-        acc1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xf + k + 16), acc1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-// Every scale of the row in [2^-117, 2^7): every product is 0 or a normal fp32, where vcvtne2ps2bf16 rounds to
-// nearest even exactly like dq_bf16_rne, and s * 2^120 is finite, so one multiply gives the exact product;
-// vdpbf16ps multiplies the bf16 pairs exactly and accumulates in fp32.
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-static float dq_f8_row_bf16(const uint8_t* row, const float* s, const uint16_t* xb, int64_t K, int64_t g) {
-    __m512 acc = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        if (k % g == 0) vs = _mm512_set1_ps(s[k / g] * 0x1p120f);
-        __m512 lo, hi;
-        dq_e4m3_raw(row + k, lo, hi);
-        __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, vs), _mm512_mul_ps(lo, vs));
-        acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb + k));
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-// scale: [N, K / g], one per row and group of g columns (g = K: per row). w[n, k] = bf16(float(code) * scale).
-// level 1: AVX2, 2: AVX-512, 3: AVX-512 with BF16 (the rows it is exact for).
-extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out, int64_t M,
-                       int64_t N, int64_t K, int64_t g, int64_t max_level, int64_t threads, int64_t* level) {
-    int64_t best = K % 32 || g % 32 || K % g ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
-    level[0] = best < max_level ? best : max_level;
-    if (level[0] <= 0 || M <= 0) return;
-    const int64_t half = level[0] >= 2 ? 16 : 8;
-    uint16_t* xb = new uint16_t[K];  // x in dq_e4m3_raw's order, as bf16 and as fp32
-    float* xf = new float[K];
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t k = 0; k < K; ++k) {
-            xb[k] = x[m * K + k - k % (2 * half) + dq_x_order(k % (2 * half), half)];
-            xf[k] = dq_bf16_float(xb[k]);
-        }
-        #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
-        for (int64_t n = 0; n < N; ++n) {
-            const float* s = scale + n * (K / g);
-            bool small = true, normal = true;  // NaN and Inf scales are neither
-            for (int64_t i = 0; i < K / g; ++i) {
-                small &= std::fabs(s[i]) < 128;
-                normal &= std::fabs(s[i]) < 128 && std::fabs(s[i]) >= 0x1p-117f;
-            }
-            const uint8_t* row = codes + n * K;
-            float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K, g)
-                        : level[0] >= 2         ? (small ? dq_f8_row<true>(row, s, xf, K, g)
-                                                         : dq_f8_row<false>(row, s, xf, K, g))
-                        : small                 ? dq_f8_row_avx2<true>(row, s, xf, K, g)
-                                                : dq_f8_row_avx2<false>(row, s, xf, K, g);
-            out[m * N + n] = dq_bf16_rne(acc);
-        }
-    }
-    delete[] xb;
-    delete[] xf;
-}
-"""
+KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant.native
 _ARGTYPES = [
     "const uint8_t*", "const float*", "const uint16_t*", "uint16_t*",
     "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
@@ -226,7 +104,7 @@ def _probe(kernel) -> int:
 
 def kernel():
     """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
-    return native.load("float8", _KERNEL_SOURCE, _ARGTYPES, _probe)
+    return native.load("float8", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
 def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
