@@ -45,23 +45,31 @@ def enabled() -> bool:
     return os.environ.get("DTENSOR_QUANT_NATIVE", "1") != "0"
 
 
-def source(path: Path) -> str:
-    """The text of the kernel source ``path``, each ``#include "x.h"`` of a header beside this module inlined.
+def source(path: Path, _seen: set[Path] | None = None) -> str:
+    """The text of the kernel source ``path``, each ``#include "x.h"`` of a header beside this module inlined once.
 
     The inlined text is what the disk cache keys on, so an edit to a header
     rebuilds every kernel that includes it. Other includes (``<immintrin.h>``)
-    are left to the compiler.
+    are left to the compiler; a header's ``#pragma once`` becomes this
+    once-only inlining.
     """
+    seen = set() if _seen is None else _seen
 
     def inline(match: re.Match) -> str:
         header = _HERE / match.group(1)
-        return source(header) if header.is_file() else match.group(0)
+        if not header.is_file():
+            return match.group(0)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _PRAGMA_ONCE.sub("", source(header, seen))
 
     return _INCLUDE.sub(inline, path.read_text())
 
 
 _HERE = Path(__file__).resolve().parent
 _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
+_PRAGMA_ONCE = re.compile(r"^#pragma once$", re.MULTILINE)
 
 
 def load(name: str, path: Path, argtypes: list[str], probe: Callable[[Callable], int]) -> tuple[Callable, int] | None:
@@ -87,7 +95,9 @@ def load(name: str, path: Path, argtypes: list[str], probe: Callable[[Callable],
             else:
                 _say_unavailable(name, "this CPU has neither AVX2 with FMA nor AVX-512, or flushes denormals to zero")
         except Exception as e:  # no compiler, no inductor, a changed loader: the plain path
-            _say_unavailable(name, f"it did not build: {type(e).__name__}: {str(e)[:500]}")
+            text = str(e)  # a compile error: the compiler's output says why, the command line before it does not
+            text = text[text.find("Output:") :] if "Output:" in text else text
+            _say_unavailable(name, f"it did not build: {type(e).__name__}: {text[:800]}")
     return _KERNELS[key]
 
 
@@ -103,6 +113,45 @@ def _say_unavailable(name: str, why: str) -> None:
 
 class KernelUnavailableWarning(RuntimeWarning):
     """A format's C++ kernel could not be built or cannot run on this CPU: its matmuls take dequantize + mm."""
+
+
+# The flags every kernel's entry point takes: x and out are fp32 (else bf16); several tokens through the tiled
+# matmul of native_tiles.h (else the one-token kernel); every weight rounded to bf16 (the tiles).
+F32, TILES, ROUND = 1, 2, 4
+# The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
+TILE_DTYPES = (torch.bfloat16, torch.float32)
+# Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which
+# dequantize the weight once per 128 tokens.
+TILES_MAX_TOKENS = 1024
+
+
+def matmul(
+    kernel: tuple[Callable, int],
+    inputs: tuple,
+    x: torch.Tensor,
+    out_features: int,
+    params: tuple,
+    *,
+    tiles: bool,
+    round_weights: bool = False,
+    max_level: int | None = None,
+) -> torch.Tensor | None:
+    """``x @ W.T`` (``[tokens, out_features]``, ``x``'s dtype) through a loaded kernel; None if it refused.
+
+    Every kernel's entry point is ``kernel(*inputs, x, out, M, N, K, *params,
+    flags, max_level, threads, level)``: the weight's prepared tensors, then
+    the format's own integers (a block size). ``max_level`` caps the vector
+    path (default: the best here). A kernel refuses (reports level 0) where
+    flush-to-zero was turned on since its probe, or for a path it lacks.
+    """
+    run, best = kernel
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0], out_features))
+    flags = (F32 if x.dtype == torch.float32 else 0) | (TILES if tiles else 0) | (ROUND if round_weights else 0)
+    level = best if max_level is None else min(best, max_level)
+    ran = level_out()
+    run(*inputs, x, out, x.shape[0], out_features, x.shape[1], *params, flags, level, torch.get_num_threads(), ran)
+    return out if int(ran) else None
 
 
 def level_out() -> torch.Tensor:

@@ -68,3 +68,19 @@ static inline __m512 dq_round_bf16_512(__m512 v) {
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_blend_ps(nan, dq_round_bf16_512_finite(v), _mm512_set1_ps(NAN));
 }
+
+// Lanes of 16 fp32 bit patterns vdpbf16ps would not read exactly as bf16: subnormal (it reads them as zero),
+// infinite or NaN.
+__attribute__((target("avx512f,avx512bw")))
+static inline __mmask16 dq_bf16_unsafe_512(__m512i bits) {
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x007FFFFF)) |
+           _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x7F800000));
+}
+
+// t0 (entries 0-7) and t1 (8-15) looked up at 8 indices below 16: bit 3 picks the register.
+__attribute__((target("avx2,fma")))
+static inline __m256 dq_lookup16_256(__m256 t0, __m256 t1, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}

@@ -81,34 +81,36 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     return True
 
 
-# -- the fused one-token kernel (dtensor_quant.native) ------------------------------------------------------
-# Each weight is bf16(float(code) * scale), as _dequantize computes it, and is multiplied by x in fp32: the codes
-# are read once, at memory speed, and no dense weight is written. NaN codes (0x7F, 0xFF) never reach it: prepare
-# sends such a weight to dequantize + mm.
+# -- the kernels (float8.cpp, loaded by dtensor_quant.native) ----------------------------------------------------
+# Each weight is float(code) * scale in fp32, rounded to bf16 for bf16 activations, as _dequantize computes it. One
+# or two bf16 tokens: each weight is multiplied by x as it is made (the codes read once per token, at memory speed);
+# more, or fp32 activations: the tiled matmul of native_tiles.h (each weight dequantized once into a tile in cache).
+# NaN codes (0x7F, 0xFF) never reach them: prepare sends such a weight to dequantize + mm.
 
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
-_KERNEL_MAX_TOKENS = 4
+# The one-token kernel reads the codes once per token; from 3 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 2
 
 KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant.native
 _ARGTYPES = [
-    "const uint8_t*", "const float*", "const uint16_t*", "uint16_t*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+    "const uint8_t*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
 ]  # fmt: skip
 
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 32, 32, 3, 1, level)
+    kernel(empty, empty, empty, empty, 0, 0, 32, 32, native.TILES, 3, 1, level)
     return int(level)
 
 
 def kernel():
-    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
+    """``(the kernels' entry point, their best vector level here)``, built on first use; None where it cannot run.
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
     return native.load("float8", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
 def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
-    """``(codes as uint8, fp32 scales [out, in / group])`` for the fused kernel, or None where it cannot run.
+    """``(codes as uint8, fp32 scales [out, in / group])`` for the kernels, or None where they cannot run.
 
     ``scale`` holds one scale per row (or one for all, broadcast) and per
     ``group`` columns. It needs an x86 CPU with AVX2 or AVX-512, ``in`` and
@@ -128,29 +130,38 @@ def _prepare(inner):
     return native.Lazy(lambda: kernel_prepare(inner["qdata"], inner["scale"], inner["qdata"].shape[-1]))
 
 
-def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel from :func:`kernel_prepare`'s result (bf16 ``x``); None if refused.
-
-    ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here).
-    """
+def _matmul(x: torch.Tensor, prepared, tiles: bool, max_level: int | None) -> torch.Tensor | None:
     codes, scale = prepared
-    run, level = kernel()
-    x = x.contiguous()
     (rows, cols), group = codes.shape, codes.shape[1] // scale.shape[1]
     if x.shape[1] != cols:
         raise ValueError(f"float8 kernel: activation width {x.shape[1]} != weight width {cols}")
-    out = x.new_empty((x.shape[0], rows))
-    ran = native.level_out()
-    level = level if max_level is None else min(level, max_level)
-    run(codes, scale, x, out, x.shape[0], rows, cols, group, level, torch.get_num_threads(), ran)
-    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
+    rounds = x.dtype == torch.bfloat16
+    return native.matmul(
+        kernel(), (codes, scale), x, rows, (group,), tiles=tiles, round_weights=rounds, max_level=max_level
+    )
+
+
+def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in bf16 through the one-token kernel from :func:`kernel_prepare`'s result (bf16 ``x``); None if
+    refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here)."""
+    return _matmul(x, prepared, False, max_level)
+
+
+def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from :func:`kernel_prepare`'s result;
+    None if refused. ``max_level`` as for :func:`fused_linear` (3 with bf16 ``x`` only)."""
+    return _matmul(x, prepared, True, max_level)
 
 
 def kernel_linear(x, prepared, bias):
     """``linear`` of the float8 formats, from a :class:`~dtensor_quant.native.Lazy` of :func:`kernel_prepare`."""
-    if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
+    tokens = x.shape[0]
+    if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
         return None
-    out = fused_linear(x, prepared.get())
+    if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
+        out = fused_linear(x, prepared.get())
+    else:
+        out = tiled_linear(x, prepared.get())
     return out + bias if bias is not None and out is not None else out
 
 
@@ -172,7 +183,7 @@ class Float8Rowwise(QuantFormat):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None."""
         return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
@@ -198,7 +209,7 @@ class Float8Tensorwise(QuantFormat):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None."""
         return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:

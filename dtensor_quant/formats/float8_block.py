@@ -90,7 +90,7 @@ class Float8Blockwise(QuantFormat):
         return True
 
     def prepare(self, inner):
-        """float8's fused one-token kernel with a scale per row and block of columns, built on first use.
+        """float8's kernels with a scale per row and block of columns, their inputs built on first use.
 
         The product ``float32(code) * scale_inv`` rounds to fp32 and then to the activation's dtype, as in
         ``dequantize``. Shards start on block boundaries, so row ``r`` of a shard has scale row ``r // b``.
@@ -107,7 +107,7 @@ class Float8Blockwise(QuantFormat):
         return kernel_prepare(inner["qdata"], scale.repeat_interleave(b, 0)[:rows], b)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most a few rows (decode): the fused kernel; else None (dequantize + mm)."""
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None."""
         return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:

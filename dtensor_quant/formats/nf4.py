@@ -185,12 +185,14 @@ class NF4(QuantFormat):
         return native.Lazy(functools.partial(self.kernel_inputs, inner))
 
     def kernel_inputs(self, inner):
-        """``(codes, block scales in fp32, levels in fp32)`` for the fused kernel, or None where it cannot run.
+        """``(codes, block scales in fp32, levels in fp32, rounds)`` for the kernels, or None where they cannot run.
 
-        It needs whole blocks inside each row (``in % block_size == 0``, the
-        library checks the rest: ``kernel_needs_whole_blocks``), a bf16 or
-        fp32 weight (fp16 rounds each product to fp16 before the activation's
-        dtype), and an x86 CPU with AVX2 or AVX-512 where the kernel was built.
+        ``rounds``: the weight is bf16, so dequantize rounds every weight to bf16
+        whatever the activations. The kernels need whole blocks inside each row
+        (``in % block_size == 0``, the library checks the rest:
+        ``kernel_needs_whole_blocks``), a bf16 or fp32 weight (fp16 rounds each
+        product to fp16 before the activation's dtype), and an x86 CPU with AVX2
+        or AVX-512 where they were built.
         """
         qdata, mean, bs = inner["qdata"], inner["mean"], self.block_size
         if qdata.device.type != "cpu" or qdata.ndim != 2 or mean.dtype not in _KERNEL_WEIGHT_DTYPES or bs % 32:
@@ -202,13 +204,19 @@ class NF4(QuantFormat):
         if scale is None:
             return None
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype).float()
-        return qdata.contiguous(), scale.float().reshape(rows, cols // bs).contiguous(), levels
+        scale = scale.float().reshape(rows, cols // bs).contiguous()
+        return qdata.contiguous(), scale, levels, mean.dtype == torch.bfloat16
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
+        """bf16 or fp32 activations: the one-token kernel for one or two bf16 tokens, the tiles for up to
+        ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
+        tokens = x.shape[0]
+        if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
             return None
-        out = fused_linear(x, prepared.get(), self.block_size)
+        if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
+            out = fused_linear(x, prepared.get(), self.block_size)
+        else:
+            out = tiled_linear(x, prepared.get(), self.block_size)
         return out + bias if bias is not None and out is not None else out
 
     @staticmethod
@@ -220,42 +228,59 @@ class NF4(QuantFormat):
         return f"NF4(block_size={self.block_size}, scaler_block_size={self.scaler_block_size})"
 
 
-# fp16 weights round each product to fp16 first; the kernel rounds once, to bf16.
+# fp16 weights round each product to fp16 first; the kernels round once, to bf16.
 _KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
-_KERNEL_MAX_TOKENS = 4
+# The one-token kernel reads the codes once per token; from 3 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 2
 
 KERNEL_SOURCE = Path(__file__).with_name("nf4.cpp")  # loaded by dtensor_quant.native
 _ARGTYPES = [
-    "const uint8_t*", "const float*", "const float*", "const uint16_t*", "uint16_t*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
 ]  # fmt: skip
 
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, 2, 1, level)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, native.TILES, 3, 1, level)
     return int(level)
 
 
 def kernel():
-    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
+    """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
+    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16 (the one-token kernel stops at 2)."""
     return native.load("nf4", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
-def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel, from :meth:`NF4.kernel_inputs` (bf16 ``x``); None if refused.
+def _check_width(x: torch.Tensor, codes: torch.Tensor) -> None:
+    if x.shape[1] != codes.shape[1] * 2:
+        raise ValueError(f"NF4 kernel: activation width {x.shape[1]} != weight width {codes.shape[1] * 2}")
 
-    ``max_level`` caps the vector path (1: AVX2, 2: AVX-512; default: the best here).
-    """
-    codes, scale, levels = prepared
-    run, level = kernel()
-    level = level if max_level is None else min(level, max_level)
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0], codes.shape[0]))
-    k = codes.shape[1] * 2
-    if x.shape[1] != k:
-        raise ValueError(f"NF4 kernel: activation width {x.shape[1]} != weight width {k}")
-    ran = native.level_out()
-    run(codes, scale, levels, x, out, x.shape[0], codes.shape[0], k, block_size, level, torch.get_num_threads(), ran)
-    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
+
+def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in bf16 through the one-token kernel, from :meth:`NF4.kernel_inputs` (bf16 ``x``, one pass over
+    the codes per token); None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512)."""
+    codes, scale, levels, _ = prepared
+    _check_width(x, codes)
+    return native.matmul(
+        kernel(), (codes, scale, levels), x, codes.shape[0], (block_size,), tiles=False, max_level=max_level
+    )
+
+
+def tiled_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel (native_tiles.h: each weight dequantized
+    once into a tile in cache), from :meth:`NF4.kernel_inputs`; None if refused. ``max_level`` caps the vector path
+    (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    codes, scale, levels, rounds = prepared
+    _check_width(x, codes)
+    rounds = rounds or x.dtype == torch.bfloat16
+    return native.matmul(
+        kernel(),
+        (codes, scale, levels),
+        x,
+        codes.shape[0],
+        (block_size,),
+        tiles=True,
+        round_weights=rounds,
+        max_level=max_level,
+    )
