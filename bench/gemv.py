@@ -7,7 +7,7 @@ What bench/decode.py's model step is made of, without DTensor, dispatch or
 all-reduces: ``F.linear(x, W)`` for a bf16 ``x`` of one row, for the dense
 bf16 weight (oneDNN's GEMV) and each quantized one through the library
 (torch's int8/int4 kernels; NF4's and float8's fused kernels from
-``dtensor_quant.native``; every vector level of those, forced, too; and the
+``dtensor_quant.core.native``; every vector level of those, forced, too; and the
 plain path they replaced, dequantize + mm). All variants run in turn within
 each round; each time is the median over the rounds of the mean of
 ``--calls`` calls. ``GB/s`` is the weight's stored bytes (codes and scales) over that
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import dtensor_quant as dq
 from dtensor_quant.formats import float8, nf4
-from dtensor_quant.unpack import dense
+from dtensor_quant.ops.unpack import dense
 
 FORMATS = {
     "Int8Rowwise": dq.Int8Rowwise(),

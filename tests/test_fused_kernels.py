@@ -1,4 +1,4 @@
-"""The fused one-token kernels of NF4 and float8 (dtensor_quant.native): exact weights, dense results.
+"""The fused one-token kernels of NF4 and float8 (dtensor_quant.core.native): exact weights, dense results.
 
 A one-hot activation row ``e_k`` makes the kernel return column ``k`` of the
 weight it used, rounded once to bf16 -- which the weight already is -- so
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant import native
+from dtensor_quant.core import native
 from dtensor_quant.formats import float8, nf4
 from dtensor_quant.testing import weight
 
@@ -238,7 +238,7 @@ def test_a_weight_the_kernel_cannot_read_is_said_once(caplog):
     q = dq.quantize(weight((40, 2048), seed=3), dq.NF4())
     piece = q[:, :1024]
     x = weight((1, 1024), seed=4)
-    with caplog.at_level(logging.WARNING, logger="dtensor_quant.matmul"):
+    with caplog.at_level(logging.WARNING, logger="dtensor_quant.ops.matmul"):
         for _ in range(3):
             assert torch.equal(F.linear(x, piece), x @ piece.dequantize().t())
     said = [r.getMessage() for r in caplog.records if "every matmul dequantizes" in r.getMessage()]

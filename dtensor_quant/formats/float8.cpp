@@ -1,4 +1,4 @@
-// The float8 formats' kernels (dtensor_quant/formats/float8.py loads them through dtensor_quant/native.py;
+// The float8 formats' kernels (dtensor_quant/formats/float8.py loads them through dtensor_quant/core/native.py;
 // Float8Blockwise uses them too, with a scale per row and block of columns). Each weight is float(code) * scale in
 // fp32, rounded to bf16 for bf16 activations, as the formats' dequantize computes it; only the order of the fp32
 // sum differs from dequantize + mm. NaN codes (0x7F, 0xFF) never reach them: the format's prepare sends such a

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .. import native
-from ..blocks import block_reduce, safe_scale, scaled_into
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, OneToOne
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, OneToOne
+from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -81,7 +81,7 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     return True
 
 
-# -- the kernels (float8.cpp, loaded by dtensor_quant.native) ----------------------------------------------------
+# -- the kernels (float8.cpp, loaded by dtensor_quant.core.native) ----------------------------------------------------
 # Each weight is float(code) * scale in fp32, rounded to bf16 for bf16 activations, as _dequantize computes it. One
 # or two bf16 tokens: each weight is multiplied by x as it is made (the codes read once per token, at memory speed);
 # more, or fp32 activations: the tiled matmul of native_tiles.h (each weight dequantized once into a tile in cache).
@@ -90,7 +90,7 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
 # The one-token kernel reads the codes once per token; from 3 tokens on the tiles, which read them once, win.
 _ONE_TOKEN_MAX = 2
 
-KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant.native
+KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
     "const uint8_t*", "const float*", "const void*", "void*",
     "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
@@ -154,7 +154,7 @@ def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> tor
 
 
 def kernel_linear(x, prepared, bias):
-    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.native.Lazy` of :func:`kernel_prepare`."""
+    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.core.native.Lazy` of :func:`kernel_prepare`."""
     tokens = x.shape[0]
     if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
         return None

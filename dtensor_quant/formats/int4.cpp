@@ -1,4 +1,4 @@
-// Int4Groupwise's multi-token kernel (dtensor_quant/formats/int4.py loads it through dtensor_quant/native.py;
+// Int4Groupwise's multi-token kernel (dtensor_quant/formats/int4.py loads it through dtensor_quant/core/native.py;
 // one token takes torch's own int4 kernel). Every weight is Int4Groupwise.dequantize's: (code - 8) * scale, then
 // + zero, each rounded in fp32 (a multiply, then an add: never fused), rounded to bf16 for bf16 activations; only
 // the order of the fp32 sum differs from dequantize + mm. The tiled matmul is native_tiles.h's; a group's 16

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .. import native
-from ..blocks import block_reduce, expand_blocks, nibbles_into
-from ..format import QuantFormat, Reducer
-from ..layout import Blocked, OneToOne, Packed
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Blocked, OneToOne, Packed
+from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 
@@ -216,7 +216,7 @@ class Int4Groupwise(QuantFormat):
 # torch's int4 kernel reads the weight once per token: it beats bf16 for a token or two, the tiles from 3 on.
 _TORCH_MAX_TOKENS = 2
 
-KERNEL_SOURCE = Path(__file__).with_name("int4.cpp")  # loaded by dtensor_quant.native
+KERNEL_SOURCE = Path(__file__).with_name("int4.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
     "const uint8_t*", "const float*", "const float*", "const void*", "void*",
     "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",

@@ -1,4 +1,4 @@
-// Int8Rowwise's multi-token kernel (dtensor_quant/formats/int8.py loads it through dtensor_quant/native.py; one
+// Int8Rowwise's multi-token kernel (dtensor_quant/formats/int8.py loads it through dtensor_quant/core/native.py; one
 // token takes torch's own int8 kernel). Every weight is Int8Rowwise.dequantize's: float(code) * scale in fp32,
 // rounded to bf16 for bf16 activations; only the order of the fp32 sum differs from dequantize + mm. The tiled
 // matmul is native_tiles.h's.

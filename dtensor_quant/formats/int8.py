@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from .. import native
-from ..blocks import block_reduce, safe_scale, scaled_into
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, OneToOne
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, OneToOne
+from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _QMAX = 127
 # torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower
@@ -54,7 +54,7 @@ class Int8Rowwise(QuantFormat):
         return True
 
     def prepare(self, inner):
-        """``(codes, scales)`` for torch's int8 mm, and a :class:`~dtensor_quant.native.Lazy` of the tiled
+        """``(codes, scales)`` for torch's int8 mm, and a :class:`~dtensor_quant.core.native.Lazy` of the tiled
         kernel's inputs (int8.cpp), built by the first call that runs it."""
         q, scale = inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
         return q, scale, native.Lazy(functools.partial(_tile_inputs, q, scale))
@@ -87,7 +87,7 @@ class Int8Rowwise(QuantFormat):
 # torch's int8 kernel reads the weight once per token: it beats bf16 for a token or two, the tiles from 3 on.
 _TORCH_MAX_TOKENS = 2
 
-KERNEL_SOURCE = Path(__file__).with_name("int8.cpp")  # loaded by dtensor_quant.native
+KERNEL_SOURCE = Path(__file__).with_name("int8.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
     "const int8_t*", "const float*", "const void*", "void*",
     "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",

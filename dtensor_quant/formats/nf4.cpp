@@ -1,4 +1,4 @@
-// NF4's kernels (dtensor_quant/formats/nf4.py loads them through dtensor_quant/native.py). Every weight is
+// NF4's kernels (dtensor_quant/formats/nf4.py loads them through dtensor_quant/core/native.py). Every weight is
 // NF4.dequantize's: w[n, k] = level[code] * scale[n, k / bs] in fp32, rounded to bf16 where dequantize rounds
 // (a bf16 weight, or bf16 activations); only the order of the fp32 sum differs from dequantize + mm.
 //

@@ -58,10 +58,10 @@ from pathlib import Path
 
 import torch
 
-from .. import native
-from ..blocks import expand_to, nibbles_into, reduce_to
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, flat_blocked
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, flat_blocked
+from ..core.reductions import expand_to, nibbles_into, reduce_to
 
 # torchao's table (to_nf4): the QLoRA levels rounded to 4 decimals.
 NF4_LEVELS = (
@@ -175,13 +175,15 @@ class NF4(QuantFormat):
         big = torch.finfo(mean.dtype).max  # the same clamp as dequantize: finite weights stay finite
         return torch.where(per_scaler.isfinite() & (per_scaler > 0), scale.clamp(-big, big), scale)
 
-    # The fused one-token kernel (dtensor_quant.native): each block's 16 weights bf16(level * scale) are one
-    # AVX-512 register (two with AVX2), each code picks its weight with vpermps, an FMA adds weight * x in fp32.
-    # The codes are read once, at memory speed; no dense weight is ever written.
+    # The kernels (nf4.cpp, built by dtensor_quant.core.native). One token: each block's 16 weights
+    # bf16(level * scale) are one AVX-512 register (two with AVX2), each code picks its weight with vpermps, an FMA
+    # adds weight * x in fp32: the codes are read once per token. More tokens: the tiles of native_tiles.h, each
+    # weight dequantized once into a buffer in cache. No dense weight is ever written. The kernel reads its blocks
+    # in flat order, so it needs a weight laid out as a fresh one of its shape:
     kernel_needs_whole_blocks = True
 
     def prepare(self, inner):
-        """The fused kernel's inputs, built by the first call that runs it (:class:`~dtensor_quant.native.Lazy`)."""
+        """The kernels' inputs, built by the first call that runs one (:class:`~dtensor_quant.core.native.Lazy`)."""
         return native.Lazy(functools.partial(self.kernel_inputs, inner))
 
     def kernel_inputs(self, inner):
@@ -233,7 +235,7 @@ _KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 # The one-token kernel reads the codes once per token; from 3 tokens on the tiles, which read them once, win.
 _ONE_TOKEN_MAX = 2
 
-KERNEL_SOURCE = Path(__file__).with_name("nf4.cpp")  # loaded by dtensor_quant.native
+KERNEL_SOURCE = Path(__file__).with_name("nf4.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
     "const uint8_t*", "const float*", "const float*", "const void*", "void*",
     "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",

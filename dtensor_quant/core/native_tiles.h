@@ -1,0 +1,329 @@
+// The multi-token matmul every weight-only format's kernel shares (dtensor_quant/core/native.py inlines it):
+// out[M, N] = x[M, K] @ W[N, K]^T, the weight dequantized a tile at a time into a buffer that stays in cache.
+//
+// A tile is DQ_TR (32) rows of W by at most DQ_KC columns. The format writes each row of it, exactly as its
+// dequantize computes the weights (the same products, rounded the same way), into a row-major buffer; the tile is
+// transposed so that each step of the micro-kernel reads the 32 rows' weights at one column (AVX-512 BF16: at one
+// pair of columns) from one or two vector registers, multiplies them by one broadcast activation each and adds
+// the products in fp32: an outer product, so no horizontal sums. Every weight is dequantized once per call (per
+// DQ_MB tokens), read from memory once, and never written to memory as a dense weight.
+//
+// Three vector paths (the kernel's level): 3, AVX-512 BF16: bf16 activations times the bf16 weights in pairs
+// (vdpbf16ps: exact products, fp32 sums); 2, AVX-512: fp32 weights and activations, FMA; 1, AVX2 with FMA, the
+// same on 8 lanes. vdpbf16ps reads subnormal inputs as zero and flushes subnormal results, as oneDNN's bf16 GEMM
+// does on such a CPU: a tile holding a weight that is subnormal, infinite or NaN in bf16 takes level 2 instead, so
+// every weight is still the format's; a subnormal activation (below 1.2e-38) is read as zero there.
+//
+// A format may store a 32-column chunk of a row in any order of its columns (NF4: the high nibbles, then the low
+// ones): its perm(p) says which column position p holds, and the activations are permuted the same way. Only the
+// order of the fp32 sum differs from dequantize + mm.
+//
+// A format's rows (a struct F) provides:
+//   static int64_t perm(int64_t p);                                  column of position p in a chunk of 32
+//   bool bf16(int64_t n, int64_t k0, int64_t kc, uint16_t* dst) const;          avx512f,avx512bw; false: a weight
+//                                                                                 vdpbf16ps would not read exactly
+//   void f32_512(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const;   avx512f,avx512bw
+//   void f32_256(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const;   avx2,fma
+// each writing row n's columns [k0, k0 + kc) (multiples of 32), as bf16 bits or as fp32 (rounded to bf16 first
+// when round is set: bf16 activations, or a format whose dequantize rounds to the weight's bf16 dtype).
+#pragma once
+#include "native_prelude.h"
+
+#include <memory>
+
+constexpr int64_t DQ_TR = 32;    // weight rows per tile
+constexpr int64_t DQ_KC = 2048;  // columns per block of K (a multiple of 32): the tile buffers stay in L2
+constexpr int64_t DQ_LDPAD = 32; // row stride padding of the row-major buffer: no 4 KiB aliasing between its rows
+constexpr int64_t DQ_PREFETCH = 4096;  // bytes ahead of a row's stored weights that a format's loop prefetches
+constexpr int64_t DQ_MB = 128;   // tokens per pass over the weight: their activations stay in L2
+
+// The groups of columns [k0, k0 + kc) that share a scale (group size g, a multiple of 32): group b holds [k, end).
+// One division per row, not per group.
+struct DqGroups {
+    int64_t b, k, end, stop, g;
+    DqGroups(int64_t k0, int64_t kc, int64_t g_) : b(k0 / g_), k(k0), end((k0 / g_ + 1) * g_), stop(k0 + kc), g(g_) {
+        if (end > stop) end = stop;
+    }
+    bool more() const { return k < stop; }
+    void next() { ++b, k = end, end = end + g < stop ? end + g : stop; }
+};
+
+// c[j] = element j of every r[i]: a 16 x 16 transpose of 32-bit elements.
+__attribute__((target("avx512f,avx512bw")))
+static inline void dq_transpose16(const __m512i* r, __m512i* c) {
+    __m512i t[16], u[16], v[4];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  // u[4g + c]: columns c, c + 4, c + 8, c + 12 of rows 4g..4g+3, one per 128-bit lane
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+        v[0] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);       // columns j, j + 8 of rows 0-7
+        v[1] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);       // j + 4, j + 12 of rows 0-7
+        v[2] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);  // the same of rows 8-15
+        v[3] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        c[j] = _mm512_shuffle_i32x4(v[0], v[2], 0x88);
+        c[j + 8] = _mm512_shuffle_i32x4(v[0], v[2], 0xDD);
+        c[j + 4] = _mm512_shuffle_i32x4(v[1], v[3], 0x88);
+        c[j + 12] = _mm512_shuffle_i32x4(v[1], v[3], 0xDD);
+    }
+}
+
+// The same for 8 x 8 floats.
+__attribute__((target("avx2,fma")))
+static inline void dq_transpose8(const __m256* r, __m256* c) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; ++g) {  // u[4g + c]: columns c, c + 4 of rows 4g..4g+3
+        u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+        u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {
+        c[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        c[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+// rows: 32 rows of kc bf16 weights (stride ld) -> dst[kc / 2][32]: each row's pair of columns as one 32-bit lane.
+__attribute__((target("avx512f,avx512bw")))
+static void dq_pack_bf16(const uint16_t* rows, int64_t ld, int64_t kc, uint32_t* dst) {
+    __m512i r[16], c[16];
+    for (int64_t k = 0; k < kc; k += 32)
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (16 * h + i) * ld + k);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (k / 2 + j) * DQ_TR + 16 * h, c[j]);
+        }
+}
+
+// rows: 32 rows of kc fp32 weights (stride ld) -> dst[kc][32].
+__attribute__((target("avx512f,avx512bw")))
+static void dq_pack_f32_512(const float* rows, int64_t ld, int64_t kc, float* dst) {
+    __m512i r[16], c[16];
+    for (int64_t k = 0; k < kc; k += 16)
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (16 * h + i) * ld + k);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (k + j) * DQ_TR + 16 * h, c[j]);
+        }
+}
+
+__attribute__((target("avx2,fma")))
+static void dq_pack_f32_256(const float* rows, int64_t ld, int64_t kc, float* dst) {
+    __m256 r[8], c[8];
+    for (int64_t k = 0; k < kc; k += 8)
+        for (int g = 0; g < 4; ++g) {
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (8 * g + i) * ld + k);
+            dq_transpose8(r, c);
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (k + j) * DQ_TR + 8 * g, c[j]);
+        }
+}
+
+// C[MR][32] (+)= x[MR][kc] w[kc][32]: x bf16 (row stride ldx), w packed by dq_pack_bf16; C starts at 0 if first.
+// Fewer than 3 tokens keep two sets of accumulators (even and odd pairs of columns), so that enough independent
+// sums are in flight to hide vdpbf16ps's latency.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void dq_micro_bf16(const uint16_t* x, int64_t ldx, const uint32_t* w, int64_t kc, float* C, bool first) {
+    constexpr int S = MR < 3 ? 2 : 1;
+    __m512 acc[S][MR][2];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) {
+            acc[0][m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * DQ_TR + 16 * v);
+            if (S > 1) acc[S - 1][m][v] = _mm512_setzero_ps();
+        }
+    for (int64_t p = 0; p < kc / 2; p += S)
+        for (int s = 0; s < S; ++s) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (p + s) * DQ_TR);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (p + s) * DQ_TR + 16);
+            for (int m = 0; m < MR; ++m) {
+                int32_t pair;
+                std::memcpy(&pair, x + m * ldx + 2 * (p + s), 4);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                acc[s][m][0] = _mm512_dpbf16_ps(acc[s][m][0], xv, w0);
+                acc[s][m][1] = _mm512_dpbf16_ps(acc[s][m][1], xv, w1);
+            }
+        }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v)
+            _mm512_storeu_ps(C + m * DQ_TR + 16 * v, S > 1 ? _mm512_add_ps(acc[0][m][v], acc[S - 1][m][v]) : acc[0][m][v]);
+}
+
+// The same in fp32 with FMA: x fp32, w packed by dq_pack_f32_512.
+template <int MR>
+__attribute__((target("avx512f,avx512bw")))
+static void dq_micro_f32_512(const float* x, int64_t ldx, const float* w, int64_t kc, float* C, bool first) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * DQ_TR + 16 * v);
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m512 w0 = _mm512_loadu_ps(w + k * DQ_TR), w1 = _mm512_loadu_ps(w + k * DQ_TR + 16);
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+            acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) _mm512_storeu_ps(C + m * DQ_TR + 16 * v, acc[m][v]);
+}
+
+// The same with AVX2, 16 rows at a time (16 vector registers: 2 x MR accumulators, 2 weights, 1 activation).
+template <int MR>
+__attribute__((target("avx2,fma")))
+static void dq_micro_f32_256(const float* x, int64_t ldx, const float* w, int64_t kc, float* C, bool first) {
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[MR][2];
+        for (int m = 0; m < MR; ++m)
+            for (int v = 0; v < 2; ++v)
+                acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(C + m * DQ_TR + 16 * h + 8 * v);
+        for (int64_t k = 0; k < kc; ++k) {
+            const __m256 w0 = _mm256_loadu_ps(w + k * DQ_TR + 16 * h), w1 = _mm256_loadu_ps(w + k * DQ_TR + 16 * h + 8);
+            for (int m = 0; m < MR; ++m) {
+                const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+                acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+            }
+        }
+        for (int m = 0; m < MR; ++m)
+            for (int v = 0; v < 2; ++v) _mm256_storeu_ps(C + m * DQ_TR + 16 * h + 8 * v, acc[m][v]);
+    }
+}
+
+// name##_n<R>: name<rows> for any rows from 1 to R (the last, shorter group of tokens).
+#define DQ_MICRO_TABLE(name, T, W)                                                                                 \
+    template <int R>                                                                                               \
+    static void name##_n(const T* x, int64_t ldx, const W* w, int64_t kc, float* C, bool first, int64_t rows) {     \
+        if constexpr (R > 1) {                                                                                     \
+            if (rows < R) return name##_n<R - 1>(x, ldx, w, kc, C, first, rows);                                   \
+        }                                                                                                          \
+        name<R>(x, ldx, w, kc, C, first);                                                                          \
+    }
+
+DQ_MICRO_TABLE(dq_micro_bf16, uint16_t, uint32_t)
+DQ_MICRO_TABLE(dq_micro_f32_512, float, float)
+DQ_MICRO_TABLE(dq_micro_f32_256, float, float)
+
+// x[m, perm(k)] for the chunk order of the format: as bf16 (xb) and as fp32 (xf), either may be null.
+template <class F>
+static void dq_prepare_x(const void* x, bool x_f32, int64_t M, int64_t K, uint16_t* xb, float* xf) {
+    int64_t perm[32];
+    for (int p = 0; p < 32; ++p) perm[p] = F::perm(p);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += 32)
+            for (int p = 0; p < 32; ++p) {
+                const int64_t src = m * K + k + perm[p];
+                if (x_f32) {
+                    xf[m * K + k + p] = static_cast<const float*>(x)[src];
+                } else {
+                    const uint16_t h = static_cast<const uint16_t*>(x)[src];
+                    if (xb) xb[m * K + k + p] = h;
+                    if (xf) xf[m * K + k + p] = dq_bf16_float(h);
+                }
+            }
+}
+
+// Rows [n0, n0 + rows) of the output for tokens [m0, m0 + M): C[m][r] rounded to bf16 or kept as fp32.
+static void dq_store(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float v = C[m * DQ_TR + r];
+            if (out_f32)
+                static_cast<float*>(out)[m * N + n0 + r] = v;
+            else
+                static_cast<uint16_t*>(out)[m * N + n0 + r] = dq_bf16_rne(v);
+        }
+}
+
+// This thread's buffer `which` of at least n floats, kept for its next calls (a fresh one would cost page faults
+// on every call). Zeroed when made: rows of a tile past the weight's last row read it, their sums unused.
+static float* dq_buffer(int which, int64_t n) {
+    static thread_local std::unique_ptr<float[]> buffers[3];
+    static thread_local int64_t sizes[3] = {0, 0, 0};
+    if (sizes[which] < n) {
+        buffers[which].reset(new float[n]());
+        sizes[which] = n;
+    }
+    return buffers[which].get();
+}
+
+// One tile (rows [n0, n0 + rows)) for M tokens, all of K, on one vector level. xb/xf: the permuted activations of
+// these tokens (stride K). Returns false (having written nothing) if level 3 met a weight vdpbf16ps cannot read.
+template <class F>
+static bool dq_tile(const F& f, int64_t level, bool round, int64_t n0, int64_t rows, int64_t K, int64_t M,
+                    const uint16_t* xb, const float* xf, void* rowbuf, void* packed, float* C) {
+    const int64_t ld = DQ_KC + DQ_LDPAD;
+    for (int64_t k0 = 0; k0 < K; k0 += DQ_KC) {
+        const int64_t kc = K - k0 < DQ_KC ? K - k0 : DQ_KC;
+        const bool first = k0 == 0;
+        if (level >= 3) {
+            uint16_t* rb = static_cast<uint16_t*>(rowbuf);
+            for (int64_t r = 0; r < rows; ++r)
+                if (!f.bf16(n0 + r, k0, kc, rb + r * ld)) return false;
+            dq_pack_bf16(rb, ld, kc, static_cast<uint32_t*>(packed));
+            for (int64_t m = 0; m < M; m += 8)
+                dq_micro_bf16_n<8>(xb + m * K + k0, K, static_cast<uint32_t*>(packed), kc, C + m * DQ_TR, first,
+                                   M - m);
+        } else if (level == 2) {
+            float* rb = static_cast<float*>(rowbuf);
+            for (int64_t r = 0; r < rows; ++r) f.f32_512(n0 + r, k0, kc, round, rb + r * ld);
+            dq_pack_f32_512(rb, ld, kc, static_cast<float*>(packed));
+            for (int64_t m = 0; m < M; m += 8)
+                dq_micro_f32_512_n<8>(xf + m * K + k0, K, static_cast<float*>(packed), kc, C + m * DQ_TR, first,
+                                      M - m);
+        } else {
+            float* rb = static_cast<float*>(rowbuf);
+            for (int64_t r = 0; r < rows; ++r) f.f32_256(n0 + r, k0, kc, round, rb + r * ld);
+            dq_pack_f32_256(rb, ld, kc, static_cast<float*>(packed));
+            for (int64_t m = 0; m < M; m += 6)
+                dq_micro_f32_256_n<6>(xf + m * K + k0, K, static_cast<float*>(packed), kc, C + m * DQ_TR, first,
+                                      M - m);
+        }
+    }
+    return true;
+}
+
+// out = x @ W^T for the format's rows f: x [M, K] bf16 (out bf16) or fp32 (x_f32; out fp32), on vector level
+// `level` (3: AVX-512 BF16, with bf16 activations only; 2: AVX-512; 1: AVX2), `threads` OpenMP threads over tiles.
+// K must be a multiple of 32. round: every weight rounded to bf16 (as dequantize does for these activations).
+template <class F>
+static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N, int64_t K, bool x_f32, bool round,
+                     int64_t level, int64_t threads) {
+    if (x_f32 && level >= 3) level = 2;
+    const int64_t mb = M < DQ_MB ? M : DQ_MB;
+    uint16_t* xb = level >= 3 ? new uint16_t[mb * K] : nullptr;
+    float* xf = new float[mb * K];
+    for (int64_t m0 = 0; m0 < M; m0 += DQ_MB) {
+        const int64_t ms = M - m0 < DQ_MB ? M - m0 : DQ_MB;
+        const void* xm = x_f32 ? static_cast<const void*>(static_cast<const float*>(x) + m0 * K)
+                               : static_cast<const void*>(static_cast<const uint16_t*>(x) + m0 * K);
+        dq_prepare_x<F>(xm, x_f32, ms, K, xb, xf);
+        void* om = x_f32 ? static_cast<void*>(static_cast<float*>(out) + m0 * N)
+                         : static_cast<void*>(static_cast<uint16_t*>(out) + m0 * N);
+        #pragma omp parallel num_threads(threads) if(threads > 1)
+        {
+            float* rowbuf = dq_buffer(0, DQ_TR * (DQ_KC + DQ_LDPAD));  // fp32 or bf16 rows
+            float* packed = dq_buffer(1, DQ_TR * DQ_KC);
+            float* C = dq_buffer(2, ms * DQ_TR);
+            #pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += DQ_TR) {
+                const int64_t rows = N - n0 < DQ_TR ? N - n0 : DQ_TR;
+                if (!dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C))
+                    dq_tile(f, 2, true, n0, rows, K, ms, xb, xf, rowbuf, packed, C);  // level 3 rounds (bf16 x)
+                dq_store(C, ms, rows, x_f32, om, N, n0);
+            }
+        }
+    }
+    delete[] xb;
+    delete[] xf;
+}
