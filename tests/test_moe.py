@@ -171,8 +171,8 @@ def test_quantize_moe_model_covers_every_expert(kind, fmt):
     for impl in ("eager", "grouped_mm"):
         set_experts_impl(model, impl)
         set_experts_impl(reference, impl)
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, reference(ids).logits), impl
+        with torch.no_grad():  # the kernels sum in another order than dequantize + mm: fp32 reordering only
+            torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5, msg=impl)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])

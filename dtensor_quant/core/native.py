@@ -126,7 +126,7 @@ TILES_MAX_TOKENS = 1024
 
 
 def matmul(
-    kernel: tuple[Callable, int],
+    kernel: tuple[Callable, int] | None,
     inputs: tuple,
     x: torch.Tensor,
     out_features: int,
@@ -142,8 +142,11 @@ def matmul(
     flags, max_level, threads, level)``: the weight's prepared tensors, then
     the format's own integers (a block size). ``max_level`` caps the vector
     path (default: the best here). A kernel refuses (reports level 0) where
-    flush-to-zero was turned on since its probe, or for a path it lacks.
+    flush-to-zero was turned on since its probe, or for a path it lacks; no
+    kernel (``DTENSOR_QUANT_NATIVE=0`` since the inputs were made) is None too.
     """
+    if kernel is None:  # DTENSOR_QUANT_NATIVE=0 set after the weight's kernel inputs were made
+        return None
     run, best = kernel
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))

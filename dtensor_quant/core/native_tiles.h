@@ -130,33 +130,26 @@ static void dq_pack_f32_256(const float* rows, int64_t ld, int64_t kc, float* ds
 }
 
 // C[MR][32] (+)= x[MR][kc] w[kc][32]: x bf16 (row stride ldx), w packed by dq_pack_bf16; C starts at 0 if first.
-// Fewer than 3 tokens keep two sets of accumulators (even and odd pairs of columns), so that enough independent
-// sums are in flight to hide vdpbf16ps's latency.
+// Each token's sums run over the columns in the same order whatever MR (and so whatever the number of tokens).
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void dq_micro_bf16(const uint16_t* x, int64_t ldx, const uint32_t* w, int64_t kc, float* C, bool first) {
-    constexpr int S = MR < 3 ? 2 : 1;
-    __m512 acc[S][MR][2];
+    __m512 acc[MR][2];
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < 2; ++v) {
-            acc[0][m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * DQ_TR + 16 * v);
-            if (S > 1) acc[S - 1][m][v] = _mm512_setzero_ps();
+        for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * DQ_TR + 16 * v);
+    for (int64_t p = 0; p < kc / 2; ++p) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * DQ_TR);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * DQ_TR + 16);
+        for (int m = 0; m < MR; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * ldx + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
         }
-    for (int64_t p = 0; p < kc / 2; p += S)
-        for (int s = 0; s < S; ++s) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (p + s) * DQ_TR);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (p + s) * DQ_TR + 16);
-            for (int m = 0; m < MR; ++m) {
-                int32_t pair;
-                std::memcpy(&pair, x + m * ldx + 2 * (p + s), 4);
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                acc[s][m][0] = _mm512_dpbf16_ps(acc[s][m][0], xv, w0);
-                acc[s][m][1] = _mm512_dpbf16_ps(acc[s][m][1], xv, w1);
-            }
-        }
+    }
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < 2; ++v)
-            _mm512_storeu_ps(C + m * DQ_TR + 16 * v, S > 1 ? _mm512_add_ps(acc[0][m][v], acc[S - 1][m][v]) : acc[0][m][v]);
+        for (int v = 0; v < 2; ++v) _mm512_storeu_ps(C + m * DQ_TR + 16 * v, acc[m][v]);
 }
 
 // The same in fp32 with FMA: x fp32, w packed by dq_pack_f32_512.

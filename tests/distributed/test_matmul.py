@@ -10,16 +10,22 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, nf4
+from dtensor_quant.formats import float8, int4, int8, nf4
 from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
-# dtensor_quant.core.native's one-token kernels (tests/test_fused_kernels.py): 1-4 bf16 tokens, AVX-512, a C++ compiler.
-FUSED = (dq.NF4, dq.Float8Rowwise, dq.Float8Tensorwise, dq.Float8Blockwise)
+# dtensor_quant.core.native's kernels (tests/test_fused_kernels.py, tests/test_tiled_kernels.py): bf16 and fp32
+# activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1-2 bf16 tokens.
+NATIVE = {dq.NF4: nf4, dq.Float8Rowwise: float8, dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8,
+          dq.Int4Groupwise: int4, dq.Int8Rowwise: int8}  # fmt: skip
 
 
-def fused_kernels_here():
-    return nf4.kernel() is not None and float8.kernel() is not None
+def kernel_runs(fmt, dtype, batch):
+    """Whether F.linear runs a kernel (rather than dequantize + mm) for this 64 x 256 weight."""
+    if dtype == torch.float16:
+        return False
+    torchs = isinstance(fmt, (dq.Int8Rowwise, dq.Int4Groupwise)) and dtype == torch.bfloat16 and batch <= 2
+    return torchs or NATIVE[type(fmt)].kernel() is not None
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -54,19 +60,18 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 5, 16])
 def test_kernel_matches_dequantize(monkeypatch, fmt_name, dtype, batch):
-    """bf16: torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu (and NF4/float8's fused kernels, 1-4
-    tokens), equal to dequantize + mm up to rounding.
-
-    fp32/fp16 dequantize (torch's CPU kernels are slow outside bf16): the same math, exactly.
+    """bf16: torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu for 1-2 tokens, else this library's tiled
+    kernels; NF4/float8's one-token kernels for 1-2 tokens; fp32: the tiled kernels. All equal to dequantize + mm up
+    to rounding. fp16 dequantizes: the same math, exactly.
     """
     q = dq.quantize(weight((64, 256), seed=1, dtype=dtype), FORMATS[fmt_name])
     x = weight((batch, 256), seed=2, dtype=dtype)
     bias = weight((64,), seed=3, dtype=dtype)
     kernel = KernelSpy(monkeypatch, q.fmt)
     out = F.linear(x, q, bias)
-    runs = dtype == torch.bfloat16 and (not isinstance(q.fmt, FUSED) or (batch <= 4 and fused_kernels_here()))
+    runs = kernel_runs(q.fmt, dtype, batch)
     assert kernel.ran == runs, f"{fmt_name} in {dtype}: kernel ran {kernel.ran} times"
-    if dtype != torch.bfloat16:
+    if dtype == torch.float16:
         assert torch.equal(out, x @ q.dequantize().t() + bias)
     assert out.dtype == dtype and out.shape == (batch, 64)
     assert_close(out, reference(x, q, bias), dtype)
@@ -74,10 +79,11 @@ def test_kernel_matches_dequantize(monkeypatch, fmt_name, dtype, batch):
 
 @pytest.mark.parametrize(
     "fmt_name,shape",
-    [("int8", (64, 36)), ("int4g32", (24, 64)), ("int4g32", (32, 48)), ("int4g32", (32, 80))],
+    [("int8", (64, 36)), ("int8", (64, 40)), ("int4g32", (32, 48)), ("int4g32", (32, 80))],
 )
 def test_fallback_where_the_kernel_cannot_run(monkeypatch, fmt_name, shape):
-    """in % 8 (int8: the kernel would read past rows), out % 16 or a partial group (int4): dequantize + mm."""
+    """Three tokens: in % 32 (the tiled kernels; int8's torch kernel would also read past rows unless in % 8) or a
+    partial group (int4): dequantize + mm."""
     q = dq.quantize(weight(shape, seed=1), FORMATS[fmt_name])
     x = weight((3, shape[1]), seed=2)
     kernel = KernelSpy(monkeypatch, q.fmt)
