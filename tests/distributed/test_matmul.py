@@ -187,3 +187,16 @@ def test_compiled_linear_reuses_the_prepared_weight(monkeypatch, backend, fmt_na
     if backend == "aot_eager":
         targets = [str(n.target) for g in recorder.fw_graphs for n in g.graph.nodes]
         assert "dtensor_quant.kernel_linear.default" in targets, targets
+
+
+def test_record_paths_counts_each_matmuls_path():
+    """record_paths says which path each matmul with a quantized weight took: the format's kernel or dequantize."""
+    from dtensor_quant.ops.matmul import record_paths
+
+    q = dq.quantize(weight((64, 256), seed=1), dq.Int8Rowwise())
+    with record_paths() as paths:
+        F.linear(weight((1, 256), seed=2), q)  # torch's int8 kernel
+        F.linear(weight((1, 256), seed=2, dtype=torch.float16), q)  # no fp16 kernel: dequantize + mm
+        weight((1, 64), seed=3) @ q  # grad @ W's orientation: dequantize + mm
+    F.linear(weight((1, 256), seed=2), q)  # outside the block: not counted
+    assert dict(paths) == {("Int8Rowwise()", "kernel"): 1, ("Int8Rowwise()", "dequantize"): 2}
