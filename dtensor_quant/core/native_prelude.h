@@ -29,7 +29,9 @@ static inline bool dq_avx2() {
 static inline bool dq_avx512() {
     return dq_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
-static inline bool dq_avx512_bf16() { return dq_avx512() && __builtin_cpu_supports("avx512bf16"); }
+static inline bool dq_avx512_bf16() {
+    return dq_avx512() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+}
 
 // dq_bf16_rne on 8 lanes for values that cannot be NaN, the result widened back to fp32 (exact for
 // denormals; Inf stays Inf; overflow rounds to it as in RNE).
@@ -69,13 +71,12 @@ static inline __m512 dq_round_bf16_512(__m512 v) {
     return _mm512_mask_blend_ps(nan, dq_round_bf16_512_finite(v), _mm512_set1_ps(NAN));
 }
 
-// Lanes of 16 fp32 bit patterns vdpbf16ps would not read exactly as bf16: subnormal (it reads them as zero),
-// infinite or NaN.
-__attribute__((target("avx512f,avx512bw")))
-static inline __mmask16 dq_bf16_unsafe_512(__m512i bits) {
-    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-    return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x007FFFFF)) |
-           _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x7F800000));
+// Lanes of 16 fp32 weights whose bf16 rounding vdpbf16ps would not read exactly: subnormal (it reads subnormals as
+// zero, and vcvtneps2bf16 flushes one that would round up to bf16's smallest normal), infinite or NaN. Every other
+// value vcvtneps2bf16 rounds to nearest even, exactly as dq_bf16_rne.
+__attribute__((target("avx512f,avx512dq")))
+static inline __mmask16 dq_bf16_unsafe_512(__m512 v) {
+    return _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x10 | 0x20 | 0x80);  // QNaN, +Inf, -Inf, subnormal, SNaN
 }
 
 // t0 (entries 0-7) and t1 (8-15) looked up at 8 indices below 16: bit 3 picks the register.

@@ -34,7 +34,7 @@ struct Int4Rows {
         t1 = _mm256_add_ps(p1, _mm256_set1_ps(z));
     }
 
-    __attribute__((target("avx512f,avx512bw")))
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
     bool bf16(int64_t n, int64_t k0, int64_t kc, uint16_t* dst) const {
         const uint8_t* row = codes + n * (K / 2);
         const float *s = scale + n * (K / g), *z = zero + n * (K / g);
@@ -42,9 +42,9 @@ struct Int4Rows {
         __mmask16 bad = 0;
         dst -= k0;
         for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
-            const __m512i bits = _mm512_castps_si512(dq_round_bf16_512(table(s[gr.b], z[gr.b])));
-            bad |= dq_bf16_unsafe_512(bits);
-            const __m512i words = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+            const __m512 t = table(s[gr.b], z[gr.b]);
+            bad |= dq_bf16_unsafe_512(t);
+            const __m512i words = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
             for (int64_t k = gr.k; k < gr.end; k += 32) {
                 _mm_prefetch(reinterpret_cast<const char*>(row + k / 2) + DQ_PREFETCH, _MM_HINT_T0);
                 const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));

@@ -18,21 +18,16 @@ struct Int8Rows {
         return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
     }
 
-    __attribute__((target("avx512f,avx512bw")))
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
     bool bf16(int64_t n, int64_t k0, int64_t kc, uint16_t* dst) const {
         const int8_t* row = codes + n * K;
         const __m512 s = _mm512_set1_ps(scale[n]);
-        alignas(64) static const uint16_t high[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                                      23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                                      45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-        const __m512i pick = _mm512_load_si512(high);  // the upper halves of two vectors' 16 lanes
         __mmask16 bad = 0;
         for (int64_t k = k0; k < k0 + kc; k += 32) {
             _mm_prefetch(reinterpret_cast<const char*>(row + k) + DQ_PREFETCH, _MM_HINT_T0);
-            const __m512i a = _mm512_castps_si512(dq_round_bf16_512(weights(row + k, s)));
-            const __m512i b = _mm512_castps_si512(dq_round_bf16_512(weights(row + k + 16, s)));
+            const __m512 a = weights(row + k, s), b = weights(row + k + 16, s);
             bad |= dq_bf16_unsafe_512(a) | dq_bf16_unsafe_512(b);
-            _mm512_storeu_si512(dst + (k - k0), _mm512_permutex2var_epi16(a, pick, b));
+            _mm512_storeu_si512(dst + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
         return bad == 0;
     }

@@ -86,7 +86,7 @@ struct Nf4Rows {
 
     static int64_t perm(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
-    __attribute__((target("avx512f,avx512bw")))
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
     bool bf16(int64_t n, int64_t k0, int64_t kc, uint16_t* dst) const {
         const uint8_t* row = codes + n * (K / 2);
         const float* s = scale + n * (K / bs);
@@ -95,9 +95,9 @@ struct Nf4Rows {
         dst -= k0;
         __mmask16 bad = 0;
         for (DqGroups bl(k0, kc, bs); bl.more(); bl.next()) {
-            const __m512i bits = _mm512_castps_si512(dq_round_bf16_512(_mm512_mul_ps(lv, _mm512_set1_ps(s[bl.b]))));
-            bad |= dq_bf16_unsafe_512(bits);
-            const __m512i words = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+            const __m512 t = _mm512_mul_ps(lv, _mm512_set1_ps(s[bl.b]));  // the block's 16 weights
+            bad |= dq_bf16_unsafe_512(t);
+            const __m512i words = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
             for (int64_t k = bl.k; k < bl.end; k += 32) {  // 16 bytes: the 16 high nibbles, then the low ones
                 _mm_prefetch(reinterpret_cast<const char*>(row + k / 2) + DQ_PREFETCH, _MM_HINT_T0);
                 const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
