@@ -6,10 +6,10 @@
 
 ``F.linear(x, W)`` for an activation ``x`` of ``tokens`` rows (bf16 by
 default), one thread, one process: the dense bf16 weight (oneDNN's GEMM), each
-quantized weight through the library (its kernel: torch's int8/int4 kernels
-or NF4's/float8's one-token kernels for one or two tokens, the tiled kernels
-of ``dtensor_quant.core.native`` from three on) and the plain path those
-kernels replace, dequantize + mm (the weight decoded whole by
+quantized weight through the library (its kernel: for one token torch's
+int8/int4 kernels or NF4's/float8's one-token kernels, int4 also for two; the
+tiled kernels of ``dtensor_quant.core.native`` for more) and the plain path
+those kernels replace, dequantize + mm (the weight decoded whole by
 ``dtensor_quant.ops.unpack.dense``, then torch's GEMM). The ``path`` column
 says which one the library took (``dtensor_quant.ops.matmul.record_paths``).
 

@@ -118,7 +118,7 @@ def test_float8_nan_codes_take_the_plain_path():
 
 @pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise()], ids=str)
 def test_linear_picks_the_kernel_by_token_count(monkeypatch, fmt):
-    """F.linear: 1-2 bf16 tokens run the one-token kernel, more (and fp32 activations) the tiled kernel, each with
+    """F.linear: 1 bf16 token runs the one-token kernel, more (and fp32 activations) the tiled kernel, each with
     its bias; past native.TILES_MAX_TOKENS (made 8 here), and for fp16 activations, dequantize + mm."""
     module = nf4 if isinstance(fmt, dq.NF4) else float8
     q = dq.quantize(weight((64, 2048), seed=1), fmt)
@@ -129,7 +129,7 @@ def test_linear_picks_the_kernel_by_token_count(monkeypatch, fmt):
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: ran.append(_n) or _f(*a, **k))
     monkeypatch.setattr(native, "TILES_MAX_TOKENS", 8)
     dense = q.dequantize(torch.bfloat16)
-    for tokens, path in ((1, "fused_linear"), (2, "fused_linear"), (3, "tiled_linear"), (8, "tiled_linear")):
+    for tokens, path in ((1, "fused_linear"), (2, "tiled_linear"), (3, "tiled_linear"), (8, "tiled_linear")):
         x = weight((tokens, 2048), seed=2)
         out = F.linear(x, q, bias)
         assert ran == [path], (tokens, ran)

@@ -107,15 +107,19 @@ def test_tiled_kernel_weights_are_dequantize_bits(fmt, shape, w_dtype, x_dtype):
         out = tiled(q, inputs, x, level)
         assert out.dtype == x_dtype
         assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
+        for start in range(0, len(cols), 37):  # a few tokens at a time: the inner-product way on level 3
+            few = tiled(q, inputs, x[start : start + 1 + start % 5], level)
+            assert torch.equal(few.t(), dense[:, cols[start : start + 1 + start % 5]]), f"level {level}, few"
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_tiled_kernel_sums_within_their_bound(fmt, x_dtype):
-    """Random activations, 3 to 130 tokens (a partial group of 8, a second pass of 128), every path."""
+    """Random activations, 2 to 130 tokens (both ways of the tiles, a partial group of 8, a second pass of 128),
+    every path."""
     q = dq.quantize(weight((72, 5632), seed=3) * 0.02, fmt)
     dense, inputs = q.dequantize(x_dtype), tile_inputs(q)
-    for tokens in (3, 8, 33, 130):
+    for tokens in (2, 7, 16, 33, 130):
         x = weight((tokens, 5632), seed=tokens, dtype=x_dtype)
         for level in levels(fmt, x_dtype):
             assert_within_sum_bound(tiled(q, inputs, x, level), x, dense)
@@ -171,35 +175,39 @@ def test_float8_tiles_every_code_and_extreme_scales():
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(fmt):
-    """Every token's sum runs in one order whatever the batch: rows of a batch equal the same rows alone."""
+    """Every token's sum runs in one order whatever the tokens beside it, within each of the two ways the tiles
+    multiply: up to 16 tokens (rows as they are, inner products) and more (transposed tiles, outer products)."""
     q = dq.quantize(weight((40, 2048), seed=1), fmt)
     inputs = tile_inputs(q)
-    x = weight((21, 2048), seed=2)
-    whole = tiled(q, inputs, x, None)
-    for start, stop in ((0, 3), (5, 9), (9, 21)):
-        assert torch.equal(tiled(q, inputs, x[start:stop], None), whole[start:stop])
+    x = weight((80, 2048), seed=2)
+    for batch, slices in ((x[:16], ((0, 1), (0, 3), (5, 9), (9, 16))), (x, ((0, 17), (5, 40), (30, 80)))):
+        whole = tiled(q, inputs, batch, None)
+        for start, stop in slices:
+            assert torch.equal(tiled(q, inputs, batch[start:stop], None), whole[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("fmt", [dq.Int4Groupwise(128), dq.Int8Rowwise()], ids=str)
 def test_int_formats_take_torchs_kernel_for_a_token_or_two_and_the_tiles_after(monkeypatch, fmt):
-    """bf16: 1-2 tokens through torch's int kernel (which scales after its sum, so it is compared loosely), more
-    through the tiles (within their bound); fp32 activations: the tiles at any count."""
+    """bf16: one token (int4: two) through torch's int kernel (which scales after its sum, so it is compared
+    loosely), more through the tiles (within their bound); fp32 activations: the tiles at any count."""
     module, ran = module_of(fmt), []
     original = module.tiled_linear
     monkeypatch.setattr(module, "tiled_linear", lambda *a, **k: ran.append(a[0].shape[0]) or original(*a, **k))
     q = dq.quantize(weight((64, 2048), seed=1) * 0.02, fmt)
     bias = weight((64,), seed=3)
     dense = q.dequantize(torch.bfloat16)
+    torchs = 2 if isinstance(fmt, dq.Int4Groupwise) else 1
     for tokens in (1, 2, 3, 16):
         x = weight((tokens, 2048), seed=10 + tokens)
         out = F.linear(x, q, bias).float() - bias.float()
         ref = x.float() @ dense.float().t()
         assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
-        if tokens > 2:
+        if tokens > torchs:
             assert_within_sum_bound(F.linear(x, q), x, dense)
     x = weight((2, 2048), seed=4, dtype=torch.float32)
     assert_within_sum_bound(F.linear(x, q), x, q.dequantize(torch.float32))
-    assert ran == [3, 3, 16, 16, 2]
+    tiled = [t for t in (1, 2, 3, 16) if t > torchs]
+    assert ran == [t for t in tiled for _ in (0, 1)] + [2]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)

@@ -2,11 +2,14 @@
 // out[M, N] = x[M, K] @ W[N, K]^T, the weight dequantized a tile at a time into a buffer that stays in cache.
 //
 // A tile is DQ_TR (32) rows of W by at most DQ_KC columns. The format writes each row of it, exactly as its
-// dequantize computes the weights (the same products, rounded the same way), into a row-major buffer; the tile is
-// transposed so that each step of the micro-kernel reads the 32 rows' weights at one column (AVX-512 BF16: at one
-// pair of columns) from one or two vector registers, multiplies them by one broadcast activation each and adds
-// the products in fp32: an outer product, so no horizontal sums. Every weight is dequantized once per call (per
-// DQ_MB tokens), read from memory once, and never written to memory as a dense weight.
+// dequantize computes the weights (the same products, rounded the same way), into a row-major buffer. For more
+// than DQ_FEW tokens the tile is transposed so that each step of the micro-kernel reads the 32 rows' weights at one
+// column (AVX-512 BF16: at one pair of columns) from one or two vector registers, multiplies them by one broadcast
+// activation each and adds the products in fp32: an outer product, no horizontal sums. For up to DQ_FEW tokens
+// (AVX-512 BF16) 4 rows at a time are multiplied as they are, 32 columns a step, each sum's 16 lanes added at the
+// end of the block: building the transposed tile would cost more than those tokens' products. Either way every
+// weight is dequantized once per call (per DQ_MB tokens), read from memory once, and never written to memory as a
+// dense weight; and a token's result does not depend on the tokens beside it (for a given way).
 //
 // Three vector paths (the kernel's level): 3, AVX-512 BF16: bf16 activations times the bf16 weights in pairs
 // (vdpbf16ps: exact products, fp32 sums); 2, AVX-512: fp32 weights and activations, FMA; 1, AVX2 with FMA, the
@@ -35,7 +38,8 @@ constexpr int64_t DQ_TR = 32;    // weight rows per tile
 constexpr int64_t DQ_KC = 2048;  // columns per block of K (a multiple of 32): the tile buffers stay in L2
 constexpr int64_t DQ_LDPAD = 32; // row stride padding of the row-major buffer: no 4 KiB aliasing between its rows
 constexpr int64_t DQ_PREFETCH = 4096;  // bytes ahead of a row's stored weights that a format's loop prefetches
-constexpr int64_t DQ_MB = 128;   // tokens per pass over the weight: their activations stay in L2
+constexpr int64_t DQ_MB = 128;
+constexpr int64_t DQ_FEW = 16;  // up to this many tokens level 3 multiplies the rows as they are (no transposed tile)   // tokens per pass over the weight: their activations stay in L2
 
 // The groups of columns [k0, k0 + kc) that share a scale (group size g, a multiple of 32): group b holds [k, end).
 // One division per row, not per group.
@@ -193,6 +197,73 @@ static void dq_micro_f32_256(const float* x, int64_t ldx, const float* w, int64_
     }
 }
 
+// lane i of the result: the sum of a[i]'s 16 lanes.
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512 dq_sum16(const __m512* a) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int i = 0; i < 8; ++i)
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// A few tokens: C[m][r0 + r] (+)= x[m] . w[r] over kc for MR tokens and 4 row-major bf16 rows (stride ldw) -- inner
+// products of 16 lanes, summed at the end of the block: no transposed tile to build.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void dq_dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kc, float* C,
+                        int64_t r0, bool first) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 32) {
+        __m512bh wv[4];
+        for (int r = 0; r < 4; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+            for (int r = 0; r < 4; ++r) acc[4 * m + r] = _mm512_dpbf16_ps(acc[4 * m + r], xv, wv[r]);
+        }
+    }
+    alignas(64) float sums[16];  // token m, row r at 4m + r
+    _mm512_store_ps(sums, dq_sum16(acc));
+    for (int m = 0; m < MR; ++m) {
+        float* c = C + m * DQ_TR + r0;
+        const __m128 v = _mm_load_ps(sums + 4 * m);
+        _mm_storeu_ps(c, first ? v : _mm_add_ps(_mm_loadu_ps(c), v));
+    }
+}
+
+// One tile for at most DQ_FEW tokens on level 3: 4 rows at a time dequantized into an L1 buffer and multiplied
+// there. False (nothing usable written) if a weight is one vdpbf16ps cannot read.
+template <class F>
+static bool dq_tile_few(const F& f, int64_t n0, int64_t rows, int64_t K, int64_t M, const uint16_t* xb,
+                        uint16_t* rb, float* C) {
+    const int64_t ld = DQ_KC + DQ_LDPAD;
+    for (int64_t k0 = 0; k0 < K; k0 += DQ_KC) {
+        const int64_t kc = K - k0 < DQ_KC ? K - k0 : DQ_KC;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            for (int64_t r = r0; r < r0 + 4 && r < rows; ++r)  // rows past the weight's last keep older values
+                if (!f.bf16(n0 + r, k0, kc, rb + (r - r0) * ld)) return false;
+            for (int64_t m = 0; m < M; m += 4) {  // the 4 rows stay in L1 for every group of 4 tokens
+                const uint16_t* xm = xb + m * K + k0;
+                float* Cm = C + m * DQ_TR;
+                switch (M - m < 4 ? M - m : 4) {
+                    case 4: dq_dot_bf16<4>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                    case 3: dq_dot_bf16<3>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                    case 2: dq_dot_bf16<2>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                    default: dq_dot_bf16<1>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                }
+            }
+        }
+    }
+    return true;
+}
+
 // name##_n<R>: name<rows> for any rows from 1 to R (the last, shorter group of tokens).
 #define DQ_MICRO_TABLE(name, T, W)                                                                                 \
     template <int R>                                                                                               \
@@ -311,7 +382,10 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
             #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += DQ_TR) {
                 const int64_t rows = N - n0 < DQ_TR ? N - n0 : DQ_TR;
-                if (!dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C))
+                const bool done = level >= 3 && ms <= DQ_FEW
+                                      ? dq_tile_few(f, n0, rows, K, ms, xb, reinterpret_cast<uint16_t*>(packed), C)
+                                      : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C);
+                if (!done)
                     dq_tile(f, 2, true, n0, rows, K, ms, xb, xf, rowbuf, packed, C);  // level 3 rounds (bf16 x)
                 dq_store(C, ms, rows, x_f32, om, N, n0);
             }

@@ -83,12 +83,12 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
 
 # -- the kernels (float8.cpp, loaded by dtensor_quant.core.native) ----------------------------------------------------
 # Each weight is float(code) * scale in fp32, rounded to bf16 for bf16 activations, as _dequantize computes it. One
-# or two bf16 tokens: each weight is multiplied by x as it is made (the codes read once per token, at memory speed);
+# bf16 token: each weight is multiplied by x as it is made (the codes read once per token, at memory speed);
 # more, or fp32 activations: the tiled matmul of native_tiles.h (each weight dequantized once into a tile in cache).
 # NaN codes (0x7F, 0xFF) never reach them: prepare sends such a weight to dequantize + mm.
 
-# The one-token kernel reads the codes once per token; from 3 tokens on the tiles, which read them once, win.
-_ONE_TOKEN_MAX = 2
+# The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 1
 
 KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [

@@ -210,7 +210,7 @@ class NF4(QuantFormat):
         return qdata.contiguous(), scale, levels, mean.dtype == torch.bfloat16
 
     def linear(self, x, prepared, bias):
-        """bf16 or fp32 activations: the one-token kernel for one or two bf16 tokens, the tiles for up to
+        """bf16 or fp32 activations: the one-token kernel for one bf16 token, the tiles for up to
         ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
         tokens = x.shape[0]
         if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
@@ -232,8 +232,8 @@ class NF4(QuantFormat):
 
 # fp16 weights round each product to fp16 first; the kernels round once, to bf16.
 _KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
-# The one-token kernel reads the codes once per token; from 3 tokens on the tiles, which read them once, win.
-_ONE_TOKEN_MAX = 2
+# The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 1
 
 KERNEL_SOURCE = Path(__file__).with_name("nf4.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [

@@ -15,7 +15,7 @@ from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
 # dtensor_quant.core.native's kernels (tests/test_fused_kernels.py, tests/test_tiled_kernels.py): bf16 and fp32
-# activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1-2 bf16 tokens.
+# activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1 (int4: 1-2) bf16 tokens.
 NATIVE = {dq.NF4: nf4, dq.Float8Rowwise: float8, dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8,
           dq.Int4Groupwise: int4, dq.Int8Rowwise: int8}  # fmt: skip
 
@@ -24,7 +24,7 @@ def kernel_runs(fmt, dtype, batch):
     """Whether F.linear runs a kernel (rather than dequantize + mm) for this 64 x 256 weight."""
     if dtype == torch.float16:
         return False
-    torchs = isinstance(fmt, (dq.Int8Rowwise, dq.Int4Groupwise)) and dtype == torch.bfloat16 and batch <= 2
+    torchs = dtype == torch.bfloat16 and batch <= {dq.Int8Rowwise: 1, dq.Int4Groupwise: 2}.get(type(fmt), 0)
     return torchs or NATIVE[type(fmt)].kernel() is not None
 
 
@@ -60,8 +60,8 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 5, 16])
 def test_kernel_matches_dequantize(monkeypatch, fmt_name, dtype, batch):
-    """bf16: torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu for 1-2 tokens, else this library's tiled
-    kernels; NF4/float8's one-token kernels for 1-2 tokens; fp32: the tiled kernels. All equal to dequantize + mm up
+    """bf16: torch's _weight_int8pack_mm (1 token) / _weight_int4pack_mm_for_cpu (1-2 tokens), else this library's
+    tiled kernels; NF4/float8's one-token kernels for 1 token; fp32: the tiled kernels. All equal to dequantize + mm up
     to rounding. fp16 dequantizes: the same math, exactly.
     """
     q = dq.quantize(weight((64, 256), seed=1, dtype=dtype), FORMATS[fmt_name])
