@@ -280,7 +280,7 @@ DQ_MICRO_TABLE(dq_micro_f32_256, float, float)
 
 // x[m, perm(k)] for the chunk order of the format: as bf16 (xb) and as fp32 (xf), either may be null.
 template <class F>
-static void dq_prepare_x(const void* x, bool x_f32, int64_t M, int64_t K, uint16_t* xb, float* xf) {
+static void dq_prepare_x_scalar(const void* x, bool x_f32, int64_t M, int64_t K, uint16_t* xb, float* xf) {
     int64_t perm[32];
     for (int p = 0; p < 32; ++p) perm[p] = F::perm(p);
     for (int64_t m = 0; m < M; ++m)
@@ -297,8 +297,36 @@ static void dq_prepare_x(const void* x, bool x_f32, int64_t M, int64_t K, uint16
             }
 }
 
-// Rows [n0, n0 + rows) of the output for tokens [m0, m0 + M): C[m][r] rounded to bf16 or kept as fp32.
-static void dq_store(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
+// The same 32 values a step with AVX-512 (vpermw / vpermt2ps).
+template <class F>
+__attribute__((target("avx512f,avx512bw")))
+static void dq_prepare_x_512(const void* x, bool x_f32, int64_t M, int64_t K, uint16_t* xb, float* xf) {
+    alignas(64) uint16_t pw[32];
+    alignas(64) int32_t pd[16], pd2[16];
+    for (int p = 0; p < 32; ++p) pw[p] = static_cast<uint16_t>(F::perm(p));
+    for (int p = 0; p < 16; ++p) pd[p] = static_cast<int32_t>(F::perm(p)), pd2[p] = static_cast<int32_t>(F::perm(16 + p));
+    const __m512i iw = _mm512_load_si512(pw), id = _mm512_load_si512(pd), id2 = _mm512_load_si512(pd2);
+    for (int64_t i = 0; i < M * K; i += 32) {
+        if (x_f32) {
+            const float* src = static_cast<const float*>(x) + i;
+            const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+            _mm512_storeu_ps(xf + i, _mm512_permutex2var_ps(a, id, b));
+            _mm512_storeu_ps(xf + i + 16, _mm512_permutex2var_ps(a, id2, b));
+        } else {
+            const __m512i h = _mm512_permutexvar_epi16(iw, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + i));
+            if (xb) _mm512_storeu_si512(xb + i, h);
+            if (xf) {
+                _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+                _mm512_storeu_ps(xf + i + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+            }
+        }
+    }
+}
+
+// Rows [n0, n0 + rows) of the output for M tokens: C[m][r] rounded to bf16 (as dq_bf16_rne) or kept as fp32.
+static void dq_store_scalar(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
     for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r) {
             const float v = C[m * DQ_TR + r];
@@ -306,6 +334,22 @@ static void dq_store(const float* C, int64_t M, int64_t rows, bool out_f32, void
                 static_cast<float*>(out)[m * N + n0 + r] = v;
             else
                 static_cast<uint16_t*>(out)[m * N + n0 + r] = dq_bf16_rne(v);
+        }
+}
+
+// The same 16 values a step with AVX-512 (masked stores for a tile's last rows).
+__attribute__((target("avx512f,avx512bw")))
+static void dq_store_512(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; r += 16) {
+            const __mmask16 k = rows - r >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r)) - 1);
+            const __m512 v = _mm512_loadu_ps(C + m * DQ_TR + r);
+            if (out_f32) {
+                _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n0 + r, k, v);
+            } else {
+                const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(v)), 16);
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * N + n0 + r, k, _mm512_cvtepi32_epi16(bits));
+            }
         }
 }
 
@@ -371,7 +415,10 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
         const int64_t ms = M - m0 < DQ_MB ? M - m0 : DQ_MB;
         const void* xm = x_f32 ? static_cast<const void*>(static_cast<const float*>(x) + m0 * K)
                                : static_cast<const void*>(static_cast<const uint16_t*>(x) + m0 * K);
-        dq_prepare_x<F>(xm, x_f32, ms, K, xb, xf);
+        if (level >= 2)
+            dq_prepare_x_512<F>(xm, x_f32, ms, K, xb, xf);
+        else
+            dq_prepare_x_scalar<F>(xm, x_f32, ms, K, xb, xf);
         void* om = x_f32 ? static_cast<void*>(static_cast<float*>(out) + m0 * N)
                          : static_cast<void*>(static_cast<uint16_t*>(out) + m0 * N);
         #pragma omp parallel num_threads(threads) if(threads > 1)
@@ -387,7 +434,10 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
                                       : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C);
                 if (!done)
                     dq_tile(f, 2, true, n0, rows, K, ms, xb, xf, rowbuf, packed, C);  // level 3 rounds (bf16 x)
-                dq_store(C, ms, rows, x_f32, om, N, n0);
+                if (level >= 2)
+                    dq_store_512(C, ms, rows, x_f32, om, N, n0);
+                else
+                    dq_store_scalar(C, ms, rows, x_f32, om, N, n0);
             }
         }
     }
