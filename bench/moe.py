@@ -152,7 +152,7 @@ def plot(rows, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens (top-2)")
         ax.set_ylabel("forward time / bf16 time")
-        ax.set_title(f"MixtralExperts {impl}, Qwen3-30B-A3B widths, 1 thread (red: 4-bit goals)")
+        ax.set_title(f"MixtralExperts, {impl} (red: 4-bit goals)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
