@@ -8,16 +8,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..format import Reducer, weight_layout
 from ..layout import Blocked, OneToOne, Packed, inner_slice
 from ..quantize import quantize
 from ..shard_quant import MeshReducer, quantize_local
-from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from ..tensor import contiguous_strides
 from ..writes import note_write
 from .match import plan
+from .prequantized import read as read_stored
 from .safetensors_io import Checkpoint
 from .tensors import local_slice, local_tensor
 
@@ -57,8 +56,8 @@ def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 <<
         result = LoadResult(0, ckpt.header_bytes, ckpt.file_bytes, missing=missing, unexpected=unexpected)
         with torch.no_grad():
             for kind, key, src, t in tasks:
-                if kind == "prequantized":
-                    t.copy_(_read_prequantized(ckpt, key, src, t))
+                if kind == "prequantized":  # src: the StoredLayout
+                    t.copy_(read_stored(src, ckpt, key, t))
                     result.prequantized.append(key)
                 elif kind == "quantized":
                     _load_quantized(ckpt, key, src, t, chunk_bytes)
@@ -121,22 +120,6 @@ def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk
             i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
             q.inner[name][i0:i1].copy_(part.inner[name])
         note_write()  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
-
-
-def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:
-    """The stored inner tensors of ``src``, this rank's chunks, placed like ``t`` (no dequantization)."""
-    q, _, to_canonical, shape = canonical_view(t, key)
-    suffixes, entries = q.fmt.checkpoint_suffixes, {}
-    for name, rels in q.fmt.layout_for(shape).items():
-        k, g_shape = src + suffixes[name], entry_shape(rels, shape)
-        if isinstance(t, DTensor):
-            placements = entry_placements(t.placements, rels, to_canonical)
-            mesh = t.device_mesh
-            l_shape, l_off = compute_local_shape_and_global_offset(g_shape, mesh, placements)
-            entries[name] = _dtensor_like(ckpt.read(k, l_off, l_shape), t, placements, g_shape)
-        else:
-            entries[name] = ckpt.read(k)
-    return from_entries(entries, t, key)
 
 
 def _dtensor_like(local: torch.Tensor, like: DTensor, placements=None, shape=None) -> DTensor:
