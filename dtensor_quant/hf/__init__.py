@@ -45,9 +45,19 @@ tensors. Here every byte is written once, in parallel, at its final place.
 
 from .loading import LoadResult, load
 from .prepare import init_empty, materialize, tp_plan
+from .quantize_like import quantize_like_checkpoint
 
 # The file format's names (DTYPES, TensorInfo, ...) stay reachable as dq.hf.<name>, as before the split.
 from .safetensors_io import DTYPES, INDEX, NAMES, SINGLE, Checkpoint, Pieces, TensorInfo  # noqa: F401
 from .saving import save
 
-__all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save", "tp_plan"]
+__all__ = [
+    "Checkpoint",
+    "LoadResult",
+    "init_empty",
+    "load",
+    "materialize",
+    "quantize_like_checkpoint",
+    "save",
+    "tp_plan",
+]

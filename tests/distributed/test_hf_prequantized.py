@@ -1,0 +1,140 @@
+"""Pre-quantized checkpoints written by their producers, read as stored into sharded transformers models (dq.hf).
+
+For each kind (:mod:`producers`): the model is built on meta, quantized by
+``dq.hf.quantize_like_checkpoint``, sharded (TP 2 with transformers' own
+plan, or FSDP2 over 2 ranks), materialized and loaded. Every quantized weight
+must dequantize bit for bit to the producer's own dequantization of the
+file, every dense tensor equal the file's, and every rank read exactly the
+bytes of its slices (counted at the ``preadv`` calls, compared with a count
+made here from the producer's layout).
+"""
+
+from __future__ import annotations
+
+import producers as pr
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import dtensor_quant as dq
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.testing import mesh
+
+pytest.importorskip("safetensors")
+pytest.importorskip("transformers")
+
+
+def _needs(kind: str) -> None:
+    if kind.startswith("ct_"):
+        pytest.importorskip("compressed_tensors", reason="compressed-tensors (a test extra) writes these checkpoints")
+
+
+class Checkpoints:
+    """Each producer's checkpoint, written once per session on first use."""
+
+    def __init__(self, root):
+        self.root, self.paths = root, {}
+
+    def __getitem__(self, kind: str) -> str:
+        _needs(kind)
+        if kind not in self.paths:
+            self.paths[kind] = pr.write(kind, self.root / kind)
+        return self.paths[kind]
+
+
+@pytest.fixture(scope="session")
+def producer_checkpoints(tmp_path_factory):
+    return Checkpoints(tmp_path_factory.mktemp("producers"))
+
+
+def build(layout: str, path):
+    """The tiny Llama on meta, quantized like the checkpoint, placed by ``layout``, materialized."""
+    import transformers
+
+    with dq.hf.init_empty():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
+    model.to(torch.bfloat16)
+    chosen = dq.hf.quantize_like_checkpoint(model, path)
+    if layout == "tp2":
+        parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    elif layout == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh(2))
+        fully_shard(model, mesh=mesh(2))
+    return dq.hf.materialize(model, "cpu"), chosen
+
+
+def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor):
+        return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)._local_tensor
+    return full
+
+
+def load_and_check(kind: str, layout: str, path: str) -> dict:
+    model, chosen = build(layout, path)
+    result = dq.hf.load(model, path)
+    ref = pr.reference(path)
+    expected, quantized = 0, []
+    for name, p in model.named_parameters():
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        want = _local(ref[name].to(p.dtype), p)
+        if isinstance(local, dq.QuantizedTensor):
+            quantized.append(name)
+            got = local.dequantize(p.dtype)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                f"{name}: {int((got != want).sum())} of {got.numel()} values differ from the producer's"
+            )
+            expected += pr.file_bytes(kind, tuple(local.shape), tuple(p.shape))
+        else:
+            assert torch.equal(local.detach(), want), name
+            expected += local.numel() * local.element_size()
+    assert sorted(result.prequantized) == sorted(chosen) == sorted(quantized)
+    assert not result.quantized
+    assert result.bytes_read == expected, (result.bytes_read, expected)
+    return {"read": result.bytes_read, "file": result.file_bytes, "formats": sorted({str(v.fmt) for v in chosen.values()})}
+
+
+LOSSLESS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
+@pytest.mark.parametrize("kind", LOSSLESS)
+def test_prequantized_checkpoint_loads_as_stored(ranks, producer_checkpoints, kind, layout):
+    path = producer_checkpoints[kind]
+    stats = ranks(2).run(load_and_check, kind, layout, path)
+    # each of the 2 ranks reads about half the file: its shards, its half of the dense tensors, small records
+    for s in stats:
+        assert 0.4 < s["read"] / s["file"] < 0.6, s
+
+
+def test_quantize_like_checkpoint_chooses_per_layer(producer_checkpoints):
+    import transformers
+
+    path = producer_checkpoints["ct_int4"]
+    with dq.hf.init_empty():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
+    model.to(torch.bfloat16)
+    chosen = dq.hf.quantize_like_checkpoint(model, path)
+    assert len(chosen) == 14 and "lm_head.weight" not in chosen  # 7 Linears x 2 layers; lm_head as the producer left it
+    assert {str(v.fmt) for v in chosen.values()} == {"Int4Groupwise(group_size=128)"}
+    assert not isinstance(model.lm_head.weight, dq.QuantizedTensor)
+
+
+def test_a_dense_model_is_refused_naming_quantize_like_checkpoint(producer_checkpoints):
+    path = producer_checkpoints["ct_int8"]
+    with dq.hf.init_empty():
+        model = pr.tiny_llama().to("meta")
+    dq.hf.materialize(model)
+    with pytest.raises(ValueError, match="quantize_like_checkpoint"):
+        dq.hf.load(model, path)
+
+
+def test_a_model_in_another_dtype_is_refused_before_quantizing(producer_checkpoints):
+    import transformers
+
+    path = producer_checkpoints["ct_int8"]
+    with dq.hf.init_empty():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
+    with pytest.raises(ValueError, match=r"scales are torch.bfloat16"):
+        dq.hf.quantize_like_checkpoint(model, path)  # float32 model, bf16 scales
