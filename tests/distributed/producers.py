@@ -124,7 +124,7 @@ def file_bytes(kind: str, local_shape, full_shape) -> int:
     Written out per producer (not from the library): codes, then scales (and
     zero points, shape records) of the groups/rows/blocks the slice covers.
     """
-    (r, c), (_, cols) = local_shape, full_shape
+    r, c = local_shape
     if kind == "ct_int8":
         return r * c + r * 2
     if kind == "ct_fp8":

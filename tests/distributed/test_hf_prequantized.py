@@ -92,7 +92,8 @@ def load_and_check(kind: str, layout: str, path: str) -> dict:
     assert sorted(result.prequantized) == sorted(chosen) == sorted(quantized)
     assert not result.quantized
     assert result.bytes_read == expected, (result.bytes_read, expected)
-    return {"read": result.bytes_read, "file": result.file_bytes, "formats": sorted({str(v.fmt) for v in chosen.values()})}
+    formats = sorted({str(v.fmt) for v in chosen.values()})
+    return {"read": result.bytes_read, "file": result.file_bytes, "formats": formats}
 
 
 LOSSLESS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4"]
