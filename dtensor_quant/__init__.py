@@ -13,7 +13,15 @@ from . import torch_fixes as _torch_fixes  # noqa: F401  (compiled DTensors keye
 from .custom_ops import dequantize
 from .dispatch import UnsupportedOpError
 from .format import QuantFormat
-from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
+from .formats import (
+    NF4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+)
 from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .model import quantize_
@@ -34,6 +42,7 @@ __all__ = [
     "GatherQuantized",
     "InFlat",
     "Int4Groupwise",
+    "Int4GroupwiseIntZero",
     "Int8Rowwise",
     "LayoutError",
     "OneToOne",
