@@ -14,6 +14,7 @@ from .custom_ops import dequantize
 from .dispatch import UnsupportedOpError
 from .format import QuantFormat
 from .formats import (
+    MXFP4,
     NF4,
     Float8Blockwise,
     Float8Rowwise,
@@ -32,6 +33,7 @@ from .tensor import QuantizedTensor
 from .tp_plan import adapt_tp_plan
 
 __all__ = [
+    "MXFP4",
     "NF4",
     "Blocked",
     "Constant",
