@@ -13,7 +13,16 @@ from . import torch_fixes as _torch_fixes  # noqa: F401  (compiled DTensors keye
 from .custom_ops import dequantize
 from .dispatch import UnsupportedOpError
 from .format import QuantFormat
-from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
+from .formats import (
+    MXFP4,
+    NF4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+)
 from .gather_quantized import GatherQuantized, gather_quantized_
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .model import quantize_
@@ -24,6 +33,7 @@ from .tensor import QuantizedTensor
 from .tp_plan import adapt_tp_plan
 
 __all__ = [
+    "MXFP4",
     "NF4",
     "Blocked",
     "Constant",
@@ -34,6 +44,7 @@ __all__ = [
     "GatherQuantized",
     "InFlat",
     "Int4Groupwise",
+    "Int4GroupwiseIntZero",
     "Int8Rowwise",
     "LayoutError",
     "OneToOne",

@@ -345,10 +345,15 @@ def _hostile_weights():
     [
         dq.NF4(),
         dq.Int4Groupwise(128),
+        dq.Int4Groupwise(128, scale_dtype=torch.float16),
+        dq.Int4GroupwiseIntZero(128),
+        dq.Int4GroupwiseIntZero(128, scale_dtype=torch.float16),
         dq.Int8Rowwise(),
+        dq.Int8Rowwise(scale_dtype=torch.bfloat16),
         dq.Float8Rowwise(),
         dq.Float8Tensorwise(),
         dq.Float8Blockwise(32),
+        dq.Float8Blockwise(32, scale_dtype=torch.bfloat16),
     ],
     ids=str,
 )
