@@ -24,11 +24,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..format import QuantFormat, weight_layout
-from ..formats import Float8Blockwise, Float8Rowwise, Int4Groupwise, Int8Rowwise
+from ..formats import MXFP4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from ..tensor import contiguous_strides
 from .safetensors_io import Checkpoint
-from .stored import Extra, Fill, Same, Stored, Words
+from .stored import Extra, Fill, PackedCodes, Same, Stored, Transposed, Words
 from .tensors import describe
 
 
@@ -40,7 +40,6 @@ class StoredLayout:
     method: str  # the producer and scheme, for messages and LoadResult: "compressed-tensors pack-quantized ..."
     inner: tuple[tuple[str, Stored], ...]
     extras: tuple[Extra, ...] = ()
-    scale_dtype: torch.dtype | None = None  # the dtype the model must have when the format keeps scales in it
 
     def stored(self, name: str) -> Stored:
         return dict(self.inner)[name]
@@ -114,31 +113,91 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
     what = f"compressed-tensors {fmt_name} ({kind}{bits}, {strategy}{f' {group}' if group else ''}"
     what += f"{'' if sym else ', asymmetric'})"
     s_dtype = tensors[scale].dtype
+    scale_same = ("scale", Same("{key}_scale", s_dtype))
     if fmt_name == "pack-quantized" and kind == "int" and bits == 4 and packed in tensors:
         g = group if strategy == "group" else shape[1] if strategy == "channel" else None
         if g is None:
             raise ValueError(f"{key}: {what} is not read (int4 strategy {strategy!r}; group and channel are)")
-        if not sym:
-            raise ValueError(f"{key}: {what}: integer zero points need the asymmetric int4 format")
-        inner = (("qdata", Words("{key}_packed", torch.int32)), ("scale", Same("{key}_scale", s_dtype)),
-                 ("zero", Fill("", s_dtype, 0.0)))  # fmt: skip
-        return StoredLayout(Int4Groupwise(g), what, inner, (_weight_shape(key),), scale_dtype=s_dtype)
+        codes = ("qdata", Words("{key}_packed", torch.int32))
+        if sym:  # stored q + 8, no zero point: (q - 8) * scale
+            zero = ("zero", Fill("", s_dtype, 0.0))
+            return StoredLayout(Int4Groupwise(g, scale_dtype=s_dtype), what, (codes, scale_same, zero),
+                                (_weight_shape(key),))  # fmt: skip
+        # zero points packed eight per int32 down the rows, stored z + 8: the nibble is the zero of the codes
+        zero = ("zero", PackedCodes("{key}_zero_point", torch.int32, along=0, unpacked=True))
+        fmt = Int4GroupwiseIntZero(g, scale_dtype=s_dtype)
+        return StoredLayout(fmt, what, (codes, scale_same, zero), (_weight_shape(key),))
     if fmt_name in ("int-quantized", "naive-quantized") and kind == "int" and bits == 8 and key in tensors:
         if strategy != "channel" or not sym:
             raise ValueError(f"{key}: {what} is not read (int8 is read per channel, symmetric)")
-        inner = (("qdata", Same("{key}", torch.int8)), ("scale", Same("{key}_scale", s_dtype)))
-        return StoredLayout(Int8Rowwise(), what, inner, scale_dtype=s_dtype)
+        inner = (("qdata", Same("{key}", torch.int8)), scale_same)
+        return StoredLayout(Int8Rowwise(scale_dtype=s_dtype), what, inner)
     if fmt_name in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8 and key in tensors:
         if strategy == "channel":
-            inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale", Same("{key}_scale", s_dtype)))
-            return StoredLayout(Float8Rowwise(), what, inner, scale_dtype=s_dtype)
+            inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), scale_same)
+            return StoredLayout(Float8Rowwise(scale_dtype=s_dtype), what, inner)
         block = args.get("block_structure")
         if strategy == "block" and block and block[0] == block[1]:
             what = f"compressed-tensors {fmt_name} (fp8, {block[0]}x{block[1]} blocks)"
             inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale", s_dtype)))
-            return StoredLayout(Float8Blockwise(block[0]), what, inner)
+            return StoredLayout(Float8Blockwise(block[0], scale_dtype=s_dtype), what, inner)
         raise ValueError(f"{key}: {what} is not read (fp8 is read per channel or in square blocks)")
+    if fmt_name == "mxfp4-pack-quantized" and kind == "float" and bits == 4 and packed in tensors:
+        inner = (("qdata", Same("{key}_packed", torch.uint8)), ("scale", Same("{key}_scale", torch.uint8)))
+        return StoredLayout(MXFP4(), what, inner)
     raise ValueError(f"{key}: {what} has no format here that holds it as stored")
+
+
+def _g_idx(group: int, desc_act) -> Extra:
+    def check(t, shape):
+        if t.tolist() == [i // group for i in range(shape[-1])]:
+            return None
+        return (f"g_idx is not i // {group}: the checkpoint was quantized with act-order (desc_act={desc_act}), "
+                "whose groups are no blocks of the inputs; quantize it with desc_act=False, or convert it to "
+                "another layout first")  # fmt: skip
+
+    return Extra("{base}.g_idx", check, lambda shape: torch.arange(shape[-1], dtype=torch.int32) // group)
+
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _gptq_awq(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
+    """GPTQ v1 (auto-gptq, GPTQModel's ``gptq`` format) and AWQ GEMM (AutoAWQ): ``qweight``, ``qzeros``, ``scales``.
+
+    Both pack eight 4-bit codes per int32 and keep ``[in, out]`` orientation:
+    GPTQ's ``qweight`` ``[in/8, out]`` (along the inputs, code i at bits 4i),
+    AWQ's ``[in, out/8]`` (along the outputs, AWQ's interleaved order); zero
+    points ``[in/g, out/8]`` along the outputs (GPTQ stores z - 1); fp16
+    ``scales`` ``[in/g, out]``. Unpacked and transposed into
+    :class:`~dtensor_quant.Int4GroupwiseIntZero`'s ``[out, in]`` rows on the
+    read, losslessly.
+    """
+    if not key.endswith(".weight") or len(shape) != 2:
+        return None
+    base = key[: -len(".weight")]
+    if base + ".qweight" not in ckpt.tensors:
+        return None
+    gptq = _method(qc) == "gptq"
+    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    group = shape[1] if group in (None, -1) else group
+    name = "GPTQ" if gptq else "AWQ"
+    version = qc.get("checkpoint_format", "gptq") if gptq else str(qc.get("version", "gemm")).lower()
+    what = f"{name} ({version}, int{bits}, group {group}{', desc_act' if qc.get('desc_act') else ''})"
+    if bits != 4:
+        raise ValueError(f"{key}: {what}: only 4-bit GPTQ/AWQ is read")
+    if version not in ("gptq", "gemm"):
+        raise ValueError(f"{key}: {what}: only GPTQ v1 ('gptq') and AWQ GEMM checkpoints are read")
+    if not gptq and qc.get("zero_point") is False:
+        raise ValueError(f"{key}: {what}: AWQ without zero points is not read")
+    s_dtype = ckpt.tensors[base + ".scales"].dtype
+    order = (0, 1, 2, 3, 4, 5, 6, 7) if gptq else _AWQ_ORDER
+    codes = PackedCodes("{base}.qweight", torch.int32, along=0 if gptq else 1, transposed=True, order=order)
+    zero = PackedCodes("{base}.qzeros", torch.int32, along=1, transposed=True, order=order, add=1 if gptq else 0,
+                       unpacked=True)  # fmt: skip
+    inner = (("qdata", codes), ("scale", Transposed("{base}.scales", s_dtype)), ("zero", zero))
+    extras = (_g_idx(group, qc.get("desc_act")),) if gptq and base + ".g_idx" in ckpt.tensors else ()
+    return StoredLayout(Int4GroupwiseIntZero(group, scale_dtype=s_dtype), what, inner, extras)
 
 
 def _fp8_blocks(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
@@ -153,7 +212,7 @@ def _fp8_blocks(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | 
     return StoredLayout(fmt, f"fp8 ({b[0]}x{b[1]} block scales)", inner)
 
 
-PRODUCERS = {"compressed-tensors": _compressed_tensors, "fp8": _fp8_blocks}
+PRODUCERS = {"compressed-tensors": _compressed_tensors, "fp8": _fp8_blocks, "gptq": _gptq_awq, "awq": _gptq_awq}
 
 
 def register_producer(quant_method: str, detect_fn) -> None:
@@ -202,10 +261,6 @@ def check(layout: StoredLayout, key: str, t: torch.Tensor, ckpt: Checkpoint) -> 
         return [(f"{key}: the checkpoint holds it stored quantized ({layout.method}), which {layout.fmt} holds; "
                  f"the model's weight is {q.fmt}. Build the model with "
                  "dq.hf.quantize_like_checkpoint(model, path)")]  # fmt: skip
-    if layout.scale_dtype is not None and layout.scale_dtype != t.dtype:
-        errors.append(f"{key}: the checkpoint's scales are {layout.scale_dtype} and {layout.fmt} keeps its scales in "
-                      f"the model's dtype ({t.dtype}); build the model in {layout.scale_dtype} to read them as "
-                      "stored")  # fmt: skip
     for name, rels in weight_layout(q.fmt, shape).items():
         st = layout.stored(name)
         if isinstance(st, Fill):

@@ -26,10 +26,9 @@ def quantize_like_checkpoint(model: nn.Module, path) -> dict[str, StoredLayout]:
     format and the producer's scheme): exactly the weights
     :func:`~dtensor_quant.hf.load` will read as stored. Raises ``ValueError``
     on every rank, before anything is quantized, for a weight stored in a
-    layout no format holds (naming it and the scheme), or whose scales are in
-    another dtype than the model's where the format keeps scales in the
-    model's dtype (build the model in the checkpoint's dtype:
-    ``model.to(torch.bfloat16)``).
+    layout no format holds (naming it and the scheme). Scales keep the
+    checkpoint's dtype (the formats' ``scale_dtype``), so a model of any
+    dtype reads them as stored and dequantizes as the producer does.
     """
     qc = quantization_config(path)
     chosen: dict[str, StoredLayout] = {}
@@ -49,10 +48,6 @@ def quantize_like_checkpoint(model: nn.Module, path) -> dict[str, StoredLayout]:
                 if layout is None:
                     dense.add(fqn)
                     continue
-                if layout.scale_dtype is not None and layout.scale_dtype != p.dtype:
-                    errors.append(f"{key}: the checkpoint's scales are {layout.scale_dtype}, and {layout.fmt} keeps "
-                                  f"its scales in the model's dtype ({p.dtype}); build the model in "
-                                  f"{layout.scale_dtype} (model.to({layout.scale_dtype})) first")  # fmt: skip
                 chosen[key] = layout
                 by_module.setdefault(fqn, set()).add(layout.fmt)
     mixed = [fqn for fqn, fmts in by_module.items() if len(fmts) > 1 or fqn in dense]

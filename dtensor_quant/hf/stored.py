@@ -194,8 +194,8 @@ class PackedCodes(Stored):
     ``along``: the stored dim the words pack (0 or 1). ``transposed``: the
     stored tensor is ``[x, out]`` for an inner ``[out, x]``. ``order``: which
     code sits at bits ``4i`` of a word (GPTQ 0..7; AWQ 0,2,4,6,1,3,5,7).
-    ``offset``: added to the stored code to get the inner value (GPTQ v1
-    stores zero points minus one). The inner tensor holds codes either one per
+    ``add``: added to the stored code to get the inner value (GPTQ v1
+    stores zero points minus one; only for ``unpacked``). The inner tensor holds codes either one per
     element (``unpacked``: an integer dtype) or two per byte, even index in the
     low nibble (uint8 ``[out, x/2]``).
     """
@@ -233,18 +233,17 @@ class PackedCodes(Stored):
             codes = codes.t()
         if self.transposed:
             codes = codes.t()
-        codes = (codes.to(torch.int16) + self.add) & 0xF if self.add else codes
         codes = codes.contiguous()
-        if self.unpacked:
-            return codes.to(dtype)
+        if self.unpacked:  # one code per element: room for GPTQ's zero point + 1 (up to 16)
+            return (codes.to(torch.int16) + self.add).to(dtype)
         codes = codes.to(torch.uint8)
         return (codes[:, ::2] | (codes[:, 1::2] << 4)).contiguous()
 
     def to_stored(self, chunk, offset, full_shape):
-        codes = chunk.to(torch.int16) if self.unpacked else torch.stack([chunk & 0xF, chunk >> 4], -1).flatten(-2)
-        codes = codes.to(torch.int16)
-        if self.add:
-            codes = (codes - self.add) & 0xF
+        codes = chunk if self.unpacked else torch.stack([chunk & 0xF, chunk >> 4], -1).flatten(-2)
+        codes = codes.to(torch.int16) - self.add
+        if bool(((codes < 0) | (codes > 15)).any()):
+            raise ValueError(f"{self.template}: values outside {self.add}..{15 + self.add} do not fit 4-bit codes")
         o0, o1 = offset
         if not self.unpacked:
             o1 *= 2

@@ -9,9 +9,29 @@ A tiny Llama (hidden 256, MLP width 768, 2 layers) is quantized and saved by:
   ``ModelCompressor.compress_model`` (its packing), ``save_pretrained`` and
   ``update_config``: the files llm-compressor writes.
 
+- auto-gptq 0.7.1 (``gptq``, ``gptq_actorder``; installed ``--no-deps``, its
+  package ``__init__`` not run: it imports the whole library and packages a
+  CPU machine lacks): GPTQ's own ``fasterquant`` (``auto_gptq.quantization``,
+  with random calibration activations per Linear, ``torch.cuda.synchronize``
+  made a no-op on this CPU-only torch) and its ``QuantLinear.pack``
+  (``qlinear_cuda``, the v1 ``gptq`` checkpoint format); fp16 model.
+- AutoAWQ 0.2.9 (``awq``; ``--no-deps``, ``__init__`` not run): the codes,
+  scales and zero points of AWQ's round-to-nearest quantization (its
+  ``pseudo_quantize_tensor`` formula, written out here: the activation-aware
+  scale search needs calibration data and AWQ's quantizer module imports
+  ``datasets``), packed by AutoAWQ's ``WQLinear_GEMM.from_linear``; fp16.
+
+GPTQ and AWQ checkpoints are written as their libraries' ``save_quantized``
+does: the model's state dict with each Linear replaced by the packed module
+(``qweight``, ``qzeros``, ``scales``, GPTQ's ``g_idx``), and ``config.json``
+with transformers' ``GPTQConfig``/``AwqConfig`` as ``quantization_config``.
+
 Each kind's reference (:func:`reference`) is the producer's own
-dequantization; compressed-tensors': transformers' ``from_pretrained`` with
-``CompressedTensorsConfig(dequantize=True)`` (compressed-tensors decompresses).
+dequantization: compressed-tensors': transformers' ``from_pretrained`` with
+``CompressedTensorsConfig(dequantize=True)`` (compressed-tensors
+decompresses); GPTQ's: ``QuantLinear.forward``'s CPU path (applied to the
+identity, which returns its dequantized weight exactly); AWQ's:
+``awq.utils.packing_utils.dequantize_gemm``.
 References are cached beside the checkpoint (``<dir>.reference.safetensors``).
 
 Test-only: nothing here is a dependency of the library.
@@ -34,7 +54,8 @@ CT = {
     "ct_fp8_block": ("FP8_BLOCK", "float-quantized", None),
     "ct_mxfp4": ("MXFP4A16", "mxfp4-pack-quantized", None),
 }
-KINDS = tuple(CT)
+KINDS = (*CT, "gptq", "gptq_actorder", "awq")
+GROUP = 128
 
 
 def tiny_llama(dtype=torch.bfloat16, seed: int = 0):
@@ -98,6 +119,118 @@ def _ct_reference(path) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
 
 
+def producer_module(package: str, module: str):
+    """Import ``package.module`` without running the package's ``__init__`` (it imports the whole library).
+
+    Each parent package is a bare namespace pointing at its folder; only the
+    producer's own module (and what it imports) runs.
+    """
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    top = sys.modules.get(package)
+    root = top.__path__[0] if top is not None else importlib.util.find_spec(package).submodule_search_locations[0]
+    parts = module.split(".")
+    for i in range(len(parts)):
+        name = ".".join([package, *parts[:i]])
+        if name not in sys.modules:
+            stub = types.ModuleType(name)
+            stub.__path__ = [os.path.join(root, *parts[:i])]
+            sys.modules[name] = stub
+    return importlib.import_module(f"{package}.{module}")
+
+
+def _linears(model):
+    """``(parent, attribute, Linear, fqn)`` of every decoder Linear (``lm_head`` stays dense, as producers leave it)."""
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and fqn != "lm_head":
+            parent, _, attr = fqn.rpartition(".")
+            yield model.get_submodule(parent), attr, module, fqn
+
+
+def _save(model, path, quantization_config: dict) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    model.config.quantization_config = quantization_config
+    model.config.save_pretrained(path)
+
+
+def _config_dict(config) -> dict:
+    import json
+
+    return json.loads(config.to_json_string())
+
+
+def write_gptq(path, actorder: bool) -> dict[str, torch.Tensor]:
+    """GPTQ v1 (auto-gptq), 4-bit, group 128, symmetric; returns the producer's dequantization."""
+    import transformers
+
+    gptq = producer_module("auto_gptq", "quantization")
+    qlinear = producer_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
+    model, ref = tiny_llama(torch.float16), {}
+    eye = {}
+    sync, torch.cuda.synchronize = torch.cuda.synchronize, lambda *a, **k: None  # fasterquant syncs CUDA always
+    try:
+        for i, (parent, attr, lin, fqn) in enumerate(_linears(model)):
+            g = gptq.GPTQ(lin)
+            g.quantizer.configure(4, perchannel=True, sym=True, mse=False)
+            x = torch.randn(64, lin.in_features, dtype=torch.float16, generator=torch.Generator().manual_seed(i))
+            g.add_batch(x, lin(x))
+            scale, zero, g_idx = g.fasterquant(blocksize=128, percdamp=0.01, group_size=GROUP, actorder=actorder)
+            q = qlinear.QuantLinear(4, GROUP, lin.in_features, lin.out_features, False, weight_dtype=torch.float16)
+            q.pack(lin, scale, zero, g_idx)
+            n = lin.in_features
+            eye.setdefault(n, torch.eye(n, dtype=torch.float16))
+            with torch.no_grad():
+                ref[fqn + ".weight"] = q(eye[n]).t().contiguous()  # the CPU forward: scales[g_idx] * (q - z)
+            setattr(parent, attr, q)
+    finally:
+        torch.cuda.synchronize = sync
+    config = transformers.GPTQConfig(bits=4, group_size=GROUP, desc_act=actorder, sym=True)
+    _save(model, path, _config_dict(config))
+    return ref
+
+
+def write_awq(path) -> dict[str, torch.Tensor]:
+    """AWQ GEMM (AutoAWQ), 4-bit, group 128, with zero points; returns the producer's dequantization."""
+    import transformers
+
+    gemm = producer_module("awq", "modules.linear.gemm")
+    packing = producer_module("awq", "utils.packing_utils")
+    model, ref = tiny_llama(torch.float16), {}
+    for parent, attr, lin, fqn in _linears(model):
+        # AWQ's pseudo_quantize_tensor (zero_point=True), per group of 128 inputs
+        w = lin.weight.detach().float().reshape(-1, GROUP)
+        hi, lo = w.amax(1, keepdim=True), w.amin(1, keepdim=True)
+        scales = (hi - lo).clamp(min=1e-5) / 15
+        zeros = (-torch.round(lo / scales)).clamp(0, 15)
+        w = (torch.clamp(torch.round(w / scales) + zeros, 0, 15) - zeros) * scales
+        lin.weight.data = w.reshape(lin.weight.shape).half()
+        scales = scales.view(lin.out_features, -1).half().t().contiguous()
+        zeros = zeros.view(lin.out_features, -1).t().contiguous()
+        q = gemm.WQLinear_GEMM.from_linear(lin, 4, GROUP, scales=scales, zeros=zeros)
+        ref[fqn + ".weight"] = packing.dequantize_gemm(q.qweight, q.qzeros, q.scales, 4, GROUP).t().contiguous()
+        setattr(parent, attr, q)
+    config = transformers.AwqConfig(bits=4, group_size=GROUP, zero_point=True, version="gemm")
+    _save(model, path, _config_dict(config))
+    return ref
+
+
+def _dense_of(path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors other than the packed ones (embeddings, norms, lm_head)."""
+    from safetensors.torch import load_file
+
+    packed = (".qweight", ".qzeros", ".scales", ".g_idx")
+    return {k: v for k, v in load_file(str(Path(path) / "model.safetensors")).items() if not k.endswith(packed)}
+
+
 def write(kind: str, path) -> str:
     """Write checkpoint ``kind`` to ``path`` and its producer's dequantization beside it."""
     from safetensors.torch import save_file
@@ -105,6 +238,12 @@ def write(kind: str, path) -> str:
     if kind in CT:
         write_ct(kind, path)
         ref = _ct_reference(path)
+    elif kind in ("gptq", "gptq_actorder"):
+        ref = write_gptq(path, kind == "gptq_actorder")
+        ref.update(_dense_of(path))
+    elif kind == "awq":
+        ref = write_awq(path)
+        ref.update(_dense_of(path))
     else:
         raise KeyError(kind)
     save_file(ref, str(path) + ".reference.safetensors")
@@ -125,6 +264,7 @@ def file_bytes(kind: str, local_shape, full_shape) -> int:
     zero points, shape records) of the groups/rows/blocks the slice covers.
     """
     r, c = local_shape
+    full_shape = tuple(full_shape)
     if kind == "ct_int8":
         return r * c + r * 2
     if kind == "ct_fp8":
@@ -133,6 +273,13 @@ def file_bytes(kind: str, local_shape, full_shape) -> int:
         return r * c + math.ceil(r / 128) * math.ceil(c / 128) * 2
     if kind == "ct_int4":
         return r * c // 2 + r * math.ceil(c / 128) * 2 + 16
+    if kind == "ct_int4_asym":  # + zero points, 8 rows per int32
+        return r * c // 2 + r * math.ceil(c / 128) * 2 + r // 8 * math.ceil(c / 128) * 4 + 16
+    if kind == "ct_mxfp4":
+        return r * c // 2 + r * c // 32
+    if kind in ("gptq", "awq"):  # codes, fp16 scales [in/g, out], zeros [in/g, out/8] (+ GPTQ's whole g_idx)
+        groups = math.ceil(c / GROUP)
+        return r * c // 2 + groups * r * 2 + groups * r // 8 * 4 + (full_shape[1] * 4 if kind == "gptq" else 0)
     raise KeyError(kind)
 
 

@@ -25,9 +25,17 @@ pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 
 
+# The producer each kind needs (a test extra; auto-gptq and autoawq installed --no-deps, their __init__ never run).
+PRODUCER = {"ct": "compressed_tensors", "gptq": "auto_gptq", "awq": "awq"}
+
+
 def _needs(kind: str) -> None:
-    if kind.startswith("ct_"):
-        pytest.importorskip("compressed_tensors", reason="compressed-tensors (a test extra) writes these checkpoints")
+    import importlib.util
+    import sys
+
+    package = PRODUCER[kind.split("_")[0]]
+    if package not in sys.modules and importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} (a test extra: pip install '.[test]', see pyproject.toml) writes {kind} checkpoints")
 
 
 class Checkpoints:
@@ -96,11 +104,11 @@ def load_and_check(kind: str, layout: str, path: str) -> dict:
     return {"read": result.bytes_read, "file": result.file_bytes, "formats": formats}
 
 
-LOSSLESS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4"]
+KINDS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4", "ct_int4_asym", "ct_mxfp4", "gptq", "awq"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
-@pytest.mark.parametrize("kind", LOSSLESS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_prequantized_checkpoint_loads_as_stored(ranks, producer_checkpoints, kind, layout):
     path = producer_checkpoints[kind]
     stats = ranks(2).run(load_and_check, kind, layout, path)
@@ -131,11 +139,22 @@ def test_a_dense_model_is_refused_naming_quantize_like_checkpoint(producer_check
         dq.hf.load(model, path)
 
 
-def test_a_model_in_another_dtype_is_refused_before_quantizing(producer_checkpoints):
-    import transformers
-
+def test_a_float32_model_reads_bf16_scales_as_stored(producer_checkpoints):
+    """The formats keep the checkpoint's scale dtype: the values are the producer's bf16 ones, in float32."""
     path = producer_checkpoints["ct_int8"]
     with dq.hf.init_empty():
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
-    with pytest.raises(ValueError, match=r"scales are torch.bfloat16"):
-        dq.hf.quantize_like_checkpoint(model, path)  # float32 model, bf16 scales
+        model = pr.tiny_llama(torch.float32).to("meta")
+    chosen = dq.hf.quantize_like_checkpoint(model, path)
+    dq.hf.materialize(model)
+    dq.hf.load(model, path)
+    ref = pr.reference(path)
+    for key in chosen:
+        w = model.get_parameter(key)
+        assert torch.equal(w.dequantize(torch.float32), ref[key].float()), key
+
+
+def test_gptq_act_order_is_refused_naming_desc_act(producer_checkpoints):
+    path = producer_checkpoints["gptq_actorder"]
+    model = build("single", path)[0]
+    with pytest.raises(ValueError, match="desc_act=True"):
+        dq.hf.load(model, path)
