@@ -16,6 +16,7 @@ from .format import QuantFormat
 from .formats import (
     MXFP4,
     NF4,
+    BnbNF4,
     Float8Blockwise,
     Float8Rowwise,
     Float8Tensorwise,
@@ -36,6 +37,7 @@ __all__ = [
     "MXFP4",
     "NF4",
     "Blocked",
+    "BnbNF4",
     "Constant",
     "FlatBlocked",
     "Float8Blockwise",
