@@ -46,7 +46,7 @@ def random_scales(shape, dtype, seed, extremes=True):
 
 def assert_dequantizes_like(q, reference, dtypes=OUT_DTYPES):
     """``q.dequantize(dtype)`` and the fast path equal ``reference(dtype)`` bit for bit in each dtype."""
-    from dtensor_quant import unpack
+    from dtensor_quant.ops import unpack
 
     for dtype in dtypes:
         expected = reference(dtype)
@@ -250,7 +250,7 @@ def test_scale_dtype_stores_that_dtype_and_quantizes_well(fmt, wdtype):
 
 
 def test_scale_dtype_is_part_of_the_identity_and_parses():
-    from dtensor_quant.format_spec import parse_format
+    from dtensor_quant.model.format_spec import parse_format
 
     assert repr(dq.Int4Groupwise(128)) == "Int4Groupwise(group_size=128)"  # unchanged: ids and checkpoints
     assert dq.Int4Groupwise(128, "float16") == dq.Int4Groupwise(128, torch.float16) != dq.Int4Groupwise(128)

@@ -56,9 +56,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import expand_to, nibbles_into, reduce_to
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, flat_blocked
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, flat_blocked
+from ..core.reductions import expand_to, nibbles_into, reduce_to
 
 # The QLoRA paper's NF4 levels in float32 (bitsandbytes' quant_map for "nf4").
 NF4_LEVELS_F32 = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..format import QuantFormat
+from ..core.format import QuantFormat
 from ..formats import (
     MXFP4,
     NF4,
