@@ -1,5 +1,6 @@
 """Built-in formats. Each file holds one format's layout, math and kernel."""
 
+from .bnb_nf4 import BnbNF4
 from .float8 import Float8Rowwise, Float8Tensorwise
 from .float8_block import Float8Blockwise
 from .int4 import Int4Groupwise
@@ -11,6 +12,7 @@ from .nf4 import NF4
 __all__ = [
     "MXFP4",
     "NF4",
+    "BnbNF4",
     "Float8Blockwise",
     "Float8Rowwise",
     "Float8Tensorwise",

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks, nibbles_into
-from ..format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
-from ..layout import Blocked, OneToOne, Packed
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
+from ..core.layout import Blocked, OneToOne, Packed
+from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks, nibbles_into
-from ..format import QuantFormat, Reducer, compact_repr, dtype_param
-from ..layout import Blocked, OneToOne, Packed
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param
+from ..core.layout import Blocked, OneToOne, Packed
+from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
 _CODES = tuple(float(c) for c in range(16))
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks, nibbles_into
-from ..format import QuantFormat, Reducer
-from ..layout import Blocked, OneToOne, Packed
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Blocked, OneToOne, Packed
+from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
 #: The e2m1 values of codes 0-15 (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..format import QuantFormat
+from ..core.format import QuantFormat
 from ..formats import (
     MXFP4,
     NF4,
+    BnbNF4,
     Float8Blockwise,
     Float8Rowwise,
     Float8Tensorwise,
@@ -32,6 +33,7 @@ FORMATS: dict[str, QuantFormat] = {
     "nf4b64s8": NF4(64, 8),  # on 512 columns: one scaler factor per row
     "nf4b32s16": NF4(32, 16),  # on 256 columns: a scaler factor spans 2 rows
     "nf4b32s4": NF4(32, 4),  # on 256 columns: 2 scaler factors per row
+    "bnbnf4": BnbNF4(),  # bitsandbytes' NF4 arithmetic on the same blocks (8-bit dynamic absmax codes)
     "f8row": Float8Rowwise(),
     "f8tensor": Float8Tensorwise(),
     "f8block32": Float8Blockwise(32),
