@@ -126,7 +126,7 @@ def test_quantize_like_checkpoint_chooses_per_layer(producer_checkpoints):
     model.to(torch.bfloat16)
     chosen = dq.hf.quantize_like_checkpoint(model, path)
     assert len(chosen) == 14 and "lm_head.weight" not in chosen  # 7 Linears x 2 layers; lm_head as the producer left it
-    assert {str(v.fmt) for v in chosen.values()} == {"Int4Groupwise(group_size=128)"}
+    assert {v.fmt for v in chosen.values()} == {dq.Int4Groupwise(128, scale_dtype=torch.bfloat16)}
     assert not isinstance(model.lm_head.weight, dq.QuantizedTensor)
 
 
