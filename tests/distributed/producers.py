@@ -21,6 +21,11 @@ A tiny Llama (hidden 256, MLP width 768, 2 layers) is quantized and saved by:
   scale search needs calibration data and AWQ's quantizer module imports
   ``datasets``), packed by AutoAWQ's ``WQLinear_GEMM.from_linear``; fp16.
 
+- bitsandbytes 0.50 through transformers (``bnb``): ``from_pretrained`` of
+  the dense tiny Llama with ``BitsAndBytesConfig(load_in_4bit=True,
+  bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` on CPU, then
+  ``save_pretrained``: exactly the files unsloth's ``*-bnb-4bit`` models hold.
+
 GPTQ and AWQ checkpoints are written as their libraries' ``save_quantized``
 does: the model's state dict with each Linear replaced by the packed module
 (``qweight``, ``qzeros``, ``scales``, GPTQ's ``g_idx``), and ``config.json``
@@ -31,7 +36,9 @@ dequantization: compressed-tensors': transformers' ``from_pretrained`` with
 ``CompressedTensorsConfig(dequantize=True)`` (compressed-tensors
 decompresses); GPTQ's: ``QuantLinear.forward``'s CPU path (applied to the
 identity, which returns its dequantized weight exactly); AWQ's:
-``awq.utils.packing_utils.dequantize_gemm``.
+``awq.utils.packing_utils.dequantize_gemm``; bitsandbytes':
+``bitsandbytes.functional.dequantize_4bit`` of each ``Linear4bit`` that
+transformers' ``from_pretrained`` reads back from the saved files.
 References are cached beside the checkpoint (``<dir>.reference.safetensors``).
 
 Test-only: nothing here is a dependency of the library.
@@ -54,7 +61,7 @@ CT = {
     "ct_fp8_block": ("FP8_BLOCK", "float-quantized", None),
     "ct_mxfp4": ("MXFP4A16", "mxfp4-pack-quantized", None),
 }
-KINDS = (*CT, "gptq", "gptq_actorder", "awq")
+KINDS = (*CT, "gptq", "gptq_actorder", "awq", "bnb")
 GROUP = 128
 
 
@@ -223,6 +230,39 @@ def write_awq(path) -> dict[str, torch.Tensor]:
     return ref
 
 
+def write_bnb(path) -> dict[str, torch.Tensor]:
+    """bitsandbytes NF4 with double quantization, as transformers quantizes and saves it on CPU."""
+    import tempfile
+
+    import bitsandbytes as bnb
+    import transformers
+
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    with tempfile.TemporaryDirectory() as dense:
+        tiny_llama().save_pretrained(dense)
+        model = transformers.LlamaForCausalLM.from_pretrained(dense, quantization_config=config,
+                                                              dtype=torch.bfloat16, device_map="cpu")  # fmt: skip
+    model.save_pretrained(path)
+    back = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu")
+    ref = {}
+    for fqn, module in back.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            w = module.weight
+            ref[fqn + ".weight"] = bnb.functional.dequantize_4bit(w.data, w.quant_state).contiguous()
+    for name, t in back.state_dict().items():
+        if name.endswith(".weight") and name not in ref and t.is_floating_point():
+            ref[name] = t.detach().contiguous()
+    for name, t in back.named_parameters():
+        if name not in ref and t.is_floating_point():
+            ref[name] = t.detach().contiguous()
+    return ref
+
+
 def _dense_of(path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors other than the packed ones (embeddings, norms, lm_head)."""
     from safetensors.torch import load_file
@@ -244,6 +284,8 @@ def write(kind: str, path) -> str:
     elif kind == "awq":
         ref = write_awq(path)
         ref.update(_dense_of(path))
+    elif kind == "bnb":
+        ref = write_bnb(path)
     else:
         raise KeyError(kind)
     save_file(ref, str(path) + ".reference.safetensors")
@@ -257,14 +299,27 @@ def reference(path) -> dict[str, torch.Tensor]:
     return load_file(str(path) + ".reference.safetensors")
 
 
-def file_bytes(kind: str, local_shape, full_shape) -> int:
-    """Bytes of the file that hold a rank's ``local_shape`` slice of a quantized weight, counted from the layout.
+def _blocks_touched(offset, local_shape, full_shape, block: int) -> int:
+    """How many blocks of ``block`` consecutive row-major elements the slice touches."""
+    (r0, c0), (r, c), cols = offset, local_shape, full_shape[1]
+    flat = (torch.arange(r0, r0 + r)[:, None] * cols + torch.arange(c0, c0 + c)[None, :]).reshape(-1)
+    return int(torch.unique(flat // block).numel())
+
+
+def file_bytes(kind: str, offset, local_shape, full_shape) -> int:
+    """Bytes of the file that hold a rank's slice (``offset``, ``local_shape``) of a quantized weight.
 
     Written out per producer (not from the library): codes, then scales (and
     zero points, shape records) of the groups/rows/blocks the slice covers.
     """
     r, c = local_shape
     full_shape = tuple(full_shape)
+    if kind == "bnb":  # codes, one absmax code per 64 flat values, one fp32 per 16384; maps and state read once
+        return (
+            r * c // 2
+            + _blocks_touched(offset, local_shape, full_shape, 64)
+            + 4 * _blocks_touched(offset, local_shape, full_shape, 64 * 256)
+        )
     if kind == "ct_int8":
         return r * c + r * 2
     if kind == "ct_fp8":
@@ -281,6 +336,17 @@ def file_bytes(kind: str, local_shape, full_shape) -> int:
         groups = math.ceil(c / GROUP)
         return r * c // 2 + groups * r * 2 + groups * r // 8 * 4 + (full_shape[1] * 4 if kind == "gptq" else 0)
     raise KeyError(kind)
+
+
+def metadata_bytes(kind: str, path) -> int:
+    """Bytes of the per-weight records every rank reads whole once: bitsandbytes' maps and quant_state JSON."""
+    if kind != "bnb":
+        return 0  # compressed-tensors' weight_shape and GPTQ's g_idx are counted per weight in file_bytes
+    from safetensors import safe_open
+
+    ends = (".quant_map", ".nested_quant_map", ".quant_state.bitsandbytes__nf4")
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        return sum(f.get_slice(k).get_shape()[0] * (4 if "map" in k else 1) for k in f.keys() if k.endswith(ends))
 
 
 def build_all(root: Path, kinds) -> dict[str, str]:

@@ -15,6 +15,7 @@ import producers as pr
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
@@ -26,7 +27,7 @@ pytest.importorskip("transformers")
 
 
 # The producer each kind needs (a test extra; auto-gptq and autoawq installed --no-deps, their __init__ never run).
-PRODUCER = {"ct": "compressed_tensors", "gptq": "auto_gptq", "awq": "awq"}
+PRODUCER = {"ct": "compressed_tensors", "gptq": "auto_gptq", "awq": "awq", "bnb": "bitsandbytes"}
 
 
 def _needs(kind: str) -> None:
@@ -56,16 +57,19 @@ def producer_checkpoints(tmp_path_factory):
     return Checkpoints(tmp_path_factory.mktemp("producers"))
 
 
-def build(layout: str, path):
+def build(layout: str, path, dtype=torch.bfloat16):
     """The tiny Llama on meta, quantized like the checkpoint, placed by ``layout``, materialized."""
     import transformers
 
     with dq.hf.init_empty():
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
-    model.to(torch.bfloat16)
+    model.to(dtype)
     chosen = dq.hf.quantize_like_checkpoint(model, path)
     if layout == "tp2":
-        parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+        # transformers' plan; a row-parallel layer whose columns the format cannot cut (BnbNF4's flat blocks at
+        # width 768) runs column-parallel on the gathered input instead, as the planner says
+        plan, _ = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), 2)
+        parallelize_module(model, mesh(2), plan)
     elif layout == "fsdp2":
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh(2))
@@ -93,18 +97,24 @@ def load_and_check(kind: str, layout: str, path: str) -> dict:
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
                 f"{name}: {int((got != want).sum())} of {got.numel()} values differ from the producer's"
             )
-            expected += pr.file_bytes(kind, tuple(local.shape), tuple(p.shape))
+            offset = (
+                compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
+                if isinstance(p, DTensor)
+                else (0, 0)
+            )
+            expected += pr.file_bytes(kind, offset, tuple(local.shape), tuple(p.shape))
         else:
             assert torch.equal(local.detach(), want), name
             expected += local.numel() * local.element_size()
     assert sorted(result.prequantized) == sorted(chosen) == sorted(quantized)
+    expected += pr.metadata_bytes(kind, path)
     assert not result.quantized
     assert result.bytes_read == expected, (result.bytes_read, expected)
     formats = sorted({str(v.fmt) for v in chosen.values()})
     return {"read": result.bytes_read, "file": result.file_bytes, "formats": formats}
 
 
-KINDS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4", "ct_int4_asym", "ct_mxfp4", "gptq", "awq"]
+KINDS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4", "ct_int4_asym", "ct_mxfp4", "gptq", "awq", "bnb"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
@@ -158,3 +168,29 @@ def test_gptq_act_order_is_refused_naming_desc_act(producer_checkpoints):
     model = build("single", path)[0]
     with pytest.raises(ValueError, match="desc_act=True"):
         dq.hf.load(model, path)
+
+
+def tp2_logits(path: str) -> dict:
+    """Logits of the model at TP 2 and in one process (on every rank), both loaded as stored, in float32."""
+    ids = torch.randint(0, pr.hc.CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for layout in ("tp2", "single"):
+        model = build(layout, path, torch.float32)[0]
+        dq.hf.load(model, path)
+        with torch.no_grad():
+            logits = model(ids).logits
+        out[layout] = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return out
+
+
+def test_prequantized_bnb_model_runs_at_tp2(ranks, producer_checkpoints):
+    """vLLM refuses a pre-quantized bitsandbytes model at any TP > 1; here it runs, and matches one process.
+
+    Both run float32 on the same (bitsandbytes-dequantized) weights; they differ only in how the row-parallel
+    sums are split (2 partial sums all-reduced), which float32 rounds within a few ulps of the largest logit.
+    """
+    for r in ranks(2).run(tp2_logits, producer_checkpoints["bnb"]):
+        tp, one = r["tp2"], r["single"]
+        assert torch.isfinite(tp).all()
+        bound = 64 * torch.finfo(torch.float32).eps * float(one.abs().max())
+        assert float((tp - one).abs().max()) <= bound, (float((tp - one).abs().max()), bound)

@@ -25,10 +25,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ...core.format import QuantFormat, weight_layout
 from ...core.tensor import contiguous_strides
-from ...formats import MXFP4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
+from ...formats import MXFP4, BnbNF4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
+from ...formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .safetensors_io import Checkpoint
-from .stored import Extra, Fill, PackedCodes, Same, Stored, Transposed, Words
+from .stored import Extra, Fill, Flat, JsonField, PackedCodes, Same, Stored, Transposed, Words, json_of, small
 from .tensors import describe
 
 
@@ -212,7 +213,53 @@ def _fp8_blocks(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | 
     return StoredLayout(fmt, f"fp8 ({b[0]}x{b[1]} block scales)", inner)
 
 
-PRODUCERS = {"compressed-tensors": _compressed_tensors, "fp8": _fp8_blocks, "gptq": _gptq_awq, "awq": _gptq_awq}
+def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
+    """bitsandbytes NF4 with double quantization, as transformers saves it (unsloth's ``*-bnb-4bit`` models).
+
+    ``weight`` uint8 ``[n/2, 1]`` (codes over the flat weight, first in the
+    high nibble), ``.absmax`` uint8 (dynamic-map codes, one per 64 values),
+    ``.nested_absmax`` float32 (one per 256 blocks), the offset in the
+    ``.quant_state.bitsandbytes__nf4`` JSON: :class:`~dtensor_quant.BnbNF4`'s
+    inner tensors, row-major, as they are. ``quant_map`` and
+    ``nested_quant_map`` must be bitsandbytes' (they are checked, not stored).
+    """
+    if not key.endswith(".weight") or len(shape) != 2 or key + ".absmax" not in ckpt.tensors:
+        return None
+    states = sorted(k for k in ckpt.tensors if k.startswith(key + ".quant_state."))
+    if states != [key + ".quant_state.bitsandbytes__nf4"]:
+        kind = states[0].rpartition("__")[2] if states else "no quant_state"
+        raise ValueError(f"{key}: bitsandbytes {kind}: only NF4 (bnb_4bit_quant_type='nf4') is read as stored")
+    state = json_of(small(ckpt, states[0]))
+    if key + ".nested_absmax" not in ckpt.tensors or state.get("nested_blocksize") is None:
+        raise ValueError(f"{key}: bitsandbytes NF4 without double quantization (bnb_4bit_use_double_quant=False) "
+                         "is not read; BnbNF4 holds the double-quantized layout")  # fmt: skip
+    fmt = BnbNF4(int(state["blocksize"]), int(state["nested_blocksize"]))
+    inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("absmax", Flat("{key}.absmax", torch.uint8)),
+             ("nested_absmax", Flat("{key}.nested_absmax", torch.float32)),
+             ("offset", JsonField("{key}.quant_state.bitsandbytes__nf4", torch.uint8, "nested_offset")))  # fmt: skip
+
+    def same(want):
+        return lambda t, shape: None if torch.equal(t, want) else "not bitsandbytes' map; BnbNF4 computes with that"
+
+    def state_fits(t, shape):
+        js = json_of(t)
+        want = {"quant_type": "nf4", "shape": list(shape), "nested_dtype": "float32"}
+        bad = {k: js.get(k) for k, v in want.items() if js.get(k) != v}
+        return f"{bad} (expected {want})" if bad else None
+
+    extras = (Extra("{key}.quant_map", same(torch.tensor(NF4_LEVELS_F32, dtype=torch.float32))),
+              Extra("{key}.nested_quant_map", same(dynamic_map())),
+              Extra("{key}.quant_state.bitsandbytes__nf4", state_fits))  # fmt: skip
+    return StoredLayout(fmt, f"bitsandbytes nf4 (double quantization, blocks {fmt.block_size})", inner, extras)
+
+
+PRODUCERS = {
+    "compressed-tensors": _compressed_tensors,
+    "fp8": _fp8_blocks,
+    "gptq": _gptq_awq,
+    "awq": _gptq_awq,
+    "bitsandbytes": _bitsandbytes,
+}
 
 
 def register_producer(quant_method: str, detect_fn) -> None:
@@ -263,21 +310,12 @@ def check(layout: StoredLayout, key: str, t: torch.Tensor, ckpt: Checkpoint) -> 
                  "dq.hf.quantize_like_checkpoint(model, path)")]  # fmt: skip
     for name, rels in weight_layout(q.fmt, shape).items():
         st = layout.stored(name)
-        if isinstance(st, Fill):
-            continue
-        k = st.key(key)
-        try:
-            want = (st.dtype, st.stored_shape(entry_shape(rels, shape)))
-        except ValueError as e:
-            errors.append(f"{key}: {e}")
-            continue
-        got = (ckpt.tensors[k].dtype, ckpt.tensors[k].shape) if k in ckpt.tensors else None
-        if got != want:
-            errors.append(f"{key}: {layout} of shape {list(shape)} needs {k} as {want[0]} {list(want[1])}, "
-                          f"the checkpoint has {'nothing' if got is None else f'{got[0]} {list(got[1])}'}")  # fmt: skip
+        why = st.mismatch(ckpt.tensors.get(st.key(key)), entry_shape(rels, shape))
+        if why:
+            errors.append(f"{key}: {layout} of shape {list(shape)} needs {st.key(key)} {why}")
     for extra in layout.extras:
         k = extra.key(key)
-        why = "missing" if k not in ckpt.tensors else extra.check(ckpt.read(k), shape)
+        why = "missing" if k not in ckpt.tensors else extra.check(small(ckpt, k), shape)
         if why:
             errors.append(f"{key}: {k}: {why}")
     return errors

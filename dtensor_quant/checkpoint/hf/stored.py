@@ -19,11 +19,22 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .safetensors_io import Checkpoint
+
+_SMALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def small(ckpt: Checkpoint, key: str) -> torch.Tensor:
+    """A small checkpoint tensor (a record, a map, a JSON state), read whole once per checkpoint and process."""
+    cache = _SMALL.setdefault(ckpt, {})
+    if key not in cache:
+        cache[key] = ckpt.read(key)
+    return cache[key]
 
 
 def _key(template: str, key: str) -> str:
@@ -57,6 +68,19 @@ class Stored:
     def write_alignment(self, ndim: int) -> tuple[int, ...]:
         """Per inner dim, the multiple a chunk's boundary must be on to be written without touching a neighbour's."""
         return (1,) * ndim
+
+    def mismatch(self, info, shape) -> str | None:
+        """Why the checkpoint's tensor (``info``: dtype and shape, or None) cannot hold an inner tensor of ``shape``."""
+        try:
+            want = (self.dtype, self.stored_shape(tuple(shape)))
+        except ValueError as e:
+            return str(e)
+        got = None if info is None else (info.dtype, tuple(info.shape))
+        if got == want:
+            return None
+        return f"as {want[0]} {list(want[1])}, the checkpoint has " + (
+            "nothing" if got is None else f"{got[0]} {list(got[1])}"
+        )
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,9 @@ class Fill(Stored):
 
     def to_stored(self, chunk, offset, full_shape):
         return tuple(offset), None
+
+    def mismatch(self, info, shape):
+        return None
 
     def holds(self, chunk: torch.Tensor) -> bool:
         """Whether ``chunk`` is exactly the constant (a model whose values changed cannot be written this way)."""
@@ -260,6 +287,66 @@ class PackedCodes(Stored):
         align = [1, 1]
         align[a] = 8 if (self.unpacked or a == 0) else 4
         return tuple(align)
+
+
+def _flat_runs(offset, shape, full_shape):
+    """``[a, b)`` runs of the row-major flat index that chunk ``[offset, offset + shape)`` of ``full_shape`` covers."""
+    if len(full_shape) == 1:
+        return [(offset[0], offset[0] + shape[0])] if shape[0] else []
+    (o0, o1), (n0, n1), (_, cols) = offset[-2:], shape[-2:], full_shape[-2:]
+    if n1 == cols:
+        return [(o0 * cols, (o0 + n0) * cols)] if n0 else []
+    return [((o0 + i) * cols + o1, (o0 + i) * cols + o1 + n1) for i in range(n0)] if n1 else []
+
+
+@dataclass(frozen=True)
+class Flat(Stored):
+    """An inner tensor whose row-major bytes a flat tensor stores (bitsandbytes' ``weight`` ``[n/2, 1]``, ``absmax``).
+
+    ``trailing``: the stored tensor's dims after the flat one (``(1,)`` for ``[n, 1]``).
+    """
+
+    trailing: tuple[int, ...] = ()
+
+    def stored_shape(self, shape):
+        return (math.prod(shape), *self.trailing)
+
+    def read(self, ckpt, key, offset, shape, full_shape, dtype):
+        pad = (0,) * len(self.trailing)
+        parts = [ckpt.read(self.key(key), (a, *pad), (b - a, *self.trailing)).reshape(-1)
+                 for a, b in _flat_runs(offset, shape, full_shape)]  # fmt: skip
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+        return out.reshape(tuple(shape)).to(dtype)
+
+    def to_stored(self, chunk, offset, full_shape):
+        runs = _flat_runs(offset, tuple(chunk.shape), full_shape)
+        if len(runs) > 1:
+            raise ValueError(f"{self.template}: a column shard of a flat tensor is no single run of it")
+        start = runs[0][0] if runs else 0
+        return (start, *(0,) * len(self.trailing)), chunk.reshape(-1, *self.trailing).to(self.dtype)
+
+
+@dataclass(frozen=True)
+class JsonField(Stored):
+    """A constant inner tensor held as one number of a JSON document stored as uint8 (bitsandbytes' quant_state)."""
+
+    field: str = ""
+
+    def read(self, ckpt, key, offset, shape, full_shape, dtype):
+        return torch.full(tuple(shape), float(json_of(small(ckpt, self.key(key)))[self.field]), dtype=dtype)
+
+    def to_stored(self, chunk, offset, full_shape):
+        return tuple(offset), None
+
+    def mismatch(self, info, shape):
+        return None if info is not None and info.dtype == torch.uint8 and len(info.shape) == 1 else "missing"
+
+
+def json_of(t: torch.Tensor) -> dict:
+    """The JSON document a uint8 tensor holds (bitsandbytes' ``quant_state.bitsandbytes__nf4``)."""
+    import json
+
+    return json.loads(bytes(t.reshape(-1).tolist()).decode())
 
 
 @dataclass(frozen=True)
