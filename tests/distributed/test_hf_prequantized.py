@@ -46,6 +46,11 @@ class Checkpoints:
         self.root, self.paths = root, {}
 
     def __getitem__(self, kind: str) -> str:
+        if kind == "dense":
+            if kind not in self.paths:
+                pr.tiny_llama().save_pretrained(self.root / kind)
+                self.paths[kind] = str(self.root / kind)
+            return self.paths[kind]
         _needs(kind)
         if kind not in self.paths:
             self.paths[kind] = pr.write(kind, self.root / kind)
@@ -194,3 +199,97 @@ def test_prequantized_bnb_model_runs_at_tp2(ranks, producer_checkpoints):
         assert torch.isfinite(tp).all()
         bound = 64 * torch.finfo(torch.float32).eps * float(one.abs().max())
         assert float((tp - one).abs().max()) <= bound, (float((tp - one).abs().max()), bound)
+
+
+# -- back out: compressed-tensors, which vLLM and transformers read ----------------------------------------------
+
+EXPORTS = {
+    "int8": {"proj": dq.Int8Rowwise()},
+    "int4z": {"proj": dq.Int4GroupwiseIntZero(128)},
+    "fp8": {"proj": dq.Float8Rowwise()},
+    "fp8block": {"proj": dq.Float8Blockwise(128, scale_dtype=torch.bfloat16)},
+    "mxfp4": {"proj": dq.MXFP4()},
+    # three schemes in one model: compressed-tensors groups them (transformers' dequantizing reader takes one
+    # scheme for all dense layers, so this one is read back by this library only)
+    "mixed": {"self_attn": dq.Int8Rowwise(), "gate_proj": dq.Int4GroupwiseIntZero(128),
+              "up_proj": dq.Int4GroupwiseIntZero(128), "down_proj": dq.Float8Rowwise()},
+}  # fmt: skip
+
+
+def export_tp2(src: str, out: str, name: str) -> dict:
+    """A TP-2 model, quantized on load from a dense checkpoint, saved as compressed-tensors.
+
+    Returns rank 0's view of every quantized weight, gathered and dequantized (the values the export must keep).
+    """
+    import transformers
+
+    with dq.hf.init_empty():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
+    model.to(torch.bfloat16)
+    for part, fmt in EXPORTS[name].items():
+        dq.quantize_(model, fmt, filter_fn=lambda m, fqn, part=part: part in fqn and fqn != "lm_head")
+    parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    dq.hf.materialize(model)
+    dq.hf.load(model, src)
+    dq.hf.save(model, out, quantization="compressed-tensors")
+    return {n: p.full_tensor().dequantize() for n, p in model.named_parameters()
+            if isinstance(p, DTensor) and isinstance(p.to_local(), dq.QuantizedTensor)}  # fmt: skip
+
+
+def reload_tp2(path: str, want: dict) -> list[str]:
+    """The export read back as stored into a TP-2 model: the same values."""
+    model = build("tp2", path)[0]
+    result = dq.hf.load(model, path)
+    for name, p in model.named_parameters():
+        if name in want:
+            assert torch.equal(p.full_tensor().dequantize(), want[name]), name
+    return sorted(result.prequantized)
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_tp2_model_saves_as_compressed_tensors_and_reloads(ranks, producer_checkpoints, tmp_path, name):
+    import json
+
+    import transformers
+
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors (a test extra) reads the export")
+    out = str(tmp_path / "ct")
+    want = ranks(2).run(export_tp2, producer_checkpoints["dense"], out, name)[0]
+    assert len(want) == 14
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head"] and len(config["config_groups"]) == len(set(EXPORTS[name].values()))
+    if name != "mixed":
+        # compressed-tensors, through transformers, decompresses every weight to the model's values
+        back = transformers.AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)
+        ).state_dict()
+        for key, values in want.items():
+            assert torch.equal(back[key].view(torch.int16), values.view(torch.int16)), key
+    # and this library reads it back as stored, at TP 2, to the same values
+    assert ranks(2).run(reload_tp2, out, want)[0] == sorted(want)
+
+
+def resave(src: str, out: str) -> None:
+    model = build("tp2", src)[0]
+    dq.hf.load(model, src)
+    dq.hf.save(model, out, quantization="compressed-tensors")
+
+
+@pytest.mark.parametrize("kind", ["ct_int4", "ct_int4_asym", "ct_fp8_block"])
+def test_compressed_tensors_checkpoint_saves_back_byte_for_byte(ranks, producer_checkpoints, tmp_path, kind):
+    """Loaded as stored at TP 2 and saved as compressed-tensors: every quantized tensor of the file, as it was."""
+    src = producer_checkpoints[kind]
+    ranks(2).run(resave, src, str(tmp_path / "out"))
+    before, after = pr.hc.read_all(src), pr.hc.read_all(tmp_path / "out")
+    quantized = [k for k in before if k.endswith(("_packed", "_scale", "_zero_point", "_shape")) or
+                 before[k].dtype in (torch.int8, torch.float8_e4m3fn)]  # fmt: skip
+    assert quantized and set(quantized) <= set(after)
+    for k in quantized:
+        assert torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)), k
+
+
+def test_a_format_compressed_tensors_cannot_express_is_refused(tmp_path):
+    model = pr.tiny_llama()
+    dq.quantize_(model, dq.NF4(), filter_fn=lambda m, fqn: fqn.endswith("q_proj"))
+    with pytest.raises(ValueError, match="no scheme for NF4"):
+        dq.hf.save(model, tmp_path / "x", quantization="compressed-tensors")

@@ -72,7 +72,9 @@ def _method(qc: dict | None) -> str | None:
 # -- producers ------------------------------------------------------------------------------------
 
 
-def _weight_shape(key: str) -> Extra:
+def weight_shape_record() -> Extra:
+    """compressed-tensors' ``{key}_shape``: int64 ``[out, in]`` of a packed weight."""
+
     def check(t, shape):
         if t.ndim != 1 or t.tolist() != list(shape[-2:]):
             return f"weight_shape is {t.tolist()}, the model's weight is {list(shape)}"
@@ -82,13 +84,14 @@ def _weight_shape(key: str) -> Extra:
 
 
 def _ct_target(target: str, name: str) -> bool:
+    """compressed-tensors' matching of a target: ``re:`` a regex, else the exact module name or a class name."""
     import re
 
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     if target[:1].isupper() and "." not in target:  # a module class name ("Linear"): the headers decide
         return True
-    return name == target or name.endswith("." + target)
+    return name == target
 
 
 def _ct_scheme(qc: dict, module: str) -> dict | None:
@@ -123,11 +126,11 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
         if sym:  # stored q + 8, no zero point: (q - 8) * scale
             zero = ("zero", Fill("", s_dtype, 0.0))
             return StoredLayout(Int4Groupwise(g, scale_dtype=s_dtype), what, (codes, scale_same, zero),
-                                (_weight_shape(key),))  # fmt: skip
+                                (weight_shape_record(),))  # fmt: skip
         # zero points packed eight per int32 down the rows, stored z + 8: the nibble is the zero of the codes
         zero = ("zero", PackedCodes("{key}_zero_point", torch.int32, along=0, unpacked=True))
         fmt = Int4GroupwiseIntZero(g, scale_dtype=s_dtype)
-        return StoredLayout(fmt, what, (codes, scale_same, zero), (_weight_shape(key),))
+        return StoredLayout(fmt, what, (codes, scale_same, zero), (weight_shape_record(),))
     if fmt_name in ("int-quantized", "naive-quantized") and kind == "int" and bits == 8 and key in tensors:
         if strategy != "channel" or not sym:
             raise ValueError(f"{key}: {what} is not read (int8 is read per channel, symmetric)")

@@ -20,12 +20,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ...core.tensor import QuantizedTensor
-from ..state_dict import canonical_view, entry_placements, entry_shape
+from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
+from .export_ct import QUANTIZATIONS, CompressedTensorsExport
 from .safetensors_io import INDEX, NAMES, SINGLE, byte_runs
 from .tensors import describe, local_slice, local_tensor, model_tensors, stored_suffixes
 
 
-def _export_tensors(model: nn.Module, dtype: torch.dtype, merge_lora: bool):
+def _export_tensors(model: nn.Module, dtype: torch.dtype, merge_lora: bool, export=None):
     """``(key, dtype, global shape, offset, writes, fetch)`` for every tensor of the export.
 
     ``fetch()`` makes this rank's slice (dequantized, merged) only when it is
@@ -37,6 +38,12 @@ def _export_tensors(model: nn.Module, dtype: torch.dtype, merge_lora: bool):
             if not merge_lora:
                 name = next(n for n, p in lora.named_parameters() if p is t)
                 yield from _dense_item(_lora_key(model, lora) + name, t, dtype, writes, lambda t=t: local_tensor(t))
+            continue
+        if export is not None and is_quantized(t):  # a producer's layout (quantization="compressed-tensors")
+            if lora is not None and merge_lora:
+                raise ValueError(f"{key}: merging LoRA adapters would change its stored bytes; merge first "
+                                 "(dq.lora.merge_) or save with merge_lora=False")  # fmt: skip
+            yield from export.items(key, t, writes)
             continue
         suffixes = stored_suffixes(t)
         if suffixes is not None and lora is not None and merge_lora:
@@ -114,6 +121,7 @@ def save(
     dtype: torch.dtype = torch.bfloat16,
     merge_lora: bool = True,
     max_shard_bytes: int = 5 << 30,
+    quantization: str | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``from_pretrained`` reads.
 
@@ -125,10 +133,23 @@ def save(
     ``<layer>.lora_a.weight``/``lora_b.weight`` beside the base weight).
     ``model.config`` (transformers) is saved alongside. Files over
     ``max_shard_bytes`` are split with an index.
+
+    ``quantization="compressed-tensors"``: every quantized weight is written
+    in compressed-tensors' layout instead (the formats it can express, as
+    their stored bytes: :mod:`~dtensor_quant.checkpoint.hf.export_ct`), with
+    its ``quantization_config``, for vLLM and transformers; a weight it cannot
+    express raises ``ValueError`` on every rank before any file is written.
     """
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    items = list(_export_tensors(model, dtype, merge_lora))
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"save(quantization={quantization!r}): known are {QUANTIZATIONS}, or None (as stored)")
+    export = CompressedTensorsExport() if quantization == "compressed-tensors" else None
+    items = list(_export_tensors(model, dtype, merge_lora, export))
+    quant = None
+    if export is not None:
+        dense = [f for f, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
+        quant = export.config(dense)
     files = _layout(items, max_shard_bytes)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -145,7 +166,7 @@ def save(
             (path / INDEX).write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
             )
-        _save_config(model, path)
+        _save_config(model, path, quant)
     if dist.is_initialized():
         dist.barrier()
     where = {k: (name, len(h) + e["data_offsets"][0]) for name, (h, _) in files.items() for k, e in _keys(h).items()}
@@ -196,22 +217,26 @@ def _layout(items, max_shard_bytes: int) -> dict[str, tuple[bytes, int]]:
     return out
 
 
-def _save_config(model: nn.Module, path: Path) -> None:
+def _save_config(model: nn.Module, path: Path, quant: dict | None = None) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
-    quant = {}
-    for _, _, t in model_tensors(model):
-        if stored_suffixes(t) is not None:
-            local = t._local_tensor if isinstance(t, DTensor) else t
-            quant = local.fmt.hf_quantization_config or quant
-    previous = getattr(config, "quantization_config", None)
+    if quant is None:
+        quant = {}
+        for _, _, t in model_tensors(model):
+            if stored_suffixes(t) is not None:
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                quant = local.fmt.hf_quantization_config or quant
+    # The source checkpoint's quantization_config (a config read from a GPTQ directory) describes other files.
+    had = "quantization_config" in config.__dict__
+    previous = config.__dict__.pop("quantization_config", None)
     if quant:
         config.quantization_config = quant
     try:
         config.save_pretrained(path)
     finally:
-        if quant:
+        config.__dict__.pop("quantization_config", None)
+        if had:
             config.quantization_config = previous
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
