@@ -16,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 CONFIG = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": False}  # fmt: skip
 TARGETS = (".q_proj.weight", ".v_proj.weight", ".down_proj.weight")
-FORMATS = [dq.Int8Rowwise(), dq.Int4GroupwiseIntZero(128),
-           pytest.param(dq.NF4(), marks=pytest.mark.slow), pytest.param(dq.Float8Blockwise(128), marks=pytest.mark.slow)]  # fmt: skip
+SLOW = pytest.mark.slow
+FORMATS = [dq.Int8Rowwise(), dq.Int4GroupwiseIntZero(128), pytest.param(dq.NF4(), marks=SLOW),
+           pytest.param(dq.Float8Blockwise(128), marks=SLOW)]  # fmt: skip
 
 
 def _model():
