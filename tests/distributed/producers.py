@@ -166,6 +166,7 @@ def _save(model, path, quantization_config: dict) -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
     model.config.quantization_config = quantization_config
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
     model.config.save_pretrained(path)
 
 

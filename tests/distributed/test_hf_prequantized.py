@@ -293,3 +293,23 @@ def test_a_format_compressed_tensors_cannot_express_is_refused(tmp_path):
     dq.quantize_(model, dq.NF4(), filter_fn=lambda m, fqn: fqn.endswith("q_proj"))
     with pytest.raises(ValueError, match="no scheme for NF4"):
         dq.hf.save(model, tmp_path / "x", quantization="compressed-tensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bnb", "gptq"])
+def test_hf_tp_inference_example_serves_a_prequantized_checkpoint(producer_checkpoints, kind):
+    """examples/hf_tp_inference.py on a producer's checkpoint: read as stored at TP 2, tokens equal to one process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "hf_tp_inference.py"), producer_checkpoints[kind], "--world", "2"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "14 quantized weights, 14 read as stored" in out.stdout, out.stdout
+    assert "tokens equal to the one-process quantized model on every rank: True" in out.stdout, out.stdout
