@@ -55,7 +55,8 @@ def quantize_like_checkpoint(model: nn.Module, path) -> dict[str, StoredLayout]:
         errors.append(f"modules whose weights the checkpoint stores in different formats (or some dense): {mixed[:5]}")
     if errors:
         raise ValueError(f"quantize_like_checkpoint({path}):\n  " + "\n  ".join(errors))
+    flipped = {key for key, layout in chosen.items() if layout.transposed}  # [E, in, out] experts (gpt-oss)
     for fmt in {next(iter(fmts)) for fmts in by_module.values()}:
         picked = {fqn for fqn, fmts in by_module.items() if fmt in fmts}
-        quantize_(model, fmt, filter_fn=lambda m, fqn, picked=picked: fqn in picked)
+        quantize_(model, fmt, filter_fn=lambda m, fqn, picked=picked: fqn in picked, transposed=flipped.__contains__)
     return chosen

@@ -61,7 +61,11 @@ CT = {
     "ct_fp8_block": ("FP8_BLOCK", "float-quantized", None),
     "ct_mxfp4": ("MXFP4A16", "mxfp4-pack-quantized", None),
 }
-KINDS = (*CT, "gptq", "gptq_actorder", "awq", "bnb")
+KINDS = (*CT, "gptq", "gptq_actorder", "awq", "bnb", "gptoss")
+# A tiny gpt-oss: 4 experts of width 256 (gate_up [E, 256, 512], down [E, 256, 256] as transformers holds them).
+GPTOSS = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 4,
+          "num_experts_per_tok": 2, "layer_types": ["full_attention"] * 2}  # fmt: skip
 GROUP = 128
 
 
@@ -264,6 +268,54 @@ def write_bnb(path) -> dict[str, torch.Tensor]:
     return ref
 
 
+def tiny_gptoss(dtype=torch.bfloat16, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(**GPTOSS)).to(dtype)
+
+
+def write_gptoss(path) -> dict[str, torch.Tensor]:
+    """gpt-oss's layout: each fused expert stack as ``{key}_blocks`` u8 ``[E, out, in/32, 16]`` and ``{key}_scales``.
+
+    OpenAI's own quantizer is not public and transformers' needs a GPU
+    (triton kernels), so each expert's ``[out, in]`` matrix is quantized by
+    compressed-tensors' MXFP4 (``calculate_qparams`` and
+    ``MXFP4PackedCompressor.compress``: the same e2m1 codes, low nibble
+    first, and e8m0 exponents) and laid out as gpt-oss stores it. The
+    reference is transformers' gpt-oss dequantizer, ``convert_moe_packed_tensors``.
+    """
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model, scheme = tiny_gptoss(), preset_name_to_scheme("MXFP4A16", ["Linear"])
+    state, ref = {k: v.contiguous() for k, v in model.state_dict().items()}, {}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stack = state.pop(key)  # [E, in, out]
+        blocks, scales = [], []
+        for w in stack.transpose(-2, -1):  # each expert [out, in]
+            g = w.unflatten(-1, (-1, 32))
+            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+            packed = MXFP4PackedCompressor.compress({"weight": w.contiguous(), "weight_scale": scale}, scheme)
+            blocks.append(packed["weight_packed"].reshape(w.shape[0], -1, 16))
+            scales.append(packed["weight_scale"])
+        state[key + "_blocks"], state[key + "_scales"] = torch.stack(blocks), torch.stack(scales)
+        ref[key] = convert_moe_packed_tensors(state[key + "_blocks"], state[key + "_scales"], dtype=torch.bfloat16)
+        assert ref[key].shape == stack.shape, (ref[key].shape, stack.shape)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                        "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    ref.update({k: v for k, v in state.items() if not k.endswith(("_blocks", "_scales"))})
+    return ref
+
+
 def _dense_of(path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors other than the packed ones (embeddings, norms, lm_head)."""
     from safetensors.torch import load_file
@@ -287,6 +339,8 @@ def write(kind: str, path) -> str:
         ref.update(_dense_of(path))
     elif kind == "bnb":
         ref = write_bnb(path)
+    elif kind == "gptoss":
+        ref = write_gptoss(path)
     else:
         raise KeyError(kind)
     save_file(ref, str(path) + ".reference.safetensors")
@@ -313,6 +367,8 @@ def file_bytes(kind: str, offset, local_shape, full_shape) -> int:
     Written out per producer (not from the library): codes, then scales (and
     zero points, shape records) of the groups/rows/blocks the slice covers.
     """
+    if kind == "gptoss":  # a local [E, in, out] stack: codes and one exponent per 32 inputs of each expert
+        return math.prod(local_shape) // 2 + math.prod(local_shape) // 32
     r, c = local_shape
     full_shape = tuple(full_shape)
     if kind == "bnb":  # codes, one absmax code per 64 flat values, one fp32 per 16384; maps and state read once

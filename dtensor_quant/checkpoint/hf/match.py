@@ -125,7 +125,7 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             k + s for k in names for s in ("_scale_inv", "_scale", "_scales", "_blocks") if k + s in ckpt.tensors
         ]
         dense_float = info.dtype.is_floating_point and info.dtype.itemsize >= 2
-        if (is_quantized(t) and not dense_float) or (companions and not dense_float):
+        if not dense_float and (is_quantized(t) or companions or t.is_floating_point()):
             kind = "error"
             errors.append(f"{key}: the checkpoint holds it stored quantized ({names[0]} is {info.dtype}"
                           f"{', with ' + ', '.join(companions) if companions else ''}), the model's weight is "

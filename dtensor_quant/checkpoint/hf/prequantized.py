@@ -29,7 +29,7 @@ from ...formats import MXFP4, BnbNF4, Float8Blockwise, Float8Rowwise, Int4Groupw
 from ...formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .safetensors_io import Checkpoint
-from .stored import Extra, Fill, Flat, JsonField, PackedCodes, Same, Stored, Transposed, Words, json_of, small
+from .stored import Extra, Fill, Flat, JsonField, PackedCodes, Reshaped, Same, Stored, Transposed, Words, json_of, small
 from .tensors import describe
 
 
@@ -41,6 +41,8 @@ class StoredLayout:
     method: str  # the producer and scheme, for messages and LoadResult: "compressed-tensors pack-quantized ..."
     inner: tuple[tuple[str, Stored], ...]
     extras: tuple[Extra, ...] = ()
+    #: The model holds the weight ``[..., in, out]`` (``x @ W``): quantized as its transpose, ``[..., out, in]``.
+    transposed: bool = False
 
     def stored(self, name: str) -> Stored:
         return dict(self.inner)[name]
@@ -226,7 +228,11 @@ def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout 
     inner tensors, row-major, as they are. ``quant_map`` and
     ``nested_quant_map`` must be bitsandbytes' (they are checked, not stored).
     """
-    if not key.endswith(".weight") or len(shape) != 2 or key + ".absmax" not in ckpt.tensors:
+    if not key.endswith(".weight") or len(shape) != 2:
+        return None
+    if key + ".SCB" in ckpt.tensors:
+        raise ValueError(f"{key}: bitsandbytes 8-bit (LLM.int8, load_in_8bit) is not read as stored; only NF4 is")
+    if key + ".absmax" not in ckpt.tensors:
         return None
     states = sorted(k for k in ckpt.tensors if k.startswith(key + ".quant_state."))
     if states != [key + ".quant_state.bitsandbytes__nf4"]:
@@ -256,12 +262,32 @@ def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout 
     return StoredLayout(fmt, f"bitsandbytes nf4 (double quantization, blocks {fmt.block_size})", inner, extras)
 
 
+def _mxfp4_experts(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
+    """gpt-oss's MXFP4 experts (``quant_method: mxfp4``): ``{key}_blocks`` u8 ``[E, out, in/32, 16]``, ``{key}_scales``.
+
+    transformers' model holds the experts as ``[E, in, out]`` (``x @ W[e]``);
+    the file stores each expert ``[out, in]`` with its blocks along the
+    inputs: :class:`~dtensor_quant.MXFP4`'s codes and exponents as they are,
+    the model's parameter the transposed view.
+    """
+    if len(shape) != 3 or key + "_blocks" not in ckpt.tensors:
+        return None
+    experts, n_in, n_out = shape
+    blocks, scales = ckpt.tensors[key + "_blocks"], ckpt.tensors.get(key + "_scales")
+    if tuple(blocks.shape) != (experts, n_out, n_in // 32, 16) or scales is None:
+        raise ValueError(f"{key}: {key}_blocks is {list(blocks.shape)}, the model's experts {list(shape)} [E, in, out] "
+                         f"need [{experts}, {n_out}, {n_in // 32}, 16] and {key}_scales")  # fmt: skip
+    inner = (("qdata", Reshaped("{key}_blocks", torch.uint8, 16)), ("scale", Same("{key}_scales", torch.uint8)))
+    return StoredLayout(MXFP4(), "mxfp4 (gpt-oss experts)", inner, transposed=True)
+
+
 PRODUCERS = {
     "compressed-tensors": _compressed_tensors,
     "fp8": _fp8_blocks,
     "gptq": _gptq_awq,
     "awq": _gptq_awq,
     "bitsandbytes": _bitsandbytes,
+    "mxfp4": _mxfp4_experts,
 }
 
 
@@ -305,8 +331,12 @@ def check(layout: StoredLayout, key: str, t: torch.Tensor, ckpt: Checkpoint) -> 
 
     Reads the layout's extras (small) on every rank.
     """
-    q, _, _, shape = canonical_view(t, key)
+    q, _, to_canonical, shape = canonical_view(t, key)
     errors = []
+    if layout.transposed != (to_canonical != tuple(range(len(shape)))):
+        return [(f"{key}: the model's quantized weight {'is not' if layout.transposed else 'is'} the transposed view "
+                 f"of a [..., out, in] weight, and {layout.method} needs it {'' if layout.transposed else 'not '}"
+                 "transposed; build the model with dq.hf.quantize_like_checkpoint(model, path)")]  # fmt: skip
     if q.fmt != layout.fmt:
         return [(f"{key}: the checkpoint holds it stored quantized ({layout.method}), which {layout.fmt} holds; "
                  f"the model's weight is {q.fmt}. Build the model with "
