@@ -85,6 +85,13 @@ def build(layout: str, path, dtype=torch.bfloat16):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh(2))
         fully_shard(model, mesh=mesh(2))
+    elif layout == "2d":  # FSDP2 over TP on a 2 x 2 mesh
+        m = mesh(2, 2)
+        plan, _ = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), m["tp"])
+        parallelize_module(model, m["tp"], plan)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=m["dp"])
+        fully_shard(model, mesh=m["dp"])
     return dq.hf.materialize(model, "cpu"), chosen
 
 
@@ -126,6 +133,13 @@ def load_and_check(kind: str, layout: str, path: str) -> dict:
 
 
 KINDS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4", "ct_int4_asym", "ct_mxfp4", "gptq", "awq", "bnb"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ct_int4", "gptq", "bnb"])
+def test_prequantized_checkpoint_loads_as_stored_fsdp2_over_tp(ranks, producer_checkpoints, kind):
+    """2-D: FSDP2 over TP on 2 x 2 ranks, where the layout allows (rows of 128 groups, 8-row zero words, factors)."""
+    ranks(4).run(load_and_check, kind, "2d", producer_checkpoints[kind])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
