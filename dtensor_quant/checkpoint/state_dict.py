@@ -52,6 +52,7 @@ from ..core.layout import (
     inner_slice,
     partial_refused,
 )
+from ..core.notes import watch
 from ..core.tensor import QuantizedTensor, contiguous_strides
 from ..dist.quantize import quantize
 from ..ops.layout_ops import canonical_dims, canonical_inner
@@ -241,8 +242,14 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
 
 
 def to_entries(value, key: str = "weight") -> dict:
-    """The state-dict form of a quantized weight (entries alias its inner tensors)."""
+    """The state-dict form of a quantized weight (entries alias its inner tensors).
+
+    A checkpoint loader writes into the entries with plain ``copy_``: the
+    weight's bytes record watches them, so kernels prepared from the old
+    bytes are rebuilt (:func:`dtensor_quant.core.notes.watch`).
+    """
     q, inner, to_canonical, shape = canonical_view(value, key)
+    watch(q.notes, inner.values())
     spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
     out: dict = {}
     if isinstance(value, DTensor):
