@@ -47,11 +47,12 @@ def assert_close(out, x, dense):
     assert err <= TOL, f"relative error {err:.2e} > {TOL}"
 
 
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4()], ids=str)  # BnbNF4: bitsandbytes' levels and scales
 @pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
+def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype, fmt):
     """bf16 and fp32 weights, bf16 activations, every vector path here: each weight is dequantize's, bit for bit."""
-    q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, dq.NF4())
+    q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, fmt)
     dense = q.dequantize(torch.bfloat16)
     prepared = q.fmt.prepare(q.inner).get()
     assert prepared is not None
