@@ -47,7 +47,7 @@ def assert_close(out, x, dense):
     assert err <= TOL, f"relative error {err:.2e} > {TOL}"
 
 
-@pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4()], ids=str)  # BnbNF4: bitsandbytes' levels and scales
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4(), dq.MXFP4()], ids=str)  # the same kernel, their tables
 @pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype, fmt):

@@ -15,7 +15,7 @@ from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
 # dtensor_quant.native's one-token kernels (tests/test_fused_kernels.py): 1-4 bf16 tokens, AVX-512, a C++ compiler.
-FUSED = (dq.NF4, dq.BnbNF4, dq.Float8Rowwise, dq.Float8Tensorwise, dq.Float8Blockwise)
+FUSED = (dq.NF4, dq.BnbNF4, dq.MXFP4, dq.Float8Rowwise, dq.Float8Tensorwise, dq.Float8Blockwise)
 
 
 def fused_kernels_here():
