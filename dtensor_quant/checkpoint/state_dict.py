@@ -92,7 +92,10 @@ def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapp
     :mod:`dtensor_quant.format_spec` (format names from command-line
     strings); the old name stays as an alias.
     """
-    params = {f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt)} if dataclasses.is_dataclass(fmt) else {}
+    # A parameter that is None is left out: a format without an optional parameter added later (a scale
+    # dtype, say) keeps the record, and so the checkpoints, it had before the parameter existed.
+    fields = dataclasses.fields(fmt) if dataclasses.is_dataclass(fmt) else ()
+    params = {f.name: getattr(fmt, f.name) for f in fields if getattr(fmt, f.name) is not None}
     return {
         "version": SPEC_VERSION,
         "format": type(fmt).__name__,
