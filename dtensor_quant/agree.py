@@ -104,3 +104,58 @@ def group_name_of(process_group) -> str:
     if isinstance(process_group, torch.ScriptObject):  # what c10d ops receive
         process_group = dist.ProcessGroup.unbox(process_group)
     return process_group.group_name
+
+
+class RankFailure(RuntimeError):
+    """Another rank's failure, raised here because its exception type cannot be rebuilt from a message."""
+
+
+def raise_together(step: Callable, process_group=None, what: str = "", fallback: type[Exception] = RankFailure):
+    """``step()`` on this rank; if it raised on any rank, raise on every rank (one small all-gather).
+
+    Work that runs no collective (checks, file writes) can fail on some ranks
+    only; a rank that raises alone leaves the others waiting in the next
+    collective until the process group's timeout. Every rank calls this at
+    the same point: the failing rank re-raises its own exception, the others
+    raise one of the same type (builtin ``OSError``/``ValueError`` kinds and
+    the library's own types, else ``fallback``) whose message names
+    the first failing rank and its error. Without a process group it is
+    ``step()``.
+    """
+    error = result = None
+    try:
+        result = step()
+    except Exception as e:  # every kind must reach the other ranks
+        error = e
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return result
+    mine = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
+    errors: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, mine, group=process_group)
+    if error is not None:
+        raise error
+    failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+    if failed:
+        i, (module, name, msg) = failed[0]
+        rank = i if process_group is None else dist.get_global_rank(process_group, i)
+        raise _rebuilt(module, name, f"{what}{': ' if what else ''}rank {rank} failed: {name}: {msg}", fallback)
+    return result
+
+
+def _rebuilt(module: str, name: str, message: str, fallback: type[Exception]) -> Exception:
+    """An exception of the class ``module.name`` with ``message``: a builtin one or one of this library's."""
+    import builtins
+    import sys
+
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+    else:
+        cls = getattr(sys.modules.get(module), name, None) if module.split(".")[0] == "dtensor_quant" else None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # a constructor that wants other arguments
+            pass
+    return fallback(message)

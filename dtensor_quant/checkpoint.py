@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .layout import LayoutError
+from .agree import raise_together
 from .state_dict import (
     SPEC_KEY,
     CheckpointFormatError,
@@ -503,36 +503,13 @@ def load(state, path, *, process_group=None, strict: bool = True):
     return None
 
 
-_MIRRORED = {
-    t.__name__: t
-    for t in (CheckpointFormatError, CheckpointCorruptError, CheckpointLoadError, FileNotFoundError, LayoutError)
-}
-
-
 def _on_every_rank(check, process_group):
     """``check()``, whose failure on any rank is raised on every rank (one small all-gather per load).
 
     The checks before a load read files but run no collective; a rank whose
     check fails must not leave the others waiting in DCP's first collective.
     """
-    error = None
-    try:
-        result = check()
-    except Exception as e:
-        error, result = e, None
-    if dist.is_initialized():
-        errors: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(
-            errors, None if error is None else (type(error).__name__, str(error)), group=process_group
-        )
-        if error is None:
-            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-            if failed:
-                rank, (kind, msg) = failed[0]
-                raise _MIRRORED.get(kind, CheckpointLoadError)(f"rank {rank}: {kind}: {msg}")
-    if error is not None:
-        raise error
-    return result
+    return raise_together(check, process_group, fallback=CheckpointLoadError)
 
 
 def _load_error(path, e: CheckpointException) -> CheckpointLoadError:
