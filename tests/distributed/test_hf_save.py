@@ -366,3 +366,28 @@ def test_unwritable_path_raises_on_every_rank(ranks, sources, tmp_path):
         assert kind in ("NotADirectoryError", "FileExistsError"), (kind, msg)
         assert "a_file" in msg and seconds < 30, (msg, seconds)
     assert results[1][0] == results[0][0] and "rank 0 failed" in results[1][1]
+
+
+def load_from(paths):
+    model = build("llama", "tp2", "int8")
+    start = time.monotonic()
+    try:
+        dq.hf.load(model, paths[rank()])
+    except ValueError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "loaded", "", time.monotonic() - start
+
+
+def test_checkpoint_refused_on_one_rank_raises_on_every_rank(ranks, sources, tmp_path):
+    """Rank 1 reads a damaged copy (a node-local disk): before the fix rank 0 went on into the load's collectives."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(sources["llama"], damaged)
+    data = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(data[: len(data) // 2])
+    results = ranks(2).run(load_from, [sources["llama"], str(damaged)], timeout=60)
+    for kind, msg, seconds in results:
+        assert kind == "CheckpointFormatError" and "damaged/model.safetensors" in msg, (kind, msg)
+        assert seconds < 30, seconds
+    assert "rank 1 failed" in results[0][1]
