@@ -1,0 +1,196 @@
+"""The model side of a checkpoint: the key of each of a model's tensors, and this rank's slice of it."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ...core.layout import partial_refused
+from ..state_dict import is_quantized
+from .adapters import unwrap, wrapper_of
+
+# _StridedShard.local_shard_size_and_offset's offset mode that lists every index (torch's _StridedShardOffsetMode.ALL).
+_ALL_OFFSETS = 1
+
+
+def model_tensors(model: nn.Module):
+    """``(checkpoint key, wrapper, tensor)`` for every parameter and persistent buffer, shared ones once.
+
+    Inside a LoRA wrapper (:mod:`.adapters`: the library's
+    :class:`~dtensor_quant.lora.LoRALinear`, peft's tuner layers) the wrapped
+    module answers to the wrapper's own name (``q_proj.base.weight`` and
+    ``q_proj.base_layer.weight`` are the checkpoint's ``q_proj.weight``) and
+    ``wrapper`` is its :class:`~.adapters.Wrapper`; the adapters' own tensors
+    come with key None (no Hugging Face checkpoint holds them). A peft
+    ``PeftModel`` is read through the model it wraps.
+    """
+    model = unwrap(model)
+    seen, wrappers = set(), {}
+    for prefix, module in model.named_modules():  # parents before children
+        at = _enclosing(prefix, wrappers)
+        if at is None:
+            w = wrapper_of(module)
+            if w is not None:
+                wrappers[prefix] = w
+                at = prefix
+        persistent = [n for n in module._buffers if n not in module._non_persistent_buffers_set]
+        for name, t in [*module._parameters.items(), *((n, module._buffers[n]) for n in persistent)]:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            full = f"{prefix}.{name}" if prefix else name
+            if at is None:
+                yield full, None, t
+                continue
+            w, rest = wrappers[at], full[len(at) + 1 :] if at else full  # ``rest``: the name inside the wrapper
+            if w.base and rest.startswith(w.base + "."):
+                inner = rest[len(w.base) + 1 :]
+                yield (f"{at}.{inner}" if at else inner), w, t
+            else:
+                yield None, w, t
+
+
+def _enclosing(prefix: str, wrappers: dict) -> str | None:
+    """The name of the wrapper that ``prefix`` is or lies inside, or None."""
+    while True:
+        if prefix in wrappers:
+            return prefix
+        if not prefix:
+            return None
+        prefix = prefix.rpartition(".")[0]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``t`` (``t`` itself when it is not a DTensor)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def local_slice(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's ``(shape, offset)`` in ``t``'s global tensor: one box, else ``ValueError``."""
+    if not isinstance(t, DTensor):
+        return tuple(t.shape), (0,) * t.ndim
+    _refuse_partial(t)
+    return box(tuple(t.shape), t.device_mesh, t.placements)
+
+
+def box(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's ``(shape, offset)`` under ``placements``, when its slice is one box of the global tensor.
+
+    A ``_StridedShard`` can give a rank rows that are not one range (torch's
+    ``compute_local_shape_and_global_offset`` then reports only the first);
+    reading or writing such a slice as a box would move the wrong rows, so
+    that raises ``ValueError``.
+    """
+    spans = regions(shape, mesh, placements)
+    if len(spans) > 1:
+        raise ValueError(
+            f"under placements {list(placements)} on mesh {tuple(mesh.shape)}, this rank's slice of a "
+            f"{list(shape)} tensor is {len(spans)} separate boxes, not one; redistribute it first"
+        )
+    if not spans:  # an empty slice (or a rank outside the mesh)
+        local = index_lists(shape, mesh, placements)
+        return tuple(len(i) for i in local) if local else (0,) * len(shape), (0,) * len(shape)
+    _, offset, lengths = spans[0]
+    return lengths, offset
+
+
+def index_lists(shape, mesh, placements) -> list[range | list[int]] | None:
+    """The global index of each local position along each dim, on this rank; None outside the mesh.
+
+    Placements are applied left to right, as DTensor does: ``Shard`` takes
+    ``torch.chunk``'s chunk of the indices so far, ``_StridedShard`` the
+    indices its own ``local_shard_size_and_offset`` names.
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    index: list = [range(n) for n in shape]
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            _, picked = p.local_shard_size_and_offset(len(index[p.dim]), mesh.size(m), coord[m], _ALL_OFFSETS)
+            index[p.dim] = [index[p.dim][i] for i in picked]
+        elif isinstance(p, Shard):
+            n, start = Shard.local_shard_size_and_offset(len(index[p.dim]), mesh.size(m), coord[m])
+            index[p.dim] = index[p.dim][start : start + n]
+        elif isinstance(p, Partial):
+            raise ValueError(f"a Partial tensor ({list(placements)}) has no slice to read or write; redistribute it")
+    return index
+
+
+Region = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (start in the local tensor, global start, lengths)
+
+
+def regions(shape, mesh, placements, limits=None) -> list[Region]:
+    """This rank's slice as boxes of consecutive global indices (one, unless a ``_StridedShard`` scatters it).
+
+    ``limits`` clips each dim's global indices to ``[0, limit)`` (an export
+    that leaves out padding). Empty when the slice is empty or the rank is
+    outside the mesh.
+    """
+    index = index_lists(shape, mesh, placements) if mesh is not None else [range(n) for n in shape]
+    if index is None:
+        return []
+    limits = limits or shape
+    per_dim = [_runs(ix, limit) for ix, limit in zip(index, limits)]
+    if not per_dim:
+        return [((), (), ())]
+    return [tuple(zip(*combo)) for combo in itertools.product(*per_dim)]
+
+
+def _runs(index, limit: int) -> list[tuple[int, int, int]]:
+    """``(local start, global start, length)`` of each run of consecutive indices below ``limit``."""
+    if isinstance(index, range):
+        n = max(0, min(len(index), limit - index.start)) if len(index) else 0
+        return [(0, index.start, n)] if n else []
+    out: list[list[int]] = []
+    for pos, g in enumerate(index):
+        if g >= limit:
+            continue
+        if out and out[-1][0] + out[-1][2] == pos and out[-1][1] + out[-1][2] == g:
+            out[-1][2] += 1
+        else:
+            out.append([pos, g, 1])
+    return [tuple(r) for r in out]
+
+
+def first_replica(mesh, placements) -> bool:
+    """Whether this rank holds the first replica of its slice under ``placements``: the one that writes it.
+
+    A plain tensor (``mesh`` None) is written by rank 0. On a mesh, every dim
+    that does not split the tensor (``Replicate``) must be at coordinate 0;
+    ``Shard`` and ``_StridedShard`` dims split it (``is_shard()`` is False for
+    ``_StridedShard``), so every coordinate there holds its own slice.
+    """
+    if mesh is None:
+        return not dist.is_initialized() or dist.get_rank() == 0
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return False
+    return all(c == 0 for c, p in zip(coord, placements) if not isinstance(p, (Shard, _StridedShard)))
+
+
+def _refuse_partial(t: DTensor) -> None:
+    if any(isinstance(p, Partial) for p in t.placements):
+        if is_quantized(t):
+            raise partial_refused("a quantized weight", "Partial", f" ({t.placements} has no slice to read or write)")
+        raise ValueError(f"a Partial tensor ({t.placements}) has no slice to read or write; redistribute it first")
+
+
+def stored_suffixes(t: torch.Tensor) -> dict[str, str] | None:
+    """The checkpoint key suffix of each inner tensor, for a format that has a Hugging Face layout."""
+    if not is_quantized(t):
+        return None
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.fmt.checkpoint_suffixes
+
+
+def describe(t: torch.Tensor) -> str:
+    """``t``'s format, or ``dense <dtype>``, for error messages."""
+    if not is_quantized(t):
+        return f"dense {t.dtype}"
+    return str((t._local_tensor if isinstance(t, DTensor) else t).fmt)
