@@ -281,3 +281,21 @@ def test_missing_checkpoint_names_the_partial_save(tmp_path):
     (ckpt.staging_path(path) / "__0_0.distcp").write_bytes(b"half")
     with pytest.raises(FileNotFoundError, match=r"ckpt.partial holds the files of a save that did not complete"):
         ckpt.load(cc.reference(SEED, "int8"), str(path))
+
+
+def test_plain_dcp_load_of_another_format_says_the_bytes_were_written(tmp_path):
+    """Int8Rowwise and Float8Rowwise entries have the same names and shapes: DCP's planning lets them through and
+    copies int8 codes into the float8 qdata (DCP converts dtypes). dq.checkpoint.load refuses before reading;
+    plain dcp.load cannot be stopped before it writes (DCP has no hook between reading its metadata and writing
+    the tensors), so load_state_dict's refusal says that the parameter already holds the checkpoint's bytes."""
+    path = str(tmp_path / "ckpt")
+    ckpt.save(cc.reference(SEED, "int8"), path)
+    net = cc.reference(OTHER, "f8row")
+    before = {k: v.clone() for k, v in net.a.weight.inner.items()}
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"Int8Rowwise.*Float8Rowwise"):
+        ckpt.load(net, path)
+    assert all(torch.equal(net.a.weight.inner[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
+    sd = net.state_dict()
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"already written the checkpoint's bytes"):
+        net.load_state_dict(sd)
