@@ -38,8 +38,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 # MLP_NAMES, the (gate, up, down) child names of the SwiGLU MLPs of HF transformers and of gpt-fast/torchtitan,
-# and PADDING_BUFFER, the buffer that records the padding, live with dq.hf.save (it writes padded MLPs unpadded).
-from ..checkpoint.hf.saving import MLP_NAMES, PADDING_BUFFER
+# and PADDING_BUFFER, the buffer that records the padding, live with dq.hf (it saves and loads padded MLPs unpadded).
+from ..checkpoint.hf.tensors import MLP_NAMES, PADDING_BUFFER
 from ..core.format import QuantFormat, check_shape
 from ..core.layout import LayoutError
 from ..core.tensor import QuantizedTensor

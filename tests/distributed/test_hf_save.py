@@ -328,6 +328,28 @@ def test_padded_model_is_saved_unpadded(ranks, padded_source, tmp_path):
     assert "tp_padding" not in json.dumps(sorted(hc.read_all(out)))
 
 
+def load_into_padded(src):
+    """A padded TP-2 model (random weights first) loading the unpadded checkpoint: zeros past the original size."""
+    config_cls, model_cls = hc.model_class("llama")
+    model = model_cls(config_cls(**PADDED)).to(torch.bfloat16)
+    dq.quantize_(model, dq.Int4Groupwise(128), filter_fn=lambda m, fqn: fqn != "lm_head")
+    dq.pad_for_tp(model, 2, dq.Int4Groupwise(128))
+    parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    result = dq.hf.load(model, src)
+    assert "model.layers.0.mlp.down_proj.weight" in result.quantized, result
+    return dense_values(model)
+
+
+def test_padded_model_loads_the_unpadded_checkpoint(ranks, padded_source):
+    """Before, the shapes (and the tp_padding buffer, in no checkpoint) made dq.hf.load refuse a padded model."""
+    got = ranks(2).run(load_into_padded, padded_source)[0]
+    expected = dense_values(padded_model(padded_source))  # loaded unpadded in one process, then padded
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+    assert got["model.layers.0.mlp.gate_proj.weight"].shape == (512, 256)
+
+
 def test_non_zero_padding_on_one_rank_is_refused_on_every_rank(ranks, padded_source, tmp_path):
     """Rank 1 alone finds the padding it would drop non-zero: both ranks raise, the previous export stays."""
     out = tmp_path / "export"

@@ -17,7 +17,7 @@ from ...dist.quantize import quantize
 from ...dist.shard_quant import MeshReducer, quantize_local
 from ...ops.writes import note_write
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
-from .match import plan
+from .match import Padded, plan
 from .safetensors_io import Checkpoint
 from .tensors import box, local_slice, local_tensor
 
@@ -90,15 +90,27 @@ class _Reader:
         self.ckpt, self.error = ckpt, None
 
     def info(self, src):
-        return self.ckpt.info(src)
+        return src if isinstance(src, Padded) else self.ckpt.info(src)
 
     def read(self, key, offsets=None, lengths=None) -> torch.Tensor:
         try:
+            if isinstance(key, Padded):
+                return self._read_padded(key, offsets, lengths)
             return self.ckpt.read(key, offsets, lengths)
         except (OSError, ValueError) as e:
             self.error = self.error or e
-            info = self.ckpt.info(key)
+            info = self.info(key)
             return torch.zeros(tuple(lengths) if lengths is not None else info.shape, dtype=info.dtype)
+
+    def _read_padded(self, src: Padded, offsets, lengths) -> torch.Tensor:
+        """The slice of the padded tensor: the checkpoint's part of it, zeros past the original size."""
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(src.shape)
+        lengths = tuple(lengths) if lengths is not None else src.shape
+        out = torch.zeros(lengths, dtype=src.dtype)
+        inside = [max(0, min(o + n, s) - o) for o, n, s in zip(offsets, lengths, src.stored)]
+        if all(inside):
+            out[tuple(slice(0, n) for n in inside)] = self.ckpt.read(src.key, offsets, inside)
+        return out
 
     def raise_first(self) -> None:
         if self.error is not None:

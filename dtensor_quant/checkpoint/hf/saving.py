@@ -44,12 +44,9 @@ from .tensors import (
     model_tensors,
     regions,
     stored_suffixes,
+    unpadded_shapes,
 )
 
-# What pad_for_tp (model/padding.py) records on an MLP it pads: a buffer [original, padded] beside three
-# Linear children (gate, up, down) named one of these ways. Defined here, below the model layer, for both.
-PADDING_BUFFER = "tp_padding"
-MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 STAGING = ".dq_hf_save.partial"  # inside the export directory: the new files until every rank has written
 
 
@@ -71,7 +68,7 @@ def _export_items(model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapte
     ``adapters`` is filled with the adapter tensors to merge (id -> tensor);
     the merged slices read them from ``full``, filled once they are gathered.
     """
-    unpadded, padding_buffers = _unpadded_shapes(model)
+    unpadded, padding_buffers = unpadded_shapes(model)
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     items, refused, unmerged = [], {}, []
     for key, wrapper, t in model_tensors(model):
@@ -209,45 +206,6 @@ def _gather_adapters(adapters: dict, full: dict) -> None:
     for k, t in adapters.items():
         t = t.detach()
         full[k] = (t.full_tensor() if isinstance(t, DTensor) else t).float()
-
-
-def _unpadded_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[int]]:
-    """``{key: shape without padding}`` for the MLPs :func:`~dtensor_quant.pad_for_tp` padded, and their buffers."""
-    shapes, buffers = {}, set()
-    for fqn, module in unwrap(model).named_modules():
-        buf = module._buffers.get(PADDING_BUFFER)
-        if buf is None:
-            continue
-        buffers.add(id(buf))
-        local = local_tensor(buf)
-        if local.is_meta:
-            raise ValueError(f"{fqn}.{PADDING_BUFFER} is on the meta device: materialize the model before saving")
-        original, padded = (int(v) for v in local.tolist())
-        trio = next((t for t in MLP_NAMES if all(hasattr(module, n) for n in t)), None)
-        if trio is None:
-            raise ValueError(f"{fqn} records padding ({PADDING_BUFFER}) but has none of the MLP children {MLP_NAMES}")
-        prefix = f"{fqn}." if fqn else ""
-        for name, dim in ((trio[0], 0), (trio[1], 0), (trio[2], 1)):
-            for key, t in _linear_tensors(getattr(module, name), with_bias=dim == 0):
-                if t.shape[dim] != padded:
-                    raise ValueError(
-                        f"{prefix}{name}.{key} has {t.shape[dim]} along dim {dim}, the recorded padding says {padded}"
-                    )
-                shape = list(t.shape)
-                shape[dim] = original
-                shapes[f"{prefix}{name}.{key}"] = tuple(shape)
-    return shapes, buffers
-
-
-def _linear_tensors(linear: nn.Module, with_bias: bool):
-    """``weight`` (and ``bias``) of a Linear, or of the Linear a LoRA wrapper holds."""
-    for name in ("base", "base_layer"):
-        if isinstance(getattr(linear, name, None), nn.Module):
-            linear = getattr(linear, name)
-            break
-    yield "weight", linear.weight
-    if with_bias and getattr(linear, "bias", None) is not None:
-        yield "bias", linear.bias
 
 
 def save(

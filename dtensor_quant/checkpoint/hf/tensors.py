@@ -14,6 +14,12 @@ from ...core.layout import partial_refused
 from ..state_dict import is_quantized
 from .adapters import unwrap, wrapper_of
 
+# What pad_for_tp (model/padding.py) records on an MLP it pads: a buffer [original, padded] beside three
+# Linear children (gate, up, down) named one of these ways. Defined here, below the model layer, for both:
+# a checkpoint holds the MLP at its original size.
+PADDING_BUFFER = "tp_padding"
+MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
 # _StridedShard.local_shard_size_and_offset's offset mode that lists every index (torch's _StridedShardOffsetMode.ALL).
 _ALL_OFFSETS = 1
 
@@ -194,3 +200,48 @@ def describe(t: torch.Tensor) -> str:
     if not is_quantized(t):
         return f"dense {t.dtype}"
     return str((t._local_tensor if isinstance(t, DTensor) else t).fmt)
+
+
+def unpadded_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[int]]:
+    """``{key: shape in a checkpoint}`` for the tensors of MLPs that pad_for_tp padded, and ids of their records.
+
+    A padded MLP's gate and up weights (and biases) have rows, its down
+    weight columns, past the recorded original size; checkpoints hold them
+    at the original size. The ``tp_padding`` buffers themselves are the
+    model's own record, in no checkpoint.
+    """
+    shapes, buffers = {}, set()
+    for fqn, module in unwrap(model).named_modules():
+        buf = module._buffers.get(PADDING_BUFFER)
+        if buf is None:
+            continue
+        buffers.add(id(buf))
+        local = local_tensor(buf)
+        if local.is_meta:
+            raise ValueError(f"{fqn}.{PADDING_BUFFER} is on the meta device: it must hold [original, padded]")
+        original, padded = (int(v) for v in local.tolist())
+        trio = next((t for t in MLP_NAMES if all(hasattr(module, n) for n in t)), None)
+        if trio is None:
+            raise ValueError(f"{fqn} records padding ({PADDING_BUFFER}) but has none of the MLP children {MLP_NAMES}")
+        prefix = f"{fqn}." if fqn else ""
+        for name, dim in ((trio[0], 0), (trio[1], 0), (trio[2], 1)):
+            for key, t in _linear_tensors(getattr(module, name), with_bias=dim == 0):
+                if t.shape[dim] != padded:
+                    raise ValueError(
+                        f"{prefix}{name}.{key} has {t.shape[dim]} along dim {dim}, the recorded padding says {padded}"
+                    )
+                shape = list(t.shape)
+                shape[dim] = original
+                shapes[f"{prefix}{name}.{key}"] = tuple(shape)
+    return shapes, buffers
+
+
+def _linear_tensors(linear: nn.Module, with_bias: bool):
+    """``weight`` (and ``bias``) of a Linear, or of the Linear a LoRA wrapper holds."""
+    for name in ("base", "base_layer"):
+        if isinstance(getattr(linear, name, None), nn.Module):
+            linear = getattr(linear, name)
+            break
+    yield "weight", linear.weight
+    if with_bias and getattr(linear, "bias", None) is not None:
+        yield "bias", linear.bias
