@@ -413,3 +413,27 @@ def test_checkpoint_refused_on_one_rank_raises_on_every_rank(ranks, sources, tmp
         assert kind == "CheckpointFormatError" and "damaged/model.safetensors" in msg, (kind, msg)
         assert seconds < 30, seconds
     assert "rank 1 failed" in results[0][1]
+
+
+def save_scattered(out):
+    """A weight whose rank slices are not boxes: Shard(0) then _StridedShard(0, 2) gives rank (0, 0) rows 0, 2, ..."""
+    from dtensor_quant.testing import placements
+
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6).to(torch.bfloat16)
+    module = torch.nn.Linear(6, 8, bias=False)
+    dt = distribute_tensor(full, mesh(2, 2), placements("S0,SS0:2"))
+    module.weight = torch.nn.Parameter(dt, requires_grad=False)
+    assert torch.equal(dt.full_tensor(), full)
+    dq.hf.save(module, out)
+    try:
+        dq.hf.load(module, out)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_scattered_slice_is_saved_box_by_box_and_refused_on_load(ranks, tmp_path):
+    out = str(tmp_path / "export")
+    messages = ranks(4).run(save_scattered, out)
+    assert torch.equal(hc.read_all(out)["weight"], torch.arange(48, dtype=torch.float32).reshape(8, 6).bfloat16())
+    assert all("separate boxes" in m for m in messages), messages

@@ -39,9 +39,9 @@ from .tensors import (
     describe,
     first_replica,
     index_lists,
-    local_slice,
     local_tensor,
     model_tensors,
+    refuse_partial,
     regions,
     stored_suffixes,
     unpadded_shapes,
@@ -128,8 +128,7 @@ def _dense_item(key, t, dtype, unpadded, fetch) -> _Item:
     out_dtype = dtype if t.is_floating_point() else t.dtype
     shape = tuple(t.shape)
     mesh, placements = (t.device_mesh, t.placements) if isinstance(t, DTensor) else (None, None)
-    if isinstance(t, DTensor):
-        local_slice(t)  # refuses Partial tensors, naming them
+    refuse_partial(t)
     writes = first_replica(mesh, placements)
     spans = regions(shape, mesh, placements, unpadded) if writes else []
     padding = None

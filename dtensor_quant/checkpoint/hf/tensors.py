@@ -80,7 +80,7 @@ def local_slice(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's ``(shape, offset)`` in ``t``'s global tensor: one box, else ``ValueError``."""
     if not isinstance(t, DTensor):
         return tuple(t.shape), (0,) * t.ndim
-    _refuse_partial(t)
+    refuse_partial(t)
     return box(tuple(t.shape), t.device_mesh, t.placements)
 
 
@@ -180,7 +180,10 @@ def first_replica(mesh, placements) -> bool:
     return all(c == 0 for c, p in zip(coord, placements) if not isinstance(p, (Shard, _StridedShard)))
 
 
-def _refuse_partial(t: DTensor) -> None:
+def refuse_partial(t: torch.Tensor) -> None:
+    """Raise, naming the placements, if ``t`` is a DTensor with a ``Partial`` placement (it has no slice)."""
+    if not isinstance(t, DTensor):
+        return
     if any(isinstance(p, Partial) for p in t.placements):
         if is_quantized(t):
             raise partial_refused("a quantized weight", "Partial", f" ({t.placements} has no slice to read or write)")
