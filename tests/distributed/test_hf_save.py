@@ -256,6 +256,24 @@ def test_unmergeable_peft_adapters_are_refused_by_name(sources, tmp_path, lora, 
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize(
+    "config,key",
+    [
+        ({"target_modules": ["embed_tokens"]}, "model.embed_tokens.lora_embedding_A.default"),  # LoRA on an Embedding
+        ({"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "lm_head.modules_to_save.default.weight"),
+    ],
+    ids=["embedding", "modules_to_save"],
+)
+def test_peft_layers_that_are_not_lora_on_a_linear_are_refused(sources, tmp_path, config, key):
+    """Before: written under peft's names (from_pretrained drew the embedding / lm_head at random)."""
+    peft = pytest.importorskip("peft")
+    model = build("llama", "single", None)
+    dq.hf.load(model, sources["llama"])
+    with pytest.raises(ValueError, match="cannot export adapter layers") as e:
+        dq.hf.save(peft.get_peft_model(model, peft.LoraConfig(r=4, **config)), tmp_path / "out")
+    assert key in str(e.value)
+
+
 def test_other_peft_tuners_and_unmerged_peft_are_refused(sources, tmp_path):
     peft = pytest.importorskip("peft")
     model = build("llama", "single", None)

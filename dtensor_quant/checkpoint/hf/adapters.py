@@ -101,15 +101,22 @@ def _peft_lora(module: nn.Module, base: nn.Module) -> Wrapper:
     if not isinstance(base, nn.Linear) and not (isinstance(weight, torch.Tensor) and weight.ndim == 2):
         out.refused = f"LoRA on a {type(base).__name__} (only LoRA on a Linear is merged here)"
         return out
+    for name in getattr(module, "active_adapters", []):
+        why = _unmergeable(module, name)
+        if why:
+            out.refused = f"adapter '{name}' {why}"
+            return out
+    known = {id(p) for holder in (lora_a, lora_b) for p in holder.parameters()}
+    known |= {id(p) for p in base.parameters()}
+    others = [n for n, p in module.named_parameters() if id(p) not in known]
+    if others:  # LoRA on an embedding (lora_embedding_A), DoRA's magnitudes, ...: more than B @ A on a Linear
+        out.refused = f"peft's {type(module).__name__} holds adapter tensors besides LoRA's A and B ({others[:3]})"
+        return out
     if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return out  # merged: the weight already holds B @ A; disabled: the model computes without them
     for name in getattr(module, "active_adapters", []):
         if name not in lora_a:
             continue
-        why = _unmergeable(module, name)
-        if why:
-            out.refused = f"adapter '{name}' {why}"
-            return out
         a, b = lora_a[name], lora_b[name]
         if not isinstance(a, nn.Linear) or not isinstance(b, nn.Linear):
             out.refused = f"adapter '{name}' is a {type(a).__name__}, not a Linear pair"
