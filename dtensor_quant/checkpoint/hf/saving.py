@@ -105,7 +105,7 @@ def _export_items(model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapte
             fetch = _plain_fetch(t)
         items.append(_dense_item(key, t, dtype, unpadded.get(key), fetch))
     if refused:
-        lines = [f"{why}: {names[:6]}{' ...' if len(names) > 6 else ''}" for why, names in refused.items()]
+        lines = [f"{why}: {keys[:6]}{' ...' if len(keys) > 6 else ''}" for why, keys in refused.items()]
         raise ValueError(
             "cannot export adapter layers that are not merged into plain weights (from_pretrained would leave "
             "the wrapped weights randomly initialized):\n  " + "\n  ".join(lines) + "\nMerge them yourself "
