@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,18 @@ from ..dist.codec import pack, unpack, varies
 from ..ops.layout_ops import canonical_dims, cat_dim, describe, pad_end, slice_dim
 from ..ops.matmul import invalidate, never_cache
 from ..ops.unpack import unpack_into
-from .reshard_after_forward import fsdp_keeps_all_gather_outputs
+
+KEEPING_OUTPUTS: ContextVar[bool] = ContextVar("dtensor_quant_fsdp_keeping_outputs", default=False)
+
+
+def fsdp_keeps_all_gather_outputs() -> bool:
+    """Whether the FSDP2 all-gather being prepared must leave its outputs allocated until the reshard.
+
+    True while FSDP2 calls ``fsdp_pre_all_gather`` for a parameter that reshards to a smaller mesh
+    after the forward: its post-forward shard is cut from the all-gather outputs, so a post hook
+    that frees them early (dtensor_quant's dequantizing one does) must not.
+    """
+    return KEEPING_OUTPUTS.get()
 
 
 @dataclass(frozen=True)
