@@ -284,6 +284,12 @@ def _to_save(state) -> dict:
     return entries_from_state(state)
 
 
+def _prepared(state, process_group) -> dict:
+    """The state dict to save; a model one rank cannot checkpoint (a Partial weight, a flattened view) raises on
+    every rank here, not only on that one while the others wait in DCP's first collective."""
+    return raise_together(lambda: _to_save(state), process_group)
+
+
 def save(state, path, *, process_group=None) -> Metadata:
     """Save a model (or a state dict) to directory ``path`` with DCP, atomically.
 
@@ -292,7 +298,7 @@ def save(state, path, *, process_group=None) -> Metadata:
     :class:`CheckpointSaveError` on every surviving rank if the save does not
     complete; ``path`` then still holds the previous checkpoint.
     """
-    state_dict = _to_save(state)
+    state_dict = _prepared(state, process_group)
     try:
         with _quiet_single_process():
             return dcp.save(
@@ -317,7 +323,7 @@ def async_save(state, path, *, process_group=None) -> Future:
     ``process_group`` is given: on the default group they would interleave
     with the training loop's collectives and deadlock.
     """
-    state_dict = _to_save(state)
+    state_dict = _prepared(state, process_group)
     with _quiet_single_process():
         inner = dcp.async_save(
             state_dict,

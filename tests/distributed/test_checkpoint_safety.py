@@ -299,3 +299,27 @@ def test_plain_dcp_load_of_another_format_says_the_bytes_were_written(tmp_path):
     dcp.load(sd, checkpoint_id=path, no_dist=True)
     with pytest.raises(ckpt.CheckpointFormatError, match=r"already written the checkpoint's bytes"):
         net.load_state_dict(sd)
+
+
+def save_with_partial_on_rank1(path):
+    """Rank 1 alone holds a weight with no checkpoint form (Partial): rank 0 must not wait in DCP's collectives."""
+    from torch.distributed.tensor import Partial
+
+    net = cc.placed(SEED, "int8", "s0_2")
+    if rank() == 1:
+        w = net.a.weight
+        partial = DTensor.from_local(w.to_local(), w.device_mesh, [Partial()], run_check=False)
+        net.a.weight = torch.nn.Parameter(partial, requires_grad=False)
+    start = time.monotonic()
+    try:
+        ckpt.save(net, path)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "saved", "", time.monotonic() - start
+
+
+def test_a_save_refused_on_one_rank_raises_on_every_rank(ranks, tmp_path):
+    results = ranks(2).run(save_with_partial_on_rank1, str(tmp_path / "ckpt"), timeout=60)
+    for kind, msg, seconds in results:
+        assert kind == results[1][0] != "saved" and "Partial" in msg and seconds < 30, (kind, msg, seconds)
+    assert "rank 1 failed" in results[0][1]
