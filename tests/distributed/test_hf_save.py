@@ -455,3 +455,22 @@ def test_a_scattered_slice_is_saved_box_by_box_and_refused_on_load(ranks, tmp_pa
     messages = ranks(4).run(save_scattered, out)
     assert torch.equal(hc.read_all(out)["weight"], torch.arange(48, dtype=torch.float32).reshape(8, 6).bfloat16())
     assert all("separate boxes" in m for m in messages), messages
+
+
+def rank0_alone(src, out):
+    """Rank 0 loads and saves a model without DTensors while rank 1 does something else (the example's pattern)."""
+    if rank() != 0:
+        return "elsewhere"
+    model = build("llama", "single", "int8")
+    dq.hf.load(model, src)
+    dq.hf.save(model, out)
+    return "done"
+
+
+def test_one_rank_loads_and_saves_a_plain_model_alone(ranks, sources, tmp_path):
+    """A model without DTensors is this process's: its load and save agree with nobody (no collective to hang in)."""
+    out = str(tmp_path / "export")
+    assert ranks(2).run(rank0_alone, sources["llama"], out, timeout=60) == ["done", "elsewhere"]
+    reference = build("llama", "single", "int8")
+    dq.hf.load(reference, sources["llama"])
+    assert_export_equals(out, dense_values(reference))

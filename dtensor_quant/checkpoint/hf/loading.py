@@ -19,7 +19,7 @@ from ...ops.writes import note_write
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .match import Padded, plan
 from .safetensors_io import Checkpoint
-from .tensors import box, local_slice, local_tensor
+from .tensors import agreement_scope, box, local_slice, local_tensor
 
 
 @dataclass
@@ -55,9 +55,10 @@ def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 <<
     what = f"dq.hf.load from {path}"
     # Every check runs before the first write, and the ranks agree on its outcome: a checkpoint or a model
     # that one rank finds wrong raises on every rank, and no rank waits in a collective of the load.
-    ckpt = raise_together(lambda: Checkpoint(path), what=what)
+    scope, _ = agreement_scope(model)  # the ranks that hold the model
+    ckpt = raise_together(lambda: Checkpoint(path), what=what, **scope)
     with ckpt:
-        tasks, missing, unexpected = raise_together(lambda: plan(model, ckpt, strict), what=what)
+        tasks, missing, unexpected = raise_together(lambda: plan(model, ckpt, strict), what=what, **scope)
         result = LoadResult(0, ckpt.header_bytes, ckpt.file_bytes, missing=missing, unexpected=unexpected)
         reader = _Reader(ckpt)
         with torch.no_grad():
@@ -71,7 +72,7 @@ def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 <<
                 else:
                     _load_dense(reader, src, t, chunk_bytes)
                     result.dense.append(key)
-        raise_together(reader.raise_first, what=what)
+        raise_together(reader.raise_first, what=what, **scope)
         result.bytes_read = ckpt.bytes_read
     return result
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -36,6 +35,7 @@ from ..state_dict import canonical_view, entry_placements, entry_shape
 from .adapters import Delta, Wrapper, unwrap
 from .safetensors_io import INDEX, NAMES, SINGLE, byte_runs
 from .tensors import (
+    agreement_scope,
     describe,
     first_replica,
     index_lists,
@@ -62,7 +62,9 @@ class _Item:
     padding: tuple[int, int, list] | None = None  # (dim, kept length, local indices): the left-out part must be 0
 
 
-def _export_items(model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapters: dict, full: dict) -> list[_Item]:
+def _export_items(
+    model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapters: dict, full: dict, leader: bool
+) -> list[_Item]:
     """Every tensor of the export, checked: no collective, no write, the same verdict on every rank.
 
     ``adapters`` is filled with the adapter tensors to merge (id -> tensor);
@@ -82,7 +84,7 @@ def _export_items(model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapte
             if wrapper.kind != "dq.lora":
                 unmerged.append(name)
                 continue
-            items.append(_dense_item(name, t, dtype, None, lambda t=t: local_tensor(t)))
+            items.append(_dense_item(name, t, dtype, None, lambda t=t: local_tensor(t), leader))
             continue
         if id(t) in padding_buffers:
             continue  # the export is unpadded: nothing to record
@@ -95,7 +97,7 @@ def _export_items(model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapte
                 "into a dense copy of the model"
             )
         if suffixes is not None:
-            items += _stored_items(key, t, suffixes, unpadded.get(key))
+            items += _stored_items(key, t, suffixes, unpadded.get(key), leader)
             continue
         if merging:
             for d in wrapper.deltas:
@@ -103,7 +105,7 @@ def _export_items(model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapte
             fetch = _merged_fetch(t, wrapper.deltas, full)
         else:
             fetch = _plain_fetch(t)
-        items.append(_dense_item(key, t, dtype, unpadded.get(key), fetch))
+        items.append(_dense_item(key, t, dtype, unpadded.get(key), fetch, leader))
     if refused:
         lines = [f"{why}: {keys[:6]}{' ...' if len(keys) > 6 else ''}" for why, keys in refused.items()]
         raise ValueError(
@@ -124,12 +126,12 @@ def _is_base_weight(wrapper: Wrapper, t: torch.Tensor) -> bool:
     return getattr(getattr(wrapper.module, wrapper.base), "weight", None) is t
 
 
-def _dense_item(key, t, dtype, unpadded, fetch) -> _Item:
+def _dense_item(key, t, dtype, unpadded, fetch, leader: bool) -> _Item:
     out_dtype = dtype if t.is_floating_point() else t.dtype
     shape = tuple(t.shape)
     mesh, placements = (t.device_mesh, t.placements) if isinstance(t, DTensor) else (None, None)
     refuse_partial(t)
-    writes = first_replica(mesh, placements)
+    writes = first_replica(mesh, placements, leader)
     spans = regions(shape, mesh, placements, unpadded) if writes else []
     padding = None
     if unpadded is not None and writes:
@@ -146,7 +148,7 @@ def _dense_item(key, t, dtype, unpadded, fetch) -> _Item:
     return _Item(key, out_dtype, tuple(unpadded or shape), spans, cast, padding)
 
 
-def _stored_items(key, t, suffixes, unpadded) -> list[_Item]:
+def _stored_items(key, t, suffixes, unpadded, leader: bool) -> list[_Item]:
     """The inner tensors of a weight written as stored, each under its suffix (padding left out whole blocks)."""
     q, inner, to_canonical, shape = canonical_view(t, key)
     keep = shape
@@ -161,7 +163,7 @@ def _stored_items(key, t, suffixes, unpadded) -> list[_Item]:
         e_keep = entry_shape(rels, keep)
         mesh = t.device_mesh if isinstance(t, DTensor) else None
         placements = entry_placements(t.placements, rels, to_canonical) if mesh is not None else None
-        spans = regions(g_shape, mesh, placements, e_keep) if first_replica(mesh, placements) else []
+        spans = regions(g_shape, mesh, placements, e_keep) if first_replica(mesh, placements, leader) else []
         out.append(_Item(key + suffixes[name], inner[name].dtype, e_keep, spans, lambda x=inner[name]: x))
     return out
 
@@ -236,23 +238,23 @@ def save(
     """
     path = Path(path)
     model = unwrap(model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     what = f"dq.hf.save to {path}"
     adapters, full = {}, {}
+    scope, leader = agreement_scope(model)
 
     def plan():
-        items = _export_items(model, dtype, merge_lora, adapters, full)
+        items = _export_items(model, dtype, merge_lora, adapters, full, leader)
         return items, _layout(items, max_shard_bytes)
 
-    items, files = raise_together(plan, what=what)
+    items, files = raise_together(plan, what=what, **scope)
     _gather_adapters(adapters, full)  # the only collectives besides the agreements: before any write
     staging = path / STAGING
     try:
-        raise_together(lambda: _create_files(path, staging, files) if rank == 0 else None, what=what)
-        raise_together(lambda: _write_slices(staging, items, files), what=what)
-        raise_together(lambda: _commit(model, path, staging, files) if rank == 0 else None, what=what)
+        raise_together(lambda: _create_files(path, staging, files) if leader else None, what=what, **scope)
+        raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
+        raise_together(lambda: _commit(model, path, staging, files) if leader else None, what=what, **scope)
     except Exception:
-        if rank == 0:
+        if leader:
             shutil.rmtree(staging, ignore_errors=True)
         raise
 

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ...core.layout import partial_refused
+from ...dist.agree import LOCAL
 from ..state_dict import is_quantized
 from .adapters import unwrap, wrapper_of
 
@@ -69,6 +70,30 @@ def _enclosing(prefix: str, wrappers: dict) -> str | None:
         if not prefix:
             return None
         prefix = prefix.rpartition(".")[0]
+
+
+def agreement_scope(model: nn.Module) -> tuple[dict, bool]:
+    """Who must agree on a load's or save's outcome (``raise_together``'s keywords), and whether this rank leads.
+
+    The ranks that hold the model: the largest mesh of its DTensors (when it
+    covers the others), else every rank. A model without DTensors is this
+    process's alone (a rank may load one while the others do something
+    else), so there is nothing to agree on. The leader (the mesh's first
+    rank; rank 0 for the world or a model without DTensors) creates files and
+    writes the tensors that are not DTensors.
+    """
+    meshes = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if isinstance(t, DTensor):
+            meshes[id(t.device_mesh)] = t.device_mesh
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not meshes:
+        return {"process_group": LOCAL}, rank == 0
+    ranks = {id(m): m.mesh.flatten().tolist() for m in meshes.values()}
+    widest = max(meshes.values(), key=lambda m: len(ranks[id(m)]))
+    if all(set(r) <= set(ranks[id(widest)]) for r in ranks.values()):
+        return {"mesh": widest}, rank == ranks[id(widest)][0]
+    return {}, rank == 0
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -164,16 +189,17 @@ def _runs(index, limit: int) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in out]
 
 
-def first_replica(mesh, placements) -> bool:
+def first_replica(mesh, placements, leader: bool) -> bool:
     """Whether this rank holds the first replica of its slice under ``placements``: the one that writes it.
 
-    A plain tensor (``mesh`` None) is written by rank 0. On a mesh, every dim
-    that does not split the tensor (``Replicate``) must be at coordinate 0;
-    ``Shard`` and ``_StridedShard`` dims split it (``is_shard()`` is False for
-    ``_StridedShard``), so every coordinate there holds its own slice.
+    A plain tensor (``mesh`` None) is written by the ``leader``. On a mesh,
+    every dim that does not split the tensor (``Replicate``) must be at
+    coordinate 0; ``Shard`` and ``_StridedShard`` dims split it
+    (``is_shard()`` is False for ``_StridedShard``), so every coordinate there
+    holds its own slice.
     """
     if mesh is None:
-        return not dist.is_initialized() or dist.get_rank() == 0
+        return leader
     coord = mesh.get_coordinate()
     if coord is None:
         return False
