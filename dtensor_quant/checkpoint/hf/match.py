@@ -7,6 +7,8 @@ from the headers and the model alone, with no collective.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -14,7 +16,7 @@ from ...core.format import weight_layout
 from ...ops.layout_ops import canonical_dims
 from ..state_dict import canonical_view, entry_shape, is_quantized
 from .safetensors_io import Checkpoint, Pieces
-from .tensors import describe, local_slice, local_tensor, model_tensors, stored_suffixes
+from .tensors import describe, local_slice, local_tensor, model_tensors, stored_suffixes, unpadded_shapes
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
@@ -82,6 +84,16 @@ def _pieces(key: str, shape, ckpt: Checkpoint, converters) -> Pieces | str | Non
     return None
 
 
+@dataclass(frozen=True)
+class Padded:
+    """A checkpoint tensor read into a model tensor that pad_for_tp made larger: the rest reads as zeros."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # the model's (padded)
+    stored: tuple[int, ...]  # the checkpoint's (the original size)
+
+
 def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     """``(kind, model key, checkpoint key, tensor)`` for every tensor to load, the missing and the unexpected keys.
 
@@ -89,8 +101,11 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     """
     tied, tasks, used, missing, errors = _tied(model), [], set(), [], []
     converters = _converters(model)
+    unpadded, padding_records = unpadded_shapes(model)
     for key, _, t in model_tensors(model):
         if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
+            continue
+        if id(t) in padding_records:  # pad_for_tp's record: the model's own, in no checkpoint
             continue
         src = key if key in ckpt.tensors else tied.get(key, key)
         if src not in ckpt.tensors:
@@ -115,6 +130,8 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
         dense_float = info.dtype.is_floating_point and info.dtype.itemsize >= 2
         if suffixes is not None and not dense_float:
             kind = "prequantized"
+            if key in unpadded:
+                errors.append(f"{key}: a weight padded by pad_for_tp is not read as stored ({describe(t)})")
             errors += _check_prequantized(key, t, src, ckpt, suffixes)
             used.update(src + s for s in suffixes.values())
         elif (is_quantized(t) and not dense_float) or (companions and not dense_float):
@@ -129,7 +146,9 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             why = _plain_weight(t) if kind == "quantized" else None
             if why:
                 errors.append(f"{key}: {why}")
-            if info.shape != tuple(t.shape):
+            if info.shape != tuple(t.shape) and info.shape == unpadded.get(key) and isinstance(src, str):
+                src = Padded(src, info.dtype, tuple(t.shape), info.shape)  # zeros past the original size
+            elif info.shape != tuple(t.shape):
                 errors.append(
                     f"{key}: the checkpoint's {names[0]} has shape {list(info.shape)}, the model's is {list(t.shape)}"
                 )
