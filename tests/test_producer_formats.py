@@ -126,23 +126,28 @@ def _e4m3_codes(shape, seed):
     return bits.view(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("strategy", ["channel", "block"])
-def test_compressed_tensors_float8(strategy):
-    """``float-quantized`` FP8: per channel (Float8Rowwise) or 128x128 blocks with partial ones (Float8Blockwise)."""
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("strategy", ["channel", "block", "tensor"])
+def test_compressed_tensors_float8(strategy, scale_dtype):
+    """``float-quantized`` FP8: per channel (Float8Rowwise), per tensor (Float8Tensorwise) or 128x128 blocks
+    with partial ones (Float8Blockwise), the scale in bf16 or fp32, in a bf16 model."""
     _ct()
     from compressed_tensors.compressors import FloatQuantizationCompressor
 
     out, n_in = (200, 384) if strategy == "block" else (40, 256)
     codes = _e4m3_codes((out, n_in), seed=5)
+    blocks = {"block_structure": [128, 128]} if strategy == "block" else {}
+    scheme = _scheme(num_bits=8, type="float", symmetric=True, strategy=strategy, **blocks)
     if strategy == "block":
-        scheme = _scheme(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128])
-        scale = random_scales((2, 3), torch.bfloat16, seed=6)
-        q = stored(dq.Float8Blockwise(128, scale_dtype=torch.bfloat16), (out, n_in), qdata=codes, scale_inv=scale)
+        scale = random_scales((2, 3), scale_dtype, seed=6)
+        fmt = dq.Float8Blockwise(128, scale_dtype=scale_dtype)
+        q = stored(fmt, (out, n_in), qdata=codes, scale_inv=scale)
     else:
-        scheme = _scheme(num_bits=8, type="float", symmetric=True, strategy="channel")
-        scale = random_scales((out, 1), torch.bfloat16, seed=6)
-        q = stored(dq.Float8Rowwise(scale_dtype=torch.bfloat16), (out, n_in), qdata=codes, scale=scale)
+        scale = random_scales((out, 1) if strategy == "channel" else (1, 1), scale_dtype, seed=6, extremes=False)
+        fmt = (dq.Float8Rowwise if strategy == "channel" else dq.Float8Tensorwise)(scale_dtype=scale_dtype)
+        q = stored(fmt, (out, n_in), qdata=codes, scale=scale)
     reference = FloatQuantizationCompressor.decompress({"weight": codes, "weight_scale": scale}, scheme)["weight"]
+    assert reference.dtype == scale_dtype
     assert_dequantizes_like(q, lambda dtype: reference.to(dtype))
 
 
@@ -234,6 +239,7 @@ def test_symmetric_gptq_in_int4groupwise_rounds_in_fp16_first():
         dq.Int4GroupwiseIntZero(128),
         dq.Int8Rowwise(scale_dtype=torch.bfloat16),
         dq.Float8Rowwise(scale_dtype=torch.bfloat16),
+        dq.Float8Tensorwise(scale_dtype=torch.float32),
         dq.Float8Blockwise(128, scale_dtype=torch.bfloat16),
     ],
     ids=str,

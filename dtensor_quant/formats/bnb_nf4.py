@@ -47,6 +47,10 @@ by one map step (tests/test_producer_formats.py measures both).
 A NaN or Inf weight makes its ``nested_absmax`` non-finite, and with it the
 ``block_size * nested_block_size`` values that scale covers, no others; an
 all-zero block dequantizes to zeros.
+
+Kernel: NF4's fused one-token kernel (bf16 activations, 1-4 tokens), fed
+bitsandbytes' float32 levels and block scales, so each weight it uses is
+``dequantize``'s bf16 value bit for bit (tests/test_fused_kernels.py).
 """
 
 from __future__ import annotations
@@ -56,9 +60,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import native
 from ..core.format import QuantFormat, Reducer
 from ..core.layout import Constant, flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
+from .nf4 import fused_linear
+from .nf4 import kernel as nf4_kernel
 
 # The QLoRA paper's NF4 levels in float32 (bitsandbytes' quant_map for "nf4").
 NF4_LEVELS_F32 = (
@@ -169,12 +176,9 @@ class BnbNF4(QuantFormat):
         Every inner tensor stores its blocks in flat row-major order, so each
         block's scale is computed once and broadcast over it. Needs whole blocks.
         """
-        numel, b = out.numel(), self.block_size
-        absmax, nested = inner["absmax"].reshape(-1), inner["nested_absmax"].reshape(-1)
-        if numel % b or absmax.numel() != numel // b or inner["qdata"].numel() * 2 != numel:
+        b, scale = self.block_size, self._block_scales(inner, out.numel())
+        if scale is None:
             return False
-        per_block = nested.repeat_interleave(self.nested_block_size).narrow(0, 0, absmax.numel())
-        scale = dynamic_map().to(out.device)[absmax.long()] * per_block + inner["offset"].reshape(())
         fits = out.dtype == torch.float32 and out.is_contiguous()
         values = out if fits else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         nibbles_into(inner["qdata"], NF4_LEVELS_F32, values, high_first=True)
@@ -183,5 +187,50 @@ class BnbNF4(QuantFormat):
             out.copy_(values)
         return True
 
+    def _block_scales(self, inner: dict[str, torch.Tensor], numel: int) -> torch.Tensor | None:
+        """Each block's float32 scale in flat order, as ``dequantize`` computes it; None unless the blocks are whole."""
+        absmax, nested = inner["absmax"].reshape(-1), inner["nested_absmax"].reshape(-1)
+        if numel % self.block_size or absmax.numel() != numel // self.block_size or inner["qdata"].numel() * 2 != numel:
+            return None
+        per_block = nested.repeat_interleave(self.nested_block_size).narrow(0, 0, absmax.numel())
+        return dynamic_map().to(absmax.device)[absmax.long()] * per_block + inner["offset"].reshape(())
+
+    # NF4's fused one-token kernel (dtensor_quant.formats.nf4) computes each weight as bf16(level * scale) from
+    # float32 levels and block scales: with bitsandbytes' levels and scales that is dequantize's bf16 value.
+    kernel_needs_whole_blocks = True
+
+    def prepare(self, inner):
+        """The fused kernel's inputs, built by the first call that runs it (``native.Lazy``)."""
+        return native.Lazy(functools.partial(self.kernel_inputs, inner))
+
+    def kernel_inputs(self, inner):
+        """``(codes, block scales in float32, levels in float32)`` for NF4's fused kernel, or None where it cannot run.
+
+        It needs blocks inside each row (``in % block_size == 0``, ``block_size % 32 == 0``; the library
+        checks the rest: ``kernel_needs_whole_blocks``) and an x86 CPU with AVX2 or AVX-512.
+        """
+        qdata, bs = inner["qdata"], self.block_size
+        if qdata.device.type != "cpu" or qdata.ndim != 2 or bs % 32:
+            return None
+        rows, cols = qdata.shape[0], qdata.shape[1] * 2
+        if not rows or cols % bs or nf4_kernel() is None:
+            return None
+        scale = self._block_scales(inner, rows * cols)
+        if scale is None:
+            return None
+        levels = torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)
+        return qdata.contiguous(), scale.reshape(rows, cols // bs).contiguous(), levels
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
+            return None
+        out = fused_linear(x, prepared.get(), self.block_size)
+        return out + bias if bias is not None and out is not None else out
+
     def __str__(self) -> str:
         return f"BnbNF4(block_size={self.block_size}, nested_block_size={self.nested_block_size})"
+
+
+# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins (as NF4).
+_KERNEL_MAX_TOKENS = 4

@@ -11,7 +11,8 @@ amax / 448``; ``w ~= float(q) * scale``, in float32, rounded once to the output
 dtype. ``Float8Rowwise(scale_dtype=...)`` stores the scale in that dtype and
 rounds the product to it before converting: compressed-tensors'
 ``float-quantized`` per-channel checkpoints (e4m3 ``weight``, bf16
-``weight_scale`` ``[out, 1]``, dequantized as ``q.to(bf16) * scale``).
+``weight_scale`` ``[out, 1]``, dequantized as ``q.to(bf16) * scale``);
+``Float8Tensorwise(scale_dtype=...)`` the same with one scale.
 """
 
 from __future__ import annotations
@@ -324,25 +325,40 @@ class Float8Rowwise(QuantFormat):
 
 @dataclass(frozen=True)
 class Float8Tensorwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's): compressed-tensors' per-tensor FP8 keeps it in its own dtype.
+    scale_dtype: torch.dtype | None = None
+
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
-        return _quantize(weight, reduce(amax, "max", "scale"))
+        return _quantize(weight, reduce(amax, "max", "scale"), self.scale_dtype)
 
     def dequantize(self, inner, dtype):
-        return _dequantize(inner, dtype)
+        return _dequantize(inner, dtype, self.scale_dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
 
     def prepare(self, inner):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None.
+
+        A ``scale_dtype`` other than the activations' dequantizes instead (see Float8Rowwise.linear).
+        """
+        if self.scale_dtype not in (None, x.dtype):
+            return None
         return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
-        return "Float8Tensorwise()"
+        return compact_repr(self).replace("torch.", "")

@@ -34,14 +34,18 @@ tensor at a time needs no collective to plan (each rank knows its slice from
 its DTensor), so nothing is gained from DCP's planning here.
 
 **Saving.** Every rank computes the same file layout from the model's shapes
-(no collective); rank 0 writes the headers and the index, then each rank
-writes the bytes of its own slices at their offsets (one replica of each
-slice writes). torch's ``HuggingFaceStorageWriter`` with consolidation was not
-used: it writes every rank's shards to files of their own and then, on the
-coordinator alone, reads them all back and writes the consolidated files (the
-model is written twice, the second time by one process), and its
-consolidation sizes elements with ``torch.finfo``, which fails for integer
-tensors. Here every byte is written once, in parallel, at its final place.
+(no collective); rank 0 writes the headers into a staging directory, then
+each rank writes the bytes of its own slices at their offsets (one replica of
+each slice writes), and rank 0 moves the files into place once every rank
+has written. The ranks agree on the outcome of each step, so a failure
+anywhere raises on every rank and leaves the previous export.
+
+torch's ``HuggingFaceStorageWriter`` with consolidation was not used: it writes
+every rank's shards to files of their own and then, on the coordinator alone,
+reads them all back and writes the consolidated files (the model is written
+twice, the second time by one process), and its consolidation sizes elements
+with ``torch.finfo``, which fails for integer tensors. Here every byte is
+written once, in parallel, at its final place.
 
 ``dq.hf.quantize_like_checkpoint`` lives in :mod:`dtensor_quant.model.quantize_like`
 (it quantizes a model, a layer above this one); the package attaches it here.

@@ -32,15 +32,14 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ...core.format import weight_layout
 from ...formats import MXFP4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
 from ..state_dict import canonical_view, entry_placements, entry_shape
 from .prequantized import StoredLayout, weight_shape_record
 from .stored import Fill, PackedCodes, Same, Words
+from .tensors import first_replica, regions
 
 QUANTIZATIONS = ("compressed-tensors",)
 
@@ -82,26 +81,19 @@ def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout] | str:
             "(quantization=None)")  # fmt: skip
 
 
-def _agreed(ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank (one all-reduce): a refusal then comes from every rank at once."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 class CompressedTensorsExport:
     """The compressed-tensors form of a model's quantized weights; :func:`~.saving.save` asks it per weight."""
 
     def __init__(self):
         self.groups: dict[tuple, list[str]] = {}  # (format name, args as JSON) -> module names
 
-    def items(self, key: str, t: torch.Tensor, writes: bool):
-        """``(key, dtype, global shape, offset, writes, fetch)`` of every tensor holding quantized weight ``key``.
+    def items(self, key: str, t: torch.Tensor, leader: bool) -> list[tuple]:
+        """``(key, dtype, global shape, spans, fetch)`` of every tensor holding quantized weight ``key``.
 
-        Raises ``ValueError`` on every rank (agreed by one all-reduce) when the
-        weight cannot be written as compressed-tensors stores it.
+        ``spans`` are this rank's boxes to write, as :func:`~.tensors.regions`
+        gives them (empty: another replica writes). Raises ``ValueError`` when
+        the weight cannot be written as compressed-tensors stores it (the save
+        agrees on it across ranks).
         """
         q, inner, to_canonical, shape = canonical_view(t, key)
         why = "its key does not end in .weight" if not key.endswith(".weight") or len(shape) != 2 else None
@@ -109,31 +101,33 @@ class CompressedTensorsExport:
         if isinstance(scheme, str):
             raise ValueError(f"{key}: {q.fmt} cannot be written as compressed-tensors: {scheme}")
         fmt_name, args, layout = scheme
-        out, ok = [], True
+        mesh = t.device_mesh if isinstance(t, DTensor) else None
+        out = []
         for name, rels in weight_layout(q.fmt, shape).items():
             st, g_shape = layout.stored(name), entry_shape(rels, shape)
-            offset, writes_e = (0,) * len(g_shape), writes
-            if isinstance(t, DTensor):
-                placements = entry_placements(t.placements, rels, to_canonical)
-                _, offset = compute_local_shape_and_global_offset(g_shape, t.device_mesh, placements)
-                coord = t.device_mesh.get_coordinate()
-                writes_e = writes and all(c == 0 for c, p in zip(coord, placements) if not p.is_shard())
+            placements = entry_placements(t.placements, rels, to_canonical) if mesh is not None else None
+            boxes = regions(g_shape, mesh, placements)
             chunk = inner[name]
+            if len(boxes) > 1:
+                raise ValueError(f"{key}: this rank's '{name}' is no single box of the weight (a strided shard)")
+            offset = boxes[0][1] if boxes else (0,) * len(g_shape)
             if isinstance(st, Fill):
-                ok = ok and st.holds(chunk)
+                if not st.holds(chunk):
+                    raise ValueError(f"{key}: {q.fmt} has nonzero zero points; compressed-tensors' symmetric int4 "
+                                     "has none (Int4GroupwiseIntZero writes integer zero points)")  # fmt: skip
                 continue
             align = st.write_alignment(len(g_shape))
-            ok = ok and all(o % a == 0 and (n % a == 0 or o + n == g) for o, n, g, a in
-                            zip(offset, chunk.shape, g_shape, align))  # fmt: skip
-            s_offset, s_chunk = (None, None) if not ok else st.to_stored(chunk, offset, g_shape)
-            out.append((st.key(key), st.dtype, st.stored_shape(g_shape), s_offset, writes_e, lambda c=s_chunk: c))
-        if not _agreed(ok):
-            raise ValueError(f"{key}: {q.fmt} cannot be written as compressed-tensors here: a zero point is not 0 "
-                             "(compressed-tensors' symmetric int4 has none), or a shard boundary cuts a packed "
-                             "int32 word (8 values)")  # fmt: skip
+            if not all(o % a == 0 and (n % a == 0 or o + n == g) for o, n, g, a in
+                       zip(offset, chunk.shape, g_shape, align)):  # fmt: skip
+                raise ValueError(f"{key}: a shard boundary of '{name}' cuts a packed int32 word (8 values)")
+            s_offset, s_chunk = st.to_stored(chunk, offset, g_shape)
+            writes = boxes and first_replica(mesh, placements, leader)
+            spans = [((0,) * s_chunk.ndim, tuple(s_offset), tuple(s_chunk.shape))] if writes else []
+            out.append((st.key(key), st.dtype, st.stored_shape(g_shape), spans, lambda c=s_chunk: c))
         for extra in layout.extras:
             value = extra.value(shape)
-            out.append((extra.key(key), value.dtype, tuple(value.shape), (0,), writes and _rank0(), lambda v=value: v))
+            spans = [((0,), (0,), tuple(value.shape))] if leader else []
+            out.append((extra.key(key), value.dtype, tuple(value.shape), spans, lambda v=value: v))
         module = key[: -len(".weight")]
         self.groups.setdefault((fmt_name, json.dumps(args, sort_keys=True)), []).append(module)
         return out
@@ -163,7 +157,3 @@ class CompressedTensorsExport:
             "global_compression_ratio": None,
             **ct_version,
         }
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

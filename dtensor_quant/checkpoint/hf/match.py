@@ -7,6 +7,8 @@ from the headers and the model alone, with no collective.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ from ...ops.layout_ops import canonical_dims
 from ..state_dict import is_quantized
 from .prequantized import check, find, quantization_config
 from .safetensors_io import Checkpoint, Pieces
-from .tensors import describe, local_slice, local_tensor, model_tensors
+from .tensors import describe, local_slice, local_tensor, model_tensors, unpadded_shapes
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
@@ -83,6 +85,16 @@ def _pieces(key: str, shape, ckpt: Checkpoint, converters) -> Pieces | str | Non
     return None
 
 
+@dataclass(frozen=True)
+class Padded:
+    """A checkpoint tensor read into a model tensor that pad_for_tp made larger: the rest reads as zeros."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # the model's (padded)
+    stored: tuple[int, ...]  # the checkpoint's (the original size)
+
+
 def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     """``(kind, model key, checkpoint key, tensor)`` for every tensor to load, the missing and the unexpected keys.
 
@@ -90,8 +102,11 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     """
     tied, tasks, used, missing, errors = _tied(model), [], set(), [], []
     converters, qc = _converters(model), quantization_config(ckpt.path)
+    unpadded, padding_records = unpadded_shapes(model)
     for key, _, t in model_tensors(model):
         if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
+            continue
+        if id(t) in padding_records:  # pad_for_tp's record: the model's own, in no checkpoint
             continue
         stored = find(qc, ckpt, key, t, is_quantized(t)) if t.ndim >= 2 else None
         if isinstance(stored, str):
@@ -100,6 +115,8 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
         if stored is not None:  # stored quantized in a layout the model's format holds: read as stored
             try:
                 local_slice(t)
+                if key in unpadded:
+                    errors.append(f"{key}: a weight padded by pad_for_tp is not read as stored ({describe(t)})")
                 errors.extend(check(stored, key, t, ckpt))
             except ValueError as e:
                 errors.append(f"{key}: {e}")
@@ -137,7 +154,9 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             why = _plain_weight(t) if kind == "quantized" else None
             if why:
                 errors.append(f"{key}: {why}")
-            if info.shape != tuple(t.shape):
+            if info.shape != tuple(t.shape) and info.shape == unpadded.get(key) and isinstance(src, str):
+                src = Padded(src, info.dtype, tuple(t.shape), info.shape)  # zeros past the original size
+            elif info.shape != tuple(t.shape):
                 errors.append(
                     f"{key}: the checkpoint's {names[0]} has shape {list(info.shape)}, the model's is {list(t.shape)}"
                 )

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ...core.format import QuantFormat, weight_layout
 from ...core.tensor import contiguous_strides
@@ -30,7 +29,7 @@ from ...formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .safetensors_io import Checkpoint
 from .stored import Extra, Fill, Flat, JsonField, PackedCodes, Reshaped, Same, Stored, Transposed, Words, json_of, small
-from .tensors import describe
+from .tensors import box, describe
 
 
 @dataclass(frozen=True)
@@ -380,7 +379,7 @@ def read(layout: StoredLayout, ckpt: Checkpoint, key: str, t: torch.Tensor) -> t
         st, g_shape, dtype = layout.stored(name), entry_shape(rels, shape), inner[name].dtype
         if isinstance(t, DTensor):
             placements = entry_placements(t.placements, rels, to_canonical)
-            l_shape, l_off = compute_local_shape_and_global_offset(g_shape, t.device_mesh, placements)
+            l_shape, l_off = box(g_shape, t.device_mesh, placements)
             local = st.read(ckpt, key, l_off, l_shape, g_shape, dtype)
             entries[name] = DTensor.from_local(local, t.device_mesh, placements, run_check=False, shape=g_shape,
                                                stride=contiguous_strides(g_shape))  # fmt: skip

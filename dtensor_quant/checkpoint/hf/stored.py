@@ -31,6 +31,7 @@ _SMALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def small(ckpt: Checkpoint, key: str) -> torch.Tensor:
     """A small checkpoint tensor (a record, a map, a JSON state), read whole once per checkpoint and process."""
+    ckpt = getattr(ckpt, "ckpt", ckpt)  # the loader's error-tolerant reader wraps the checkpoint
     cache = _SMALL.setdefault(ckpt, {})
     if key not in cache:
         cache[key] = ckpt.read(key)
