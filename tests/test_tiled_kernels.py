@@ -16,24 +16,32 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, int4, int8, nf4
+from dtensor_quant.formats import float8, int4, int4_zero, int8, mxfp4, nf4
 from dtensor_quant.testing import weight
 
 FORMATS = [
     dq.NF4(),
+    dq.BnbNF4(),
+    dq.MXFP4(),
     dq.Float8Rowwise(),
+    dq.Float8Rowwise(scale_dtype=torch.bfloat16),
     dq.Float8Tensorwise(),
     dq.Float8Blockwise(128),
     dq.Int4Groupwise(128),
-    dq.Int4Groupwise(32),
+    dq.Int4Groupwise(32, scale_dtype=torch.bfloat16),
+    dq.Int4GroupwiseIntZero(128),
+    dq.Int4GroupwiseIntZero(128, scale_dtype=torch.float16),
     dq.Int8Rowwise(),
+    dq.Int8Rowwise(scale_dtype=torch.bfloat16),
 ]
 SHAPES = [(40, 2048), (33, 5632), (24, 14336)]  # rows not a multiple of the 32-row tile; K past one 2048 block
 
 
 def module_of(fmt):
-    if isinstance(fmt, dq.NF4):
-        return nf4
+    if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.MXFP4)):
+        return nf4  # BnbNF4 and MXFP4 run NF4's kernels
+    if isinstance(fmt, dq.Int4GroupwiseIntZero):
+        return int4_zero
     if isinstance(fmt, dq.Int4Groupwise):
         return int4
     if isinstance(fmt, dq.Int8Rowwise):
@@ -61,8 +69,18 @@ def tile_inputs(q):
 
 
 def tiled(q, inputs, x, level):
-    args = {dq.NF4: ("block_size",), dq.Int4Groupwise: ("group_size",)}.get(type(q.fmt), ())
-    return module_of(q.fmt).tiled_linear(x, inputs, *(getattr(q.fmt, a) for a in args), max_level=level)
+    """The format's tiled kernel, called as its ``linear`` calls it (a bf16 ``scale_dtype`` rounds every weight)."""
+    fmt, module = q.fmt, module_of(q.fmt)
+    if isinstance(fmt, dq.MXFP4):
+        return module.tiled_linear(x, inputs, mxfp4.BLOCK, max_level=level)
+    if isinstance(fmt, (dq.NF4, dq.BnbNF4)):
+        return module.tiled_linear(x, inputs, fmt.block_size, max_level=level)
+    if isinstance(fmt, dq.Int4GroupwiseIntZero):
+        return module.tiled_linear(x, inputs, fmt.group_size, max_level=level)
+    rounds = fmt.scale_dtype == torch.bfloat16
+    if isinstance(fmt, dq.Int4Groupwise):
+        return module.tiled_linear(x, inputs, fmt.group_size, max_level=level, rounds=rounds)
+    return module.tiled_linear(x, inputs, max_level=level, rounds=rounds)
 
 
 def levels(fmt, x_dtype):

@@ -7,7 +7,12 @@ and all-reduced over every sharded mesh dim when a sharded weight is
 quantized). Collectives move the float8 bytes as uint8: gloo has no float8.
 
 Math: ``q = clamp(w / scale, +-448)`` rounded to e4m3fn with ``scale =
-amax / 448``; ``w ~= float(q) * scale``.
+amax / 448``; ``w ~= float(q) * scale``, in float32, rounded once to the output
+dtype. ``Float8Rowwise(scale_dtype=...)`` stores the scale in that dtype and
+rounds the product to it before converting: compressed-tensors'
+``float-quantized`` per-channel checkpoints (e4m3 ``weight``, bf16
+``weight_scale`` ``[out, 1]``, dequantized as ``q.to(bf16) * scale``);
+``Float8Tensorwise(scale_dtype=...)`` the same with one scale.
 """
 
 from __future__ import annotations
@@ -18,21 +23,22 @@ from pathlib import Path
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
 from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def _quantize(weight: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tensor]:
-    scale = safe_scale(amax, _E4M3_MAX, weight.dtype)
+def _quantize(weight: torch.Tensor, amax: torch.Tensor, scale_dtype=None) -> dict[str, torch.Tensor]:
+    scale = safe_scale(amax, _E4M3_MAX, scale_dtype or weight.dtype)
     q = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return {"qdata": q, "scale": scale}
 
 
-def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype, scale_dtype=None) -> torch.Tensor:
+    values = inner["qdata"].float() * inner["scale"].float()
+    return (values.to(scale_dtype) if scale_dtype else values).to(dtype)
 
 
 _TABLES: dict[tuple[torch.dtype, str], torch.Tensor] = {}
@@ -130,12 +136,12 @@ def _prepare(inner):
     return native.Lazy(lambda: kernel_prepare(inner["qdata"], inner["scale"], inner["qdata"].shape[-1]))
 
 
-def _matmul(x: torch.Tensor, prepared, tiles: bool, max_level: int | None) -> torch.Tensor | None:
+def _matmul(x: torch.Tensor, prepared, tiles: bool, max_level: int | None, rounds: bool) -> torch.Tensor | None:
     codes, scale = prepared
     (rows, cols), group = codes.shape, codes.shape[1] // scale.shape[1]
     if x.shape[1] != cols:
         raise ValueError(f"float8 kernel: activation width {x.shape[1]} != weight width {cols}")
-    rounds = x.dtype == torch.bfloat16
+    rounds = rounds or x.dtype == torch.bfloat16
     return native.matmul(
         kernel(), (codes, scale), x, rows, (group,), tiles=tiles, round_weights=rounds, max_level=max_level
     )
@@ -144,73 +150,108 @@ def _matmul(x: torch.Tensor, prepared, tiles: bool, max_level: int | None) -> to
 def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
     """``x @ W.T`` in bf16 through the one-token kernel from :func:`kernel_prepare`'s result (bf16 ``x``); None if
     refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here)."""
-    return _matmul(x, prepared, False, max_level)
+    return _matmul(x, prepared, False, max_level, True)
 
 
-def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
+def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from :func:`kernel_prepare`'s result;
-    None if refused. ``max_level`` as for :func:`fused_linear` (3 with bf16 ``x`` only)."""
-    return _matmul(x, prepared, True, max_level)
+    None if refused. ``max_level`` as for :func:`fused_linear` (3 with bf16 ``x`` only); ``rounds``: every weight
+    is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
+    return _matmul(x, prepared, True, max_level, rounds)
 
 
-def kernel_linear(x, prepared, bias):
-    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.core.native.Lazy` of :func:`kernel_prepare`."""
+def kernel_linear(x, prepared, bias, scale_dtype: torch.dtype | None = None):
+    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.core.native.Lazy` of :func:`kernel_prepare`.
+
+    ``scale_dtype``: the dtype dequantize rounds each product to before the output's (None: none); the kernels
+    round to bf16 only, so fp16 dequantizes.
+    """
     tokens = x.shape[0]
-    if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
+    if scale_dtype not in (None, torch.float32, torch.bfloat16) or x.dtype not in native.TILE_DTYPES:
+        return None
+    if tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
         return None
     if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
         out = fused_linear(x, prepared.get())
     else:
-        out = tiled_linear(x, prepared.get())
+        out = tiled_linear(x, prepared.get(), rounds=scale_dtype == torch.bfloat16)
     return out + bias if bias is not None and out is not None else out
 
 
 @dataclass(frozen=True)
 class Float8Rowwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
+
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (OneToOne(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"))
+        return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"), self.scale_dtype)
 
     def dequantize(self, inner, dtype):
-        return _dequantize(inner, dtype)
+        return _dequantize(inner, dtype, self.scale_dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
 
     def prepare(self, inner):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None."""
-        return kernel_linear(x, prepared, bias)
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
+
+        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
+        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
+        """
+        return kernel_linear(x, prepared, bias, self.scale_dtype)
 
     def __str__(self) -> str:
-        return "Float8Rowwise()"
+        return compact_repr(self).replace("torch.", "")
 
 
 @dataclass(frozen=True)
 class Float8Tensorwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's): compressed-tensors' per-tensor FP8 keeps it in its own dtype.
+    scale_dtype: torch.dtype | None = None
+
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
-        return _quantize(weight, reduce(amax, "max", "scale"))
+        return _quantize(weight, reduce(amax, "max", "scale"), self.scale_dtype)
 
     def dequantize(self, inner, dtype):
-        return _dequantize(inner, dtype)
+        return _dequantize(inner, dtype, self.scale_dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
 
     def prepare(self, inner):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None."""
-        return kernel_linear(x, prepared, bias)
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
+
+        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
+        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
+        """
+        return kernel_linear(x, prepared, bias, self.scale_dtype)
 
     def __str__(self) -> str:
-        return "Float8Tensorwise()"
+        return compact_repr(self).replace("torch.", "")

@@ -2,12 +2,21 @@
 
 Layout: ``qdata`` uint8 ``[out, in/2]`` holds two 4-bit codes per byte along
 ``in`` (even index in the low nibble); ``scale`` and ``zero`` ``[out,
-ceil(in/group_size)]`` (the weight's dtype) hold one value per group along
-``in``. Column shards must therefore start on a group boundary.
+ceil(in/group_size)]`` (the weight's dtype, or ``scale_dtype``) hold one value
+per group along ``in``. Column shards must therefore start on a group boundary.
 
 Math (torch's int4 convention, zero point in the float domain)::
 
     w ~= (q - 8) * scale + zero,   q in [0, 15]
+
+computed in float32 and rounded once to the output dtype. With
+``scale_dtype`` (a checkpoint's fp16 or bf16 scales in a model of another
+dtype: GPTQ and AWQ store fp16, compressed-tensors bf16) the value is rounded
+to ``scale_dtype`` first and then converted, which is what those producers
+compute (``(q - 8) * scale`` in the scale's dtype): a symmetric checkpoint's
+codes and scales, with ``zero = 0``, dequantize bit for bit as its producer
+does. The codes are compressed-tensors' ``weight_packed`` bytes as stored
+(int32 words, element ``i`` at bits ``4i``, stored ``q + 8``).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Blocked, OneToOne, Packed
 from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
@@ -64,12 +73,17 @@ def _has_kernel(op: str, key: str) -> bool:
 @dataclass(frozen=True)
 class Int4Groupwise(QuantFormat):
     group_size: int = 128
+    #: The dtype of ``scale`` and ``zero`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
 
     block_size_params = ("group_size",)
 
     def __post_init__(self):
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"Int4Groupwise needs an even group_size >= 2, got {self.group_size}")
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
 
     @property
     def layout(self):
@@ -85,7 +99,7 @@ class Int4Groupwise(QuantFormat):
             raise ValueError(f"{self} packs two values per byte along dim 1, which must be even; got {tuple(shape)}")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        g, n_in, dtype = self.group_size, weight.shape[1], weight.dtype
+        g, n_in, dtype = self.group_size, weight.shape[1], self.scale_dtype or weight.dtype
         lo = reduce(block_reduce(weight, 1, g, "min"), "min", "scale")
         hi = reduce(block_reduce(weight, 1, g, "max"), "max", "scale")
         finite = lo.isfinite() & hi.isfinite()
@@ -115,10 +129,13 @@ class Int4Groupwise(QuantFormat):
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         packed = inner["qdata"]
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
-        return ((q - 8) * inner["scale"].float() + inner["zero"].float()).to(dtype)
+        values = (q - 8) * inner["scale"].float() + inner["zero"].float()
+        return (values.to(self.scale_dtype) if self.scale_dtype else values).to(dtype)
 
     def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
         """``q - 8`` by table lookup (one per byte) in fp32, then the group's scale and zero, as ``dequantize``."""
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         rows = out.shape[0]
         values = (
             out
@@ -194,7 +211,9 @@ class Int4Groupwise(QuantFormat):
         """
         torch_inputs, tile_inputs = prepared
         tokens = x.shape[0]
-        if x.dtype == torch.bfloat16 and (tokens <= _TORCH_MAX_TOKENS or x.device.type != "cpu"):
+        # torch's kernel rounds the scales to the activations' dtype: only right when that is scale_dtype.
+        torchs_ok = self.scale_dtype in (None, x.dtype)
+        if x.dtype == torch.bfloat16 and torchs_ok and (tokens <= _TORCH_MAX_TOKENS or x.device.type != "cpu"):
             if torch_inputs.get() is not None:
                 device, packed, scale_zeros = torch_inputs.get()
                 mm = (
@@ -204,13 +223,17 @@ class Int4Groupwise(QuantFormat):
                 )
                 out = mm(x.contiguous(), packed, self.group_size, scale_zeros.to(x.dtype))
                 return out + bias if bias is not None else out
-        if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+        # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
+        # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
+        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
             return None
-        out = tiled_linear(x, tile_inputs.get(), self.group_size)
+        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+            return None
+        out = tiled_linear(x, tile_inputs.get(), self.group_size, rounds=self.scale_dtype == torch.bfloat16)
         return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
-        return f"Int4Groupwise(group_size={self.group_size})"
+        return compact_repr(self).replace("torch.", "")
 
 
 # torch's int4 kernel reads the weight once per token: it beats bf16 for a token or two, the tiles from 3 on.
@@ -235,13 +258,16 @@ def kernel():
     return native.load("int4", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
-def tiled_linear(x: torch.Tensor, prepared, group_size: int, max_level: int | None = None) -> torch.Tensor | None:
+def tiled_linear(
+    x: torch.Tensor, prepared, group_size: int, max_level: int | None = None, rounds: bool = False
+) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from ``Int4Groupwise._tile_inputs``;
-    None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only);
+    ``rounds``: every weight is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
     codes, scale, zero = prepared
     if x.shape[1] != codes.shape[1] * 2:
         raise ValueError(f"int4 kernel: activation width {x.shape[1]} != weight width {codes.shape[1] * 2}")
-    rounds = x.dtype == torch.bfloat16
+    rounds = rounds or x.dtype == torch.bfloat16
     return native.matmul(
         kernel(),
         (codes, scale, zero),

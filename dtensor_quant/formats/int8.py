@@ -1,9 +1,14 @@
 """Int8Rowwise: symmetric int8 with one scale per output row.
 
 Layout: ``qdata`` int8 ``[out, in]`` follows both dims one-to-one; ``scale``
-``[out, 1]`` (the weight's dtype) follows rows and is constant along ``in``.
-So any row or column sharding is legal, and quantizing a column-sharded
-weight all-reduces the row maxima.
+``[out, 1]`` (the weight's dtype, or ``scale_dtype``) follows rows and is
+constant along ``in``. So any row or column sharding is legal, and quantizing
+a column-sharded weight all-reduces the row maxima.
+
+Math: ``w ~= q * scale``, in float32, rounded once to the output dtype; with
+``scale_dtype`` rounded to it first, then converted (compressed-tensors'
+``int-quantized`` checkpoints: int8 ``weight`` and bf16 ``weight_scale``
+``[out, 1]``, dequantized as ``q.to(bf16) * scale``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
 from ..core.reductions import block_reduce, safe_scale, scaled_into
 
@@ -34,22 +39,33 @@ def _has_kernel(device_type: str) -> bool:
 
 @dataclass(frozen=True)
 class Int8Rowwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
+
     layout = {
         "qdata": (OneToOne(), OneToOne()),
         "scale": (OneToOne(), Constant()),
     }
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
-        scale = safe_scale(amax, _QMAX, weight.dtype)
+        scale = safe_scale(amax, _QMAX, self.scale_dtype or weight.dtype)
         q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
         return {"qdata": q, "scale": scale}
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+        values = inner["qdata"].float() * inner["scale"].float()
+        return (values.to(self.scale_dtype) if self.scale_dtype else values).to(dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         scaled_into(inner["qdata"], inner["scale"], out)
         return True
 
@@ -68,6 +84,7 @@ class Int8Rowwise(QuantFormat):
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
         if (
             x.dtype in _KERNEL_DTYPES
+            and self.scale_dtype in (None, x.dtype)  # torch's kernel rounds the scales to the activations' dtype
             and (tokens <= _TORCH_MAX_TOKENS or x.device.type != "cpu")
             and 0 not in q.shape
             and not q.shape[1] % 8
@@ -75,13 +92,17 @@ class Int8Rowwise(QuantFormat):
         ):
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
             return out + bias if bias is not None else out
-        if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+        # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
+        # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
+        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
             return None
-        out = tiled_linear(x, tile_inputs.get())
+        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+            return None
+        out = tiled_linear(x, tile_inputs.get(), rounds=self.scale_dtype == torch.bfloat16)
         return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
-        return "Int8Rowwise()"
+        return compact_repr(self).replace("torch.", "")
 
 
 # torch's int8 kernel reads the weight once per token: from 2 tokens on the tiles, which read it once, win.
@@ -114,9 +135,10 @@ def _tile_inputs(q: torch.Tensor, scale: torch.Tensor):
     return q, scale.float().contiguous()
 
 
-def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
+def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel; None if refused. ``max_level`` caps
-    the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only); ``rounds``: every weight is rounded
+    to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
     codes, scale = prepared
     if x.shape[1] != codes.shape[1]:
         raise ValueError(f"int8 kernel: activation width {x.shape[1]} != weight width {codes.shape[1]}")
@@ -127,6 +149,6 @@ def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> tor
         codes.shape[0],
         (),
         tiles=True,
-        round_weights=x.dtype == torch.bfloat16,
+        round_weights=rounds or x.dtype == torch.bfloat16,
         max_level=max_level,
     )

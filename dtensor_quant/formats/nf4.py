@@ -212,14 +212,7 @@ class NF4(QuantFormat):
     def linear(self, x, prepared, bias):
         """bf16 or fp32 activations: the one-token kernel for one bf16 token, the tiles for up to
         ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
-        tokens = x.shape[0]
-        if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
-            return None
-        if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
-            out = fused_linear(x, prepared.get(), self.block_size)
-        else:
-            out = tiled_linear(x, prepared.get(), self.block_size)
-        return out + bias if bias is not None and out is not None else out
+        return kernel_linear(x, prepared, bias, self.block_size)
 
     @staticmethod
     def _nearest(normalized: torch.Tensor) -> torch.Tensor:
@@ -286,3 +279,17 @@ def tiled_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | No
         round_weights=rounds,
         max_level=max_level,
     )
+
+
+def kernel_linear(x: torch.Tensor, prepared, bias, block_size: int) -> torch.Tensor | None:
+    """``linear`` of every format that runs NF4's kernels (NF4, BnbNF4, MXFP4), from a
+    :class:`~dtensor_quant.core.native.Lazy` of ``(codes, block scales, levels, rounds)``: the one-token kernel
+    for one bf16 token, the tiles for bf16 or fp32 activations up to ``native.TILES_MAX_TOKENS``; else None."""
+    tokens = x.shape[0]
+    if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
+        return None
+    if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
+        out = fused_linear(x, prepared.get(), block_size)
+    else:
+        out = tiled_linear(x, prepared.get(), block_size)
+    return out + bias if bias is not None and out is not None else out

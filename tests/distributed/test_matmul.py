@@ -10,14 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, int4, int8, nf4
+from dtensor_quant.formats import float8, int4, int4_zero, int8, nf4
 from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
 # dtensor_quant.core.native's kernels (tests/test_fused_kernels.py, tests/test_tiled_kernels.py): bf16 and fp32
 # activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1 (int4: 1-2) bf16 tokens.
-NATIVE = {dq.NF4: nf4, dq.Float8Rowwise: float8, dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8,
-          dq.Int4Groupwise: int4, dq.Int8Rowwise: int8}  # fmt: skip
+NATIVE = {dq.NF4: nf4, dq.BnbNF4: nf4, dq.MXFP4: nf4, dq.Int4GroupwiseIntZero: int4_zero, dq.Float8Rowwise: float8,
+          dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8, dq.Int4Groupwise: int4,
+          dq.Int8Rowwise: int8}  # fmt: skip
 
 
 def kernel_runs(fmt, dtype, batch):
