@@ -196,8 +196,8 @@ class BnbNF4(QuantFormat):
         per_block = nested.repeat_interleave(self.nested_block_size).narrow(0, 0, absmax.numel())
         return dynamic_map().to(absmax.device)[absmax.long()] * per_block + inner["offset"].reshape(())
 
-    # NF4's fused one-token kernel (dtensor_quant.formats.nf4) computes each weight as bf16(level * scale) from
-    # float32 levels and block scales: with bitsandbytes' levels and scales that is dequantize's bf16 value.
+    # NF4's kernels (dtensor_quant.formats.nf4) compute each weight as level * scale in fp32 (rounded to bf16 for
+    # bf16 activations) from float32 levels and block scales: with bitsandbytes' that is dequantize's value.
     kernel_needs_whole_blocks = True
 
     def prepare(self, inner):

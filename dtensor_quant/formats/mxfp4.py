@@ -137,9 +137,9 @@ class MXFP4(QuantFormat):
             out.copy_(values)
         return True
 
-    # NF4's fused one-token kernel (dtensor_quant.formats.nf4) computes each weight as bf16(level * scale) from
-    # 16 float32 levels and one float32 scale per block of 32 or more: with the e2m1 values and each block's power
-    # of two that is dequantize's bf16 value. It reads the first value of a byte from the high nibble.
+    # NF4's kernels (dtensor_quant.formats.nf4) compute each weight as level * scale in fp32 (rounded to bf16 for
+    # bf16 activations) from 16 float32 levels and one float32 scale per block of 32 or more: with the e2m1 values
+    # and each block's power of two that is dequantize's value. They read a byte's first value from its high nibble.
 
     def prepare(self, inner):
         """The fused kernel's inputs, built by the first call that runs it (``native.Lazy``)."""
