@@ -40,6 +40,8 @@ kernel reads, its block sizes) is memoised per layout
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import logging
 
@@ -118,11 +120,38 @@ def kernel_linear_impl(
     if whole and record is None:
         record = bytes_of(next(iter(inner.values())))
     out = fmt.linear(x, prepared(fmt, inner, record), bias) if whole else None
+    if _RECORDING:
+        _record(fmt, "kernel" if out is not None else "dequantize")
     if out is not None:
         return out
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
+
+
+_RECORDING: list[collections.Counter] = []  # the counters of the record_paths() blocks now open
+
+
+@contextlib.contextmanager
+def record_paths():
+    """Counts the matmuls with a quantized weight run inside the block, by ``(format, path)``.
+
+    ``path`` is ``"kernel"`` (the format's own: torch's int kernels, the C++
+    kernels of dtensor_quant.core.native) or ``"dequantize"`` (dequantize +
+    mm: no kernel for this format, dtype, orientation or layout). Says which
+    path a slow model takes; counts every thread's calls.
+    """
+    counts: collections.Counter = collections.Counter()
+    _RECORDING.append(counts)
+    try:
+        yield counts
+    finally:
+        _RECORDING.remove(counts)
+
+
+def _record(fmt: QuantFormat, path: str) -> None:
+    for counts in _RECORDING:
+        counts[(str(fmt), path)] += 1
 
 
 @functools.cache
@@ -190,6 +219,8 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
     source, blocks, canonical = plan_linear(w_t)
     if blocks is None or not is_transposed(w_t):
+        if _RECORDING:
+            _record(w_t.fmt, "dequantize")
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
     inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)

@@ -136,7 +136,11 @@ def linear_op_case(fmt_name, x_spec, w_spec, with_bias):
     if w_spec == Shard(0) and x_spec == Replicate():
         assert out.placements == (Shard(2),)
         assert torch.equal(full, expected)  # each rank computes whole output columns
-    torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-5)
+    # fp32 sums of 384 products in other orders (the format's kernel, the ranks' partial sums): elementwise within
+    # that reordering's bound, K * 2^-24 * |x| @ |W|^T, plus the bias's rounding.
+    bound = w.shape[1] * 2.0**-24 * (x.abs() @ q.dequantize(torch.float32).abs().t())
+    bound = bound + (2.0**-24 * bias.abs() if with_bias else 0)
+    assert bool(((full - expected).abs() <= bound).all()), (full - expected).abs().max()
     return out.placements[0]
 
 

@@ -152,7 +152,9 @@ def tp_forward(pad_when, dtype_name):
 @pytest.mark.parametrize("pad_when", ["before", "after"])
 def test_row_parallel_at_tp_2_and_4(ranks, world, pad_when):
     for err in ranks(world).run(tp_forward, pad_when, "float32"):
-        assert err < 1e-6, err  # the all-reduce sums the ranks' partial products in another order
+        # The kernel sums each output's 29696 fp32 products in one sequence and the all-reduce adds the ranks'
+        # partial sums: a reordered fp32 sum, ~sqrt(K) * 2^-24 of the largest output (seen: 3-5e-6).
+        assert err < 2e-5, err
 
 
 def test_row_parallel_bf16(ranks):
