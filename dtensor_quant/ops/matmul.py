@@ -88,12 +88,13 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor], record: Bytes | N
     """
     if record is None or not record.cache_kernels:
         return fmt.prepare(inner)
-    where, versions = [fmt], [record.stamp()]
+    where, versions = [fmt], []
     for t in inner.values():
         if type(t) is not torch.Tensor or t.is_meta or t.is_inference():
             return fmt.prepare(inner)
         where.append((t.data_ptr(), t.shape, t.stride()))
         versions.append(t._version)
+    versions.append(record.stamp())
     where, versions = tuple(where), tuple(versions)
     hit = record.prepared.get(where)
     if hit is not None and hit[0] == versions:
