@@ -73,6 +73,13 @@ if hasattr(DTensor, "_stable_hash_for_caching"):
 # rebuilds the same parameter bit for bit, from bytes that stayed quantized. The two replacements
 # below do exactly that for parameters with all-gather hooks sharded along dim 0 that are not
 # DTensors (torch refuses those for every parameter), and call torch's own code for everything else.
+#
+# At init, ``FSDPParam._init_sharded_post_forward_param_metadata`` chunks the whole parameter over
+# the k ranks of the post-forward group only to read one chunk's size. A quantized tensor refuses a
+# cut its layout forbids -- NF4 [30, 14336] is legal at 4 ranks (whole rows of factors, 8 per rank)
+# but not cut in 2 at row 15 -- although the post-forward shard above never makes that cut (it keeps
+# whole rank inputs, so whatever is legal over the shard world is legal for every k). The sizes are
+# read from a meta tensor of the parameter's shape instead.
 
 
 class _PostForwardShard(NamedTuple):
@@ -96,7 +103,13 @@ def fsdp_keeps_all_gather_outputs() -> bool:
     return _KEEPING_OUTPUTS.get()
 
 
-_FSDP_PARAM_NEEDS = ("to_sharded_post_forward", "all_gather_inputs", "free_unsharded_param", "_setattr_on_modules")
+_FSDP_PARAM_NEEDS = (
+    "to_sharded_post_forward",
+    "all_gather_inputs",
+    "free_unsharded_param",
+    "_setattr_on_modules",
+    "_init_sharded_post_forward_param_metadata",
+)
 _FSDP_PARAM_FIELDS = (
     "all_gather_outputs",
     "post_forward_mesh_info",
@@ -140,6 +153,15 @@ def install_fsdp_post_forward_reshard() -> None:
         return  # already installed
     torch_to_sharded_post_forward = cls.to_sharded_post_forward
     torch_all_gather_inputs = cls.__dict__["all_gather_inputs"].fget
+    torch_init_post_forward_metadata = cls._init_sharded_post_forward_param_metadata
+
+    def init_post_forward_metadata(self, param) -> None:
+        local = getattr(self, "sharded_param", None)
+        local = getattr(local, "_local_tensor", None)
+        placement = getattr(self, "fsdp_placement", None)
+        if hasattr(local, "fsdp_pre_all_gather") and not getattr(self, "is_dtensor", True) and placement.dim == 0:
+            param = torch.empty(param.shape, dtype=param.dtype, device="meta")  # sizes only: no cut of the bytes
+        return torch_init_post_forward_metadata(self, param)
 
     def extension_on_dim0(self) -> bool:
         if not hasattr(self.sharded_param._local_tensor, "fsdp_pre_all_gather"):
@@ -216,6 +238,8 @@ def install_fsdp_post_forward_reshard() -> None:
             return self._to_sharded()
         return torch_reshard(self)
 
+    init_post_forward_metadata.__doc__ = torch_init_post_forward_metadata.__doc__
+    cls._init_sharded_post_forward_param_metadata = init_post_forward_metadata
     to_sharded_post_forward.keeps_extension_chunks = True
     to_sharded_post_forward.__doc__ = torch_to_sharded_post_forward.__doc__
     cls.to_sharded_post_forward = to_sharded_post_forward
