@@ -106,8 +106,18 @@ def check_format(
     report = Report(fmt, shape, world_size)
     own = pool is None
     pool = pool or RankPool(world_size, device="cpu")
+    unstarted = None  # why the ranks cannot start: then no later check tries again (each try costs a start)
     try:
         for check in checks or CHECKS:
+            if check.distributed and unstarted is None and not pool.started:
+                try:
+                    pool.start()  # first use, or a restart after a check hung or killed a rank
+                except RankError as e:
+                    why = (str(e).strip().splitlines() or ["?"])[-1]
+                    unstarted = f"not run: the {world_size} ranks could not start: {why}"
+            if check.distributed and unstarted:
+                report.outcomes.append(Outcome(check, False, unstarted[:300]))
+                continue
             try:
                 detail = run_check(check, fmt, world_size, shape, pool)
                 report.outcomes.append(Outcome(check, True, detail))
