@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtensor_quant.launch import RankError, RankPool
+from dtensor_quant.testing.rank_pool import RankError, RankPool
 from dtensor_quant.testing import CHECKS, FORMATS, check_format
 
 
@@ -76,7 +76,7 @@ STDIN_SCRIPT = textwrap.dedent(
     """
     import time
     import torch.distributed as dist
-    from dtensor_quant.launch import RankError, RankPool
+    from dtensor_quant.testing.rank_pool import RankError, RankPool
 
     def defined_here():
         return 1
