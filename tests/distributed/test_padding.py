@@ -102,6 +102,26 @@ def test_pad_refused_where_inexact():
     assert all(p is before[n] for n, p in model.named_parameters())
 
 
+def test_pad_for_tp_on_meta():
+    """A model built on meta (to load a checkpoint into) pads like a real one; before: Tensor.item() on meta."""
+    with torch.device("meta"):
+        meta = MLP()
+        meta_nf4 = MLP(hidden=64, inter=960).to(torch.bfloat16)
+    real = dq.quantize_(mlp(), INT4)
+    dq.quantize_(meta, INT4)
+    assert pad_for_tp(meta, 2, INT4) == pad_for_tp(real, 2, INT4) == {"": (INTER, 29696)}
+    for name, p in real.named_parameters():
+        m = meta.get_parameter(name)
+        assert m.is_meta and m.shape == p.shape and m.dtype == p.dtype and m.rels == p.rels, name
+    assert not meta.tp_padding.is_meta and meta.tp_padding.tolist() == [INTER, 29696]
+    assert pad_for_tp(meta, 4, INT4) == {}  # 29696 is legal at TP 4 too
+    dense = MLP().to("meta")
+    assert pad_for_tp(dense, 8, INT4) == {"": (INTER, 29696)} and dense.down_proj.weight.shape == (HIDDEN, 29696)
+    dq.quantize_(meta_nf4, dq.NF4())
+    with pytest.raises(ValueError, match=r"Pad the dense model"):  # refused as on the CPU
+        pad_for_tp(meta_nf4, 2, dq.NF4())
+
+
 def test_checkpoint_records_padding(tmp_path):
     padded = dq.quantize_(mlp(), INT4)
     pad_for_tp(padded, 2, INT4)
