@@ -349,14 +349,20 @@ def _all_gather(func, args, kwargs):
     plan = hit[0]
     if plan is _SLOW:
         return NotImplemented
-    meta, sent, widths, agreed = plan
+    meta, sent, widths, agreed, checks = plan
     if agree.EVERY_CALL or agreed not in agree.AGREED:  # collectives.agree_layout's own first test, key kept
         collectives.agree_layout(q, group_name, "all-gather")
-    buf = codec.pack([t for t, s in zip(inner, sent) if s is not None])
+    kept = [t for t, s in zip(inner, sent) if s is None]
+    buf = codec.pack([t for t, s in zip(inner, sent) if s is not None] + kept)  # kept: compared, not used
     wire.note(func._schema.name, buf)
     c10d = torch.ops._c10d_functional
     rows = c10d.wait_tensor(c10d.all_gather_into_tensor(buf, group_size, group_name)).view(group_size, -1)
     columns = rows.split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor (and per padding)
+    if checks and not all(torch.equal(columns[c], columns[c][:1].expand_as(columns[c])) for c, _ in checks):
+        copies = [
+            [columns[c][r].view(t.dtype).reshape(t.shape) for (c, _), t in zip(checks, kept)] for r in range(group_size)
+        ]
+        collectives.check_kept(q, [n for _, n in checks], copies, group_name, "all-gather")  # raises, every rank
     joined = []
     for t, s in zip(inner, sent):
         if s is None:
@@ -369,14 +375,17 @@ def _all_gather(func, args, kwargs):
 
 def _gather_plan(q, out, group_size, group_name):
     """``(result layout, per inner (its column of the buffer, gathered shape) or None if not sent,
-    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed)``, or _SLOW.
+    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed, (column, name) of each
+    kept tensor's bytes)``, or _SLOW.
 
-    A rank's buffer is :func:`codec.pack` of the sent tensors: each one's bytes, then padding.
+    A rank's buffer is :func:`codec.pack` of the sent tensors, then of the kept ones (not sent: each rank
+    keeps its own; their bytes only travel to be compared): each one's bytes, then padding.
     """
-    sent, widths = [], []
+    sent, widths, kept = [], [], []
     for name, t, row in zip(q.fmt.inner_names, _inner(q), q.rels):
         if not codec.varies(q, name):
             sent.append(None)
+            kept.append((name, t))
             continue
         if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
             return _SLOW  # whether the gathered pieces agree may be read from the data; or nothing to view
@@ -385,7 +394,13 @@ def _gather_plan(q, out, group_size, group_name):
         widths += [nbytes, -nbytes % codec.ALIGN] if nbytes % codec.ALIGN else [nbytes]
     if not widths:
         return _SLOW
-    return _meta(out), tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q))
+    checks = []
+    for name, t in kept:
+        nbytes = t.numel() * t.element_size()
+        checks.append((len(widths), name))
+        widths += [nbytes, -nbytes % codec.ALIGN] if nbytes % codec.ALIGN else [nbytes]
+    agreed = (agree.group_name_of(group_name), agree.layout_key(q))
+    return _meta(out), tuple(sent), widths, agreed, tuple(checks)
 
 
 # -- the linear: mm of an activation and a transposed weight -----------------------

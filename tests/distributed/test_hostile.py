@@ -5,6 +5,8 @@ extremes (sharded and not), ranks that disagree on a weight's format, and
 damaged checkpoints. See docs/hostile_input.md for what each format does.
 """
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -186,6 +188,60 @@ def agreeing_after():
     with wire.record() as log:  # the same layout again: no agreement exchange on the hot path
         assert torch.equal(dt.full_tensor().dequantize(), w.dequantize())
     return sum(t.op == "dtensor_quant::agree" for t in log.transfers)
+
+
+def independently_quantized(fmt_name, dim, op, fast):
+    """Each rank quantizes its own shard (a per-tensor constant of its own), then ``from_local``.
+
+    Before: ``full_tensor`` and ``redistribute`` gave every piece one rank's constant (NF4's mean,
+    Float8Tensorwise's scale): 23-35 units off on weights of ~10, silently.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from torch.distributed.tensor._collective_utils import shard_dim_alltoall  # noqa: F401 (registers the op)
+
+    from dtensor_quant.dist import fastpath
+
+    fmt, m = FORMATS[fmt_name], mesh(2)
+    w = weight((32, 16384), seed=31, dtype=torch.bfloat16) * 10
+    with fastpath.disabled() if not fast else contextlib.nullcontext():
+        # first the same layout with agreeing constants (quantized as a DTensor): gathered exactly, and
+        # its agreement (and the fast path's plan) cached -- the disagreeing one must still be caught
+        good = dq.quantize(distribute_tensor(w, m, [Shard(dim)]), fmt)
+        dq.check_consistent(good)
+        for _ in range(2):
+            assert_same_bits(good.full_tensor(), dq.quantize(w, fmt), "quantized as a DTensor")
+        local = dq.quantize(torch.chunk(w, 2, dim)[rank()], fmt)
+        bad = DTensor.from_local(local, m, [Shard(dim)], run_check=True)
+        run = {
+            "full_tensor": bad.full_tensor,
+            "redistribute": lambda: bad.redistribute(m, [Replicate()]),
+            "check_consistent": lambda: dq.check_consistent(bad),
+            # what NCCL runs for Shard(i) -> Shard(j) (gloo: all-gather + split)
+            "alltoall": lambda: torch.ops._dtensor.shard_dim_alltoall(local, dim, 1 - dim, m.get_group(0).group_name),
+        }[op]
+        try:
+            run()
+        except LayoutError as e:
+            return str(e)
+        return "not refused"
+
+
+INDEPENDENT = [("nf4", 0, "mean"), ("f8tensor", 0, "scale"), ("f8tensor", 1, "scale")]
+GATHERS = ["full_tensor", "redistribute", "check_consistent"]
+
+
+@pytest.mark.parametrize(
+    "fmt_name,dim,name,op,fast",
+    [(*case, op, fast) for case in INDEPENDENT for op in GATHERS for fast in (True, False)]
+    # NF4's flat blocks refuse the column cut first; the all-to-all has no fast path
+    + [("f8tensor", 0, "scale", "alltoall", True), ("f8tensor", 1, "scale", "alltoall", True)],
+)
+def test_independently_quantized_shards_refused_where_they_meet(ranks, fmt_name, dim, name, op, fast):
+    errors = ranks(2).run(independently_quantized, fmt_name, dim, op, fast)
+    assert len(set(errors)) == 1, errors  # the same error on every rank (each sees every rank's value)
+    assert f"copies of {name} differ" in errors[0] and "rank 1: " in errors[0], errors[0]
+    assert "dq.quantize(distribute_tensor" in errors[0]
 
 
 # -- damaged checkpoints -------------------------------------------------------------------
