@@ -197,7 +197,6 @@ def independently_quantized(fmt_name, dim, op, fast):
     Float8Tensorwise's scale): 23-35 units off on weights of ~10, silently.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
     from torch.distributed.tensor._collective_utils import shard_dim_alltoall  # noqa: F401 (registers the op)
 
     from dtensor_quant.dist import fastpath

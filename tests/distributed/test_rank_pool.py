@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtensor_quant.testing.rank_pool import RankError, RankPool
 from dtensor_quant.testing import CHECKS, FORMATS, check_format
+from dtensor_quant.testing.rank_pool import RankError, RankPool
 
 
 def die_on_last_rank(code):
