@@ -9,11 +9,14 @@ padded columns of down multiply those zeros. Gate/up rows and down columns
 are padded together; padding one without the other would change the shapes
 the forward sees.
 
-Exactness. In fp32 the padded model's output is bit-identical to the
-unpadded one's wherever the matmul sums the extra zero products after the
-real ones (CPU torch does, in the tests); a tensor-parallel output equals one
-process up to the order of the all-reduce's sum, as for any row-parallel
-layer. In bf16 the same holds: the extra terms are exact zeros. Quantized
+Exactness. The padded hidden units are exact zeros and the original bytes
+are untouched, so the padded model's output sums the same nonzero products as
+the unpadded one's, plus exact zeros. It is bit-identical only where the
+matmul sums the longer reduction in the same order -- which the CPU's GEMM
+decides (MKL blocks 29696 fp32 terms otherwise than 29568 under AVX-512 and
+AMX, not under AVX2) -- and within the summation's rounding bound everywhere;
+a tensor-parallel output likewise, the all-reduce summing the ranks' partial
+products in another order, as for any row-parallel layer. Quantized
 formats whose statistics are per block (int8/float8 per row, int4 per group)
 quantize the original rows and columns exactly as before, and their all-zero
 padding blocks dequantize to exact zeros (checked when padding). A format
