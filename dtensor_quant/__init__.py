@@ -19,7 +19,17 @@ from .dist.collectives import check_consistent
 from .dist.custom_ops import dequantize
 from .dist.placements import check_placements, legal_mesh_sizes
 from .dist.quantize import quantize
-from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
+from .formats import (
+    MXFP4,
+    NF4,
+    BnbNF4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+)
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from .model import interop, lora
 from .model.padding import pad_for_tp
@@ -41,8 +51,10 @@ for _name, _module in _PUBLIC_MODULES.items():
 _install_old_paths()
 
 __all__ = [
+    "MXFP4",
     "NF4",
     "Blocked",
+    "BnbNF4",
     "Constant",
     "FlatBlocked",
     "Float8Blockwise",
@@ -51,6 +63,7 @@ __all__ = [
     "GatherQuantized",
     "InFlat",
     "Int4Groupwise",
+    "Int4GroupwiseIntZero",
     "Int8Rowwise",
     "LayoutError",
     "OneToOne",

@@ -199,13 +199,13 @@ def independently_quantized(fmt_name, dim, op, fast):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._collective_utils import shard_dim_alltoall  # noqa: F401 (registers the op)
 
-    from dtensor_quant.dist import fastpath
+    from dtensor_quant.core import memo
 
     fmt, m = FORMATS[fmt_name], mesh(2)
     w = weight((32, 16384), seed=31, dtype=torch.bfloat16) * 10
-    with fastpath.disabled() if not fast else contextlib.nullcontext():
+    with memo.disabled() if not fast else contextlib.nullcontext():
         # first the same layout with agreeing constants (quantized as a DTensor): gathered exactly, and
-        # its agreement (and the fast path's plan) cached -- the disagreeing one must still be caught
+        # its agreement (and the gather's memoised plan) cached -- the disagreeing one must still be caught
         good = dq.quantize(distribute_tensor(w, m, [Shard(dim)]), fmt)
         dq.check_consistent(good)
         for _ in range(2):

@@ -12,10 +12,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ...core.format import Reducer, weight_layout
 from ...core.layout import Blocked, OneToOne, Packed, inner_slice
+from ...core.notes import wrote
 from ...core.tensor import contiguous_strides
 from ...dist.quantize import quantize
 from ...dist.shard_quant import MeshReducer, quantize_local
-from ...ops.writes import note_write
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .match import plan
 from .safetensors_io import Checkpoint
@@ -120,7 +120,7 @@ def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk
         for name, rels in layout.items():
             i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
             q.inner[name][i0:i1].copy_(part.inner[name])
-        note_write()  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
+        wrote(q.notes)  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
 
 
 def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:
