@@ -97,18 +97,17 @@ def switched_mlp(dim, hidden, tokens, kernels=False, why="5632 columns are cut")
                     assert_within(y, y_ref, bound, f"{n} tokens at TP {tp}")
     finally:  # the ranks live on for other tests
         nf4.fused_linear = original
-    return switched["w2"], out
+    return switched["w2"], out, nf4.kernel() is not None  # DTENSOR_QUANT_NATIVE=0, or no AVX2: no kernel
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_switched_down_projection_matches_one_process(ranks, world):
     results = ranks(world).run(switched_mlp, 256, 5632, (1, 2, 5))
-    assert len({why for why, _ in results}) == 1  # one reason, on every rank
-    for _, out in results:
+    assert len({why for why, _, _ in results}) == 1  # one reason, on every rank
+    for _, out, kernels in results:
         # Every output element is computed on one rank from the same bytes as on one process, with no partial
         # sums: bit-exact through the decode kernel (1-4 tokens), which sums each output row by itself; past 4
         # tokens (dequantize + mm) within the bound, checked on the ranks.
-        kernels = nf4.kernel() is not None  # DTENSOR_QUANT_NATIVE=0, or no AVX2: dequantize + mm everywhere
         assert out[1][0] == (3 if kernels else 0), out  # one token: w1, w3 and the switched w2 run the kernel
         assert all(equal for calls, equal, _ in out.values() if calls == 3), out
 
@@ -122,7 +121,7 @@ def test_kernels_switches_a_legal_cut_the_kernel_cannot_run_on(ranks):
     assert adapt_tp_plan(model, PLAN, 2) == (PLAN, {})
     assert ranks(2).run(fused_calls_unswitched, 256, 2048) == [2, 2]  # w1 and w3 only: w2 dequantizes
     why = "column shards are not laid out as a fresh weight"
-    for _, out in ranks(2).run(switched_mlp, 256, 2048, (1,), True, why):
+    for _, out, _ in ranks(2).run(switched_mlp, 256, 2048, (1,), True, why):
         assert out[1][0] == 3 and out[1][1], out  # the kernel runs on the switched w2, bit-exactly
 
 
