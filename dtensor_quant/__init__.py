@@ -33,6 +33,7 @@ from .formats import (
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from .model import interop, lora
 from .model.padding import pad_for_tp
+from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
 from .model.quantize_model import quantize_
 from .model.tp_plan import adapt_tp_plan
 
@@ -48,6 +49,8 @@ _PUBLIC_MODULES = {
 }
 for _name, _module in _PUBLIC_MODULES.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
+# dq.hf's entry point that quantizes a model (the model layer, above checkpoint/) joins the others there.
+hf.quantize_like_checkpoint = _quantize_like_checkpoint
 _install_old_paths()
 
 __all__ = [

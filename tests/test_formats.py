@@ -331,6 +331,7 @@ def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
         expected = reference_dequantize(piece, torch.float32)
         assert same_bits(piece.dequantize(), expected)
         x = torch.randn(3, piece.shape[1], generator=torch.Generator().manual_seed(1))
+        # q[:32] is laid out as a fresh weight: NF4's kernel runs and sums in its own order
         assert_within(torch.nn.functional.linear(x, piece), x @ expected.t(), 2 * linear_error_bound(x, expected))
     assert unpack.dense(q[:, :1024], torch.float32) is None  # per-row factors cut short: not a fresh layout
     assert unpack.dense(q[:32], torch.float32) is not None  # whole row blocks: the fast path

@@ -396,13 +396,34 @@ def _load_hook(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
         if flat and value is None:
             value = {short: state_dict.pop(full) for short, full in flat.items()}
         if isinstance(value, Mapping):
-            state_dict[key] = from_entries(value, param, key)
+            try:
+                state_dict[key] = from_entries(value, param, key)
+            except CheckpointFormatError as e:
+                if not _aliases(value, param):
+                    raise
+                raise CheckpointFormatError(
+                    f"{e} These entries are the parameter's own inner tensors (model.state_dict()), so a dcp.load "
+                    "into them has already written the checkpoint's bytes into the parameter: rebuild or reload the "
+                    "model. dtensor_quant.checkpoint.load checks every format record before reading any tensor."
+                ) from None
         elif isinstance(value, torch.Tensor) and not is_quantized(value):
             state_dict[key] = quantize_like(value, param, key)
         elif value is not None and is_quantized(value):
             found, want = _quantized_local(value).fmt, _quantized_local(param).fmt
             if found != want:
                 raise CheckpointFormatError(f"{key}: the state dict holds {found}, the model's parameter is {want}")
+
+
+def _aliases(entries: Mapping, param) -> bool:
+    """Whether any entry shares memory with ``param``'s inner tensors (a ``state_dict()`` entry, not a copy)."""
+    q = _quantized_local(param)
+    ours = {t.untyped_storage().data_ptr() for t in q.inner.values() if t.untyped_storage().nbytes()}
+    for e in entries.values():
+        if isinstance(e, torch.Tensor):
+            local = e._local_tensor if isinstance(e, DTensor) else e
+            if local.untyped_storage().nbytes() and local.untyped_storage().data_ptr() in ours:
+                return True
+    return False
 
 
 def register(model: nn.Module) -> nn.Module:

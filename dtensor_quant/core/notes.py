@@ -30,8 +30,7 @@ input's (:func:`alias`, :func:`transposed`, :func:`sliced`, :func:`same_bytes`,
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -58,7 +57,8 @@ class Bytes:
 
     def __init__(self, watched=(), cache_kernels: bool = True):
         self.writes = 0
-        self.watched = [t for t in watched if type(t) is torch.Tensor]  # not fake or traced ones
+        # not fake or traced ones, nor inference tensors (they have no version to watch)
+        self.watched = [t for t in watched if type(t) is torch.Tensor and not t.is_inference()]
         self.cache_kernels = cache_kernels
         self.prepared: dict = {}
 
@@ -67,9 +67,13 @@ class Bytes:
         return (self.writes, *(t._version for t in self.watched))
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Notes:
-    """The record; see the module docstring. Read it, never mutate it: the rules make new ones."""
+class Notes(NamedTuple):
+    """The record; see the module docstring. Immutable: the rules make new ones.
+
+    A tuple rather than a frozen dataclass: views make one per call, and a
+    tuple is built in a fraction of the time. Compare fields, never whole
+    records (``weight`` is a tensor).
+    """
 
     bytes: Bytes | None
     shared_outside: tuple[tuple[int, tuple], ...] = ()  # (inner index, (relation, dim, start, stop) of the cut)
@@ -109,7 +113,7 @@ def watch(notes: Notes, tensors) -> None:
     watched = notes.bytes.watched
     for t in tensors:
         t = t if t._base is None else t._base  # a view made here shares its base's version counter
-        if type(t) is torch.Tensor and all(t is not w for w in watched):
+        if type(t) is torch.Tensor and not t.is_inference() and all(t is not w for w in watched):
             watched.append(t)
 
 
@@ -124,7 +128,7 @@ def refilled() -> Notes:
 
 def factory(inner=()) -> Notes:
     """``new_zeros``/``empty_like``: new bytes, and rows past a leading narrow of them are padding."""
-    return dataclasses.replace(new_bytes(inner), from_factory=True)
+    return new_bytes(inner)._replace(from_factory=True)
 
 
 def alias(src: Notes) -> Notes:
@@ -134,7 +138,7 @@ def alias(src: Notes) -> Notes:
     """
     if src.pending is None and not src.from_factory:
         return src
-    return dataclasses.replace(src, pending=None, from_factory=False)
+    return Notes(src.bytes, src.shared_outside, src.narrowed_from, False, src.weight)
 
 
 def same_bytes(src: Notes) -> Notes:
@@ -142,9 +146,12 @@ def same_bytes(src: Notes) -> Notes:
     return Notes(src.bytes)
 
 
-def transposed(src: Notes, q) -> Notes:
-    """``q.t()``/``transpose``: the same bytes and shared blocks; the weight it came from is kept for kernels."""
-    return Notes(src.bytes, src.shared_outside, weight=src.weight if src.weight is not None else q)
+def transposed(src: Notes, q, pending: tuple | None = None) -> Notes:
+    """``q.t()``/``transpose``: the same bytes and shared blocks; the weight it came from is kept for kernels.
+
+    ``pending`` when the inner transposes are left to their first read.
+    """
+    return Notes(src.bytes, src.shared_outside, 0, False, src.weight if src.weight is not None else q, pending)
 
 
 def broadcast(src: Notes) -> Notes:
@@ -154,7 +161,7 @@ def broadcast(src: Notes) -> Notes:
 
 def moved(src: Notes, inner=()) -> Notes:
     """A device copy or pinned copy: new bytes, and still the same leading narrow of a padded buffer."""
-    return dataclasses.replace(new_bytes(inner), narrowed_from=src.narrowed_from)
+    return new_bytes(inner)._replace(narrowed_from=src.narrowed_from)
 
 
 def outside_cuts(rels, length: int, dim: int, start: int, stop: int, from_factory: bool) -> tuple:
@@ -196,7 +203,7 @@ def sliced(src: Notes, outside: tuple, length: int, dim: int, start: int, stop: 
 
 def stands_for(src: Notes, own: Notes) -> Notes:
     """``own``'s tensor holds ``src``'s rows in another form (a quantized shard of a dense one): same padding."""
-    return own if own.narrowed_from == src.narrowed_from else dataclasses.replace(own, narrowed_from=src.narrowed_from)
+    return own if own.narrowed_from == src.narrowed_from else own._replace(narrowed_from=src.narrowed_from)
 
 
 def padded_rows(t: torch.Tensor) -> int:

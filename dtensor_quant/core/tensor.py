@@ -17,7 +17,6 @@ handlers, FSDP2's hooks, dequantizing). Those register themselves on import
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import torch
@@ -92,7 +91,7 @@ class QuantizedTensor(torch.Tensor):
         pending = notes.pending if notes is not None else None
         if pending is not None:
             pending[0](self, *pending[1:])
-            d["notes"] = dataclasses.replace(notes, pending=None)
+            d["notes"] = notes._replace(pending=None)
         elif name in d:  # set by another thread since this lookup missed it
             return d[name]
         else:

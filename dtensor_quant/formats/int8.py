@@ -13,17 +13,20 @@ Math: ``w ~= q * scale``, in float32, rounded once to the output dtype; with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..core import native
 from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
 from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _QMAX = 127
 # torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower
-# than dequantize + mm for a batch of 16 (AVX2), so those dtypes dequantize.
+# than dequantize + mm for a batch of 16 (AVX2), so fp32 takes the tiles and fp16 dequantizes.
 _KERNEL_DTYPES = (torch.bfloat16,)
 
 
@@ -67,18 +70,85 @@ class Int8Rowwise(QuantFormat):
         return True
 
     def prepare(self, inner):
-        return inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
+        """``(codes, scales)`` for torch's int8 mm, and a :class:`~dtensor_quant.core.native.Lazy` of the tiled
+        kernel's inputs (int8.cpp), built by the first call that runs it."""
+        q, scale = inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
+        return q, scale, native.Lazy(functools.partial(_tile_inputs, q, scale))
 
     def linear(self, x, prepared, bias):
-        """``aten._weight_int8pack_mm`` (per-row scale, bf16 activations): CPU; CUDA if built in (untested here)."""
-        q, scale = prepared
+        """bf16 activations of up to ``_TORCH_MAX_TOKENS`` rows: ``aten._weight_int8pack_mm`` (per-row scale;
+        CPU, CUDA if built in, untested here; any count on CUDA); more rows, or fp32 activations: the tiled kernel
+        (int8.cpp); else None (dequantize + mm)."""
+        q, scale, tile_inputs = prepared
+        tokens = x.shape[0]
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
-        if x.dtype not in _KERNEL_DTYPES or self.scale_dtype not in (None, x.dtype):
-            return None  # a scale of another dtype would be rounded to the activations' by the kernel
-        if 0 in q.shape or q.shape[1] % 8 or not _has_kernel(x.device.type):
+        if (
+            x.dtype in _KERNEL_DTYPES
+            and self.scale_dtype in (None, x.dtype)  # torch's kernel rounds the scales to the activations' dtype
+            and (tokens <= _TORCH_MAX_TOKENS or x.device.type != "cpu")
+            and 0 not in q.shape
+            and not q.shape[1] % 8
+            and _has_kernel(x.device.type)
+        ):
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
+            return out + bias if bias is not None else out
+        # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
+        # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
+        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
             return None
-        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
-        return out + bias if bias is not None else out
+        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+            return None
+        out = tiled_linear(x, tile_inputs.get(), rounds=self.scale_dtype == torch.bfloat16)
+        return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
         return compact_repr(self).replace("torch.", "")
+
+
+# torch's int8 kernel reads the weight once per token: from 2 tokens on the tiles, which read it once, win.
+_TORCH_MAX_TOKENS = 1
+
+KERNEL_SOURCE = Path(__file__).with_name("int8.cpp")  # loaded by dtensor_quant.core.native
+_ARGTYPES = [
+    "const int8_t*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+]  # fmt: skip
+
+
+def _probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, empty, empty, 0, 0, 0, native.TILES, 3, 1, level)
+    return int(level)
+
+
+def kernel():
+    """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
+    return native.load("int8", KERNEL_SOURCE, _ARGTYPES, _probe)
+
+
+def _tile_inputs(q: torch.Tensor, scale: torch.Tensor):
+    """``(codes, scales in fp32)`` for the tiled kernel, or None where it cannot run (``in % 32``, not a CPU,
+    no kernel here)."""
+    if q.device.type != "cpu" or q.ndim != 2 or 0 in q.shape or q.shape[1] % 32 or kernel() is None:
+        return None
+    return q, scale.float().contiguous()
+
+
+def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel; None if refused. ``max_level`` caps
+    the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only); ``rounds``: every weight is rounded
+    to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
+    codes, scale = prepared
+    if x.shape[1] != codes.shape[1]:
+        raise ValueError(f"int8 kernel: activation width {x.shape[1]} != weight width {codes.shape[1]}")
+    return native.matmul(
+        kernel(),
+        (codes, scale),
+        x,
+        codes.shape[0],
+        (),
+        tiles=True,
+        round_weights=rounds or x.dtype == torch.bfloat16,
+        max_level=max_level,
+    )

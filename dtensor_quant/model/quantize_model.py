@@ -37,6 +37,7 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     left_dense: list[tuple[str, str]] | None = None,
+    transposed: Callable[[str], bool] | None = None,
 ) -> nn.Module:
     """Quantize every matmul weight of ``model`` into frozen quantized parameters, in place.
 
@@ -56,6 +57,11 @@ def quantize_(
     layout cannot hold raises :class:`~dtensor_quant.LayoutError`. The model's
     state dict then holds each quantized weight as its inner tensors
     (:mod:`dtensor_quant.state_dict`), ready for ``torch.distributed.checkpoint``.
+
+    ``transposed(name)``: True for a parameter the model holds as ``[..., in,
+    out]`` and multiplies as ``x @ W`` (gpt-oss's fused experts in
+    transformers): it is quantized as ``[..., out, in]`` (blocks along its
+    inputs) and the parameter is the transposed view.
     """
     done = 0
     for fqn, module in model.named_modules():
@@ -68,7 +74,10 @@ def quantize_(
                 _note(left_dense, full, "excluded by filter_fn")
                 continue
             try:
-                weight = quantize(param.detach(), fmt)
+                if transposed is not None and transposed(full):
+                    weight = quantize(param.detach().transpose(-2, -1), fmt).transpose(-2, -1)
+                else:
+                    weight = quantize(param.detach(), fmt)
             except ValueError as e:
                 raise type(e)(f"{full}: {e}") from None
             setattr(module, name, nn.Parameter(weight, requires_grad=False))

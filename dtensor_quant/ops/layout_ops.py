@@ -14,7 +14,7 @@ legal shard counts.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -40,17 +40,19 @@ from ..core.layout import (
     inner_slice,
     legal_chunk_counts,
 )
-from ..core.memo import layout_key, memo
+from ..core.memo import layout_key, lookup, memo, remember
 from ..core.tensor import QuantizedTensor, contiguous_strides
 
 # -- orientation and construction ---------------------------------------------
 
 
+@functools.cache
 def canonical_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
-    """``dims`` of a weight as quantized: logical dim i is the format's dim i."""
+    """``dims`` of a weight as quantized: logical dim i is the format's dim i (one tuple object per ndim)."""
     return tuple((i,) for i in range(ndim))
 
 
+@functools.cache
 def transposed_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
     """``dims`` of a weight ``[..., out, in]`` after ``transpose(-2, -1)``: ``[..., in, out]``."""
     return canonical_dims(ndim - 2) + ((ndim - 1,), (ndim - 2,))
@@ -140,19 +142,24 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     mostly never made. Formats with an inner name that is also a Tensor
     attribute (NF4's ``mean``) get them at once.
     """
-    dim0, dim1 = dim0 % q.ndim, dim1 % q.ndim
+    nd = q.ndim
+    dim0, dim1 = dim0 % nd, dim1 % nd
     if dim0 == dim1:
         return alias(q)
-    rels, dims, shape, stride, deferrable = memo(
-        ("transpose", *layout_key(q), dim0, dim1), lambda: _transposed_layout(q, dim0, dim1), q.rels, q.dims, q.fmt
-    )
+    # (memo.memo inlined: this runs for every F.linear)
+    key = ("transpose", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride(), dim0, dim1)
+    decision = lookup(key)
+    if decision is None:
+        decision = remember(key, _transposed_layout(q, dim0, dim1), q.rels, q.dims, q.fmt)
+    rels, dims, shape, stride, deferrable = decision
     first = getattr(q, q.fmt.inner_names[0])
-    notes = rules.transposed(q.notes, q)
     if deferrable and type(first) is torch.Tensor and not first.is_meta:
-        notes = dataclasses.replace(notes, pending=(_make_transposes, q, dim0, dim1))
+        notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
         return QuantizedTensor.make((), q.fmt, rels, dims, shape, stride, q.dtype, notes, q.device)
     inner = [getattr(q, name).transpose(dim0, dim1) for name in q.fmt.inner_names]
-    return QuantizedTensor.make(inner, q.fmt, rels, dims, shape, stride, q.dtype, notes, q.device)
+    return QuantizedTensor.make(
+        inner, q.fmt, rels, dims, shape, stride, q.dtype, rules.transposed(q.notes, q), q.device
+    )
 
 
 def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
@@ -430,10 +437,16 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
         return (rel,)
 
     def decide():
-        return tuple(flat(r) for r in q.rels), (tuple(range(q.ndim)),), torch.Size((q.numel(),))
+        rels = tuple(flat(r) for r in q.rels)
+        opaque = any(isinstance(row[0], Opaque) for row in rels)
+        return rels, (tuple(range(q.ndim)),), torch.Size((q.numel(),)), opaque
 
-    rels, dims, shape = memo(("flatten", *layout_key(q)), decide, q.rels, q.dims, q.fmt)
-    if any(isinstance(row[0], Opaque) for row in rels):
+    key = ("flatten", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
+    decision = lookup(key)
+    if decision is None:
+        decision = remember(key, decide(), q.rels, q.dims, q.fmt)
+    rels, dims, shape, opaque = decision
+    if opaque:
         # An Opaque equals only itself: a fresh one per result, so two results never look like one grid.
         rels = tuple((Opaque(),) if isinstance(row[0], Opaque) else row for row in rels)
     inner = [getattr(q, name).reshape(-1) for name in q.fmt.inner_names]

@@ -40,6 +40,8 @@ kernel reads, its block sizes) is memoised per layout
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import logging
 
@@ -79,19 +81,26 @@ def invalidate(q: QuantizedTensor) -> None:
 
 
 def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor], record: Bytes | None):
-    """``fmt.prepare(inner)``, cached in the bytes' ``record`` while neither it nor an inner version changes."""
-    tensors = list(inner.values())
-    if record is None or not record.cache_kernels or any(is_tracing(t) for t in tensors):
+    """``fmt.prepare(inner)``, cached in the bytes' ``record`` while neither it nor an inner version changes.
+
+    Traced inner tensors, inference tensors (no version counter: a write could not be seen) and bytes
+    their owner refills (``cache_kernels`` False) are prepared on every call.
+    """
+    if record is None or not record.cache_kernels:
         return fmt.prepare(inner)
-    if any(t.is_inference() for t in tensors):
-        return fmt.prepare(inner)  # inference tensors have no version counter: a write could not be seen
-    where = (fmt, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
-    stamp = (record.stamp(), *(t._version for t in tensors))
+    where, versions = [fmt], []
+    for t in inner.values():
+        if type(t) is not torch.Tensor or t.is_meta or t.is_inference():
+            return fmt.prepare(inner)
+        where.append((t.data_ptr(), t.shape, t.stride()))
+        versions.append(t._version)
+    versions.append(record.stamp())
+    where, versions = tuple(where), tuple(versions)
     hit = record.prepared.get(where)
-    if hit is not None and hit[0] == stamp:
+    if hit is not None and hit[0] == versions:
         return hit[1]
     result = fmt.prepare(inner)
-    record.prepared[where] = (stamp, result)
+    record.prepared[where] = (versions, result)
     return result
 
 
@@ -112,11 +121,38 @@ def kernel_linear_impl(
     if whole and record is None:
         record = bytes_of(next(iter(inner.values())))
     out = fmt.linear(x, prepared(fmt, inner, record), bias) if whole else None
+    if _RECORDING:
+        _record(fmt, "kernel" if out is not None else "dequantize")
     if out is not None:
         return out
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
+
+
+_RECORDING: list[collections.Counter] = []  # the counters of the record_paths() blocks now open
+
+
+@contextlib.contextmanager
+def record_paths():
+    """Counts the matmuls with a quantized weight run inside the block, by ``(format, path)``.
+
+    ``path`` is ``"kernel"`` (the format's own: torch's int kernels, the C++
+    kernels of dtensor_quant.core.native) or ``"dequantize"`` (dequantize +
+    mm: no kernel for this format, dtype, orientation or layout). Says which
+    path a slow model takes; counts every thread's calls.
+    """
+    counts: collections.Counter = collections.Counter()
+    _RECORDING.append(counts)
+    try:
+        yield counts
+    finally:
+        _RECORDING.remove(counts)
+
+
+def _record(fmt: QuantFormat, path: str) -> None:
+    for counts in _RECORDING:
+        counts[(str(fmt), path)] += 1
 
 
 @functools.cache
@@ -152,37 +188,43 @@ def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks):
 
 
 def plan_linear(w_t: QuantizedTensor):
-    """``(the weight whose inner tensors the kernel reads, or None, block sizes)`` for ``x @ w_t``.
+    """``(the weight whose inner tensors the kernel reads, or None; block sizes; whether that weight is canonical)``.
 
     ``w_t`` is a transposed weight ``[in, out]``. The kernel reads canonical
     inner tensors: those of the weight ``w_t`` was made from (``Notes.weight``,
     no inner transposes made), else ``w_t``'s own made canonical. Decided once
     per layout (both depend only on relations and orientation).
     """
-    if not is_transposed(w_t):
-        return None, None
     owner = w_t.notes.weight
-    if owner is not None and owner.dims == canonical_dims(2):
-        own = memo(("linear-owner", *layout_key(owner)), lambda: _kernel_plan(owner), owner.rels, owner.dims, owner.fmt)
-        if own is not None:
-            return owner, own
-    return w_t, memo(("linear", *layout_key(w_t)), lambda: _kernel_plan(w_t), w_t.rels, w_t.dims, w_t.fmt)
+    if owner is not None:
+        plan = memo(
+            ("linear-owner", *layout_key(owner)), lambda: _kernel_plan(owner), owner.rels, owner.dims, owner.fmt
+        )
+        if plan[1]:  # the owner is a canonical weight: its own inner tensors
+            return (owner, *plan)
+    return (w_t, *memo(("linear", *layout_key(w_t)), lambda: _kernel_plan(w_t), w_t.rels, w_t.dims, w_t.fmt))
 
 
 def _kernel_plan(q: QuantizedTensor):
-    """Block sizes of ``q``'s canonical relations, or None if ``q`` has no canonical inner tensors."""
-    if canonical_inner(q) is None:
-        return None
-    return block_sizes(q.rels if q.dims == canonical_dims(q.ndim) else (row[::-1] for row in q.rels))
+    """``(block sizes of q's canonical relations or None, whether q is canonical)`` for a 2-D ``q``."""
+    if q.ndim != 2 or canonical_inner(q) is None:
+        return None, False
+    if q.dims == canonical_dims(2):
+        return block_sizes(q.rels), True
+    if is_transposed(q):
+        return block_sizes(row[::-1] for row in q.rels), False
+    return None, False
 
 
 def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
-    source, blocks = plan_linear(w_t)
-    if blocks is None:
+    source, blocks, canonical = plan_linear(w_t)
+    if blocks is None or not is_transposed(w_t):
+        if _RECORDING:
+            _record(w_t.fmt, "dequantize")
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
-    inner = canonical_inner(source)
+    inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
     if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)

@@ -30,6 +30,8 @@ def _alias(func, q, *args, **kwargs):
 
 @implements("aten::view", "aten::_unsafe_view")
 def _view(func, q, size):
+    if len(size) == 1 and q.ndim >= 2 and size[0] in (-1, q.numel()) and q.dims == canonical_dims(q.ndim):
+        return flatten(q)  # FSDP2's view(-1) of every sharded parameter, first
     size = list(size)
     if -1 in size:
         known = 1
@@ -98,7 +100,7 @@ def _as_strided(func, q, size, stride, storage_offset=None):
 
 @implements("aten::t")
 def _t(func, q):
-    return _transpose(func, q, 0, 1) if q.ndim == 2 else _alias(func, q)
+    return transpose(q, 0, 1) if q.ndim == 2 else alias(q)
 
 
 @implements("aten::transpose")

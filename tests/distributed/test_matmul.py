@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, int4_zero, nf4
+from dtensor_quant.formats import float8, int4, int4_zero, int8, nf4
 from dtensor_quant.testing import (
     FORMATS,
     assert_within,
@@ -26,20 +26,19 @@ from dtensor_quant.testing import (
 )
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
-# dtensor_quant.native's one-token kernels (tests/test_fused_kernels.py): 1-4 bf16 tokens, AVX-512, a C++ compiler.
-FUSED = (
-    dq.NF4,
-    dq.BnbNF4,
-    dq.MXFP4,
-    dq.Int4GroupwiseIntZero,
-    dq.Float8Rowwise,
-    dq.Float8Tensorwise,
-    dq.Float8Blockwise,
-)
+# dtensor_quant.core.native's kernels (tests/test_fused_kernels.py, tests/test_tiled_kernels.py): bf16 and fp32
+# activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1 (int4: 1-2) bf16 tokens.
+NATIVE = {dq.NF4: nf4, dq.BnbNF4: nf4, dq.MXFP4: nf4, dq.Int4GroupwiseIntZero: int4_zero, dq.Float8Rowwise: float8,
+          dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8, dq.Int4Groupwise: int4,
+          dq.Int8Rowwise: int8}  # fmt: skip
 
 
-def fused_kernels_here():
-    return all(k.kernel() is not None for k in (nf4, float8, int4_zero))
+def kernel_runs(fmt, dtype, batch):
+    """Whether F.linear runs a kernel (rather than dequantize + mm) for this 64 x 256 weight."""
+    if dtype == torch.float16:
+        return False
+    torchs = dtype == torch.bfloat16 and batch <= {dq.Int8Rowwise: 1, dq.Int4Groupwise: 2}.get(type(fmt), 0)
+    return torchs or NATIVE[type(fmt)].kernel() is not None
 
 
 class KernelSpy:
@@ -79,19 +78,18 @@ def assert_kernel_close(out, x, q, bias=None, what=""):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 5, 16])
 def test_kernel_matches_dequantize(monkeypatch, fmt_name, dtype, batch):
-    """bf16: torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu (and NF4/float8's fused kernels, 1-4
-    tokens), equal to dequantize + mm up to rounding.
-
-    fp32/fp16 dequantize (torch's CPU kernels are slow outside bf16): the same math, exactly.
+    """bf16: torch's _weight_int8pack_mm (1 token) / _weight_int4pack_mm_for_cpu (1-2 tokens), else this library's
+    tiled kernels; NF4/float8's one-token kernels for 1 token; fp32: the tiled kernels. All equal to dequantize + mm up
+    to rounding. fp16 dequantizes: the same math, exactly.
     """
     q = dq.quantize(weight((64, 256), seed=1, dtype=dtype), FORMATS[fmt_name])
     x = weight((batch, 256), seed=2, dtype=dtype)
     bias = weight((64,), seed=3, dtype=dtype)
     kernel = KernelSpy(monkeypatch, q.fmt)
     out = F.linear(x, q, bias)
-    runs = dtype == torch.bfloat16 and (not isinstance(q.fmt, FUSED) or (batch <= 4 and fused_kernels_here()))
+    runs = kernel_runs(q.fmt, dtype, batch)
     assert kernel.ran == runs, f"{fmt_name} in {dtype}: kernel ran {kernel.ran} times"
-    if dtype != torch.bfloat16:
+    if dtype == torch.float16:
         assert torch.equal(out, x @ q.dequantize().t() + bias)
     assert out.dtype == dtype and out.shape == (batch, 64)
     assert_kernel_close(out, x, q, bias)
@@ -99,10 +97,11 @@ def test_kernel_matches_dequantize(monkeypatch, fmt_name, dtype, batch):
 
 @pytest.mark.parametrize(
     "fmt_name,shape",
-    [("int8", (64, 36)), ("int4g32", (24, 64)), ("int4g32", (32, 48)), ("int4g32", (32, 80))],
+    [("int8", (64, 36)), ("int8", (64, 40)), ("int4g32", (32, 48)), ("int4g32", (32, 80))],
 )
 def test_fallback_where_the_kernel_cannot_run(monkeypatch, fmt_name, shape):
-    """in % 8 (int8: the kernel would read past rows), out % 16 or a partial group (int4): dequantize + mm."""
+    """Three tokens: in % 32 (the tiled kernels; int8's torch kernel would also read past rows unless in % 8) or a
+    partial group (int4): dequantize + mm."""
     q = dq.quantize(weight(shape, seed=1), FORMATS[fmt_name])
     x = weight((3, shape[1]), seed=2)
     kernel = KernelSpy(monkeypatch, q.fmt)
@@ -204,3 +203,16 @@ def test_compiled_linear_reuses_the_prepared_weight(monkeypatch, backend, fmt_na
     if backend == "aot_eager":
         targets = [str(n.target) for g in recorder.fw_graphs for n in g.graph.nodes]
         assert "dtensor_quant.kernel_linear.default" in targets, targets
+
+
+def test_record_paths_counts_each_matmuls_path():
+    """record_paths says which path each matmul with a quantized weight took: the format's kernel or dequantize."""
+    from dtensor_quant.ops.matmul import record_paths
+
+    q = dq.quantize(weight((64, 256), seed=1), dq.Int8Rowwise())
+    with record_paths() as paths:
+        F.linear(weight((1, 256), seed=2), q)  # torch's int8 kernel
+        F.linear(weight((1, 256), seed=2, dtype=torch.float16), q)  # no fp16 kernel: dequantize + mm
+        weight((1, 64), seed=3) @ q  # grad @ W's orientation: dequantize + mm
+    F.linear(weight((1, 256), seed=2), q)  # outside the block: not counted
+    assert dict(paths) == {("Int8Rowwise()", "kernel"): 1, ("Int8Rowwise()", "dequantize"): 2}
