@@ -15,6 +15,7 @@ from .core.format import QuantFormat
 from .core.layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .core.tensor import QuantizedTensor
 from .dist import custom_ops, wire
+from .dist.collectives import check_consistent
 from .dist.custom_ops import dequantize
 from .dist.placements import check_placements, legal_mesh_sizes
 from .dist.quantize import quantize
@@ -74,6 +75,7 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedOpError",
     "adapt_tp_plan",
+    "check_consistent",
     "check_placements",
     "checkpoint",
     "custom_ops",

@@ -89,6 +89,24 @@ def test_grouped_mm_matches_a_loop_over_experts(fmt):
     assert all(torch.equal(out3[g], F.linear(x3[g], q[g])) for g in range(4))
 
 
+def test_grouped_mm_refuses_invalid_offs():
+    """Before: decreasing offs dropped groups and ends past the input returned other row counts, silently."""
+    q = dq.quantize(weight((3, 64, 512), seed=4), dq.Int8Rowwise())
+    x = weight((10, 512), seed=5)
+    cases = {
+        "non-decreasing": torch.tensor([4, 2, 9], dtype=torch.int32),  # group 1 would be dropped: 8 rows of 10
+        "non-negative": torch.tensor([-2, 3, 9], dtype=torch.int32),
+        "past the input's 10 rows": torch.tensor([3, 7, 12], dtype=torch.int32),  # 12 rows out of 10 in
+        "integer tensor": torch.tensor([3.0, 7.0, 9.0]),
+        r"one end per expert \(3\)": torch.tensor([3, 9], dtype=torch.int32),
+    }
+    for words, offs in cases.items():
+        with pytest.raises(ValueError, match=words):
+            torch._grouped_mm(x, q.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(x, q.transpose(-2, -1), offs=torch.tensor([0, 10, 10]))  # int64 and empty groups: fine
+    assert out.shape == (10, 64) and torch.equal(out, F.linear(x, q[1]))
+
+
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Int4Groupwise(128), dq.Int8Rowwise()], ids=str)
 def test_moe_layer_runs_each_experts_tokens_through_kernels_without_a_dense_expert(monkeypatch, fmt, impl):

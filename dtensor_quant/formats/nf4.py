@@ -47,7 +47,11 @@ otherwise):
   128 / 65504 ~ 0.002 (weights of std ~1e-3) would make it Inf and every scale
   of its blocks the mean;
 * a dequantized scale that rounds past the dtype's max (fp16 weights near
-  65504) is clamped to it, so finite weights never dequantize to Inf.
+  65504) is clamped to it, so finite weights never dequantize to Inf;
+* where ``2 * spread`` overflows (block scales spread over more than half the
+  dtype's max: a weight near bf16's 3.4e38 or fp16's 65504 beside small ones)
+  the factor is ``128 / spread`` -- torchao's 0 turns every weight the factor
+  covers into NaN.
 """
 
 from __future__ import annotations
@@ -116,7 +120,12 @@ class NF4(QuantFormat):
         centred = absmax - mean
         # The factors' blocks, and each scale's factor, through the logical grid both follow.
         spread = reduce_to(expand_to(centred.abs(), layout["scaler"], shape), layout["factor"], "max")
-        factor = (256 / (2 * reduce(spread, "max", "factor").to(dtype))).to(dtype)
+        spread = reduce(spread, "max", "factor").to(dtype)
+        twice = 2 * spread
+        # torchao's 256 / (2 * spread), bit for bit -- except where 2 * spread overflows (weights near the
+        # dtype's max beside small ones): there the factor was 0 and every weight it covers NaN (0 / 0);
+        # 128 / spread is the same real number, and the factor is stored, so any finite one is exact.
+        factor = torch.where(twice.isinf() & spread.isfinite(), 128 / spread, 256 / twice).to(dtype)
         # A spread below 128 / max (fp16: 0.002) would make the factor Inf and every scale the mean.
         factor = factor.clamp(max=torch.finfo(dtype).max)
         per_scale = reduce_to(expand_to(factor, layout["factor"], shape), layout["scaler"], "max").to(dtype)

@@ -314,6 +314,21 @@ def _baddbmm(func, bias, a, b, beta=1, alpha=1):
 # -- grouped products: one weight matrix per group of rows (mixture-of-experts) ----
 
 
+def _check_ends(ends: list[int], rows: int) -> None:
+    """Group ``g`` is rows ``[ends[g-1], ends[g])``: the ends must rise from 0 and stay within the input.
+
+    Anything else would drop rows, run them twice or return the wrong number of rows.
+    """
+    bad = [g for g, (s, e) in enumerate(zip([0, *ends], ends)) if e < s]
+    if bad:
+        raise ValueError(
+            f"_grouped_mm: offs must be non-negative and non-decreasing (group g is rows offs[g-1]:offs[g]); "
+            f"offs = {ends} falls at position {bad[0]}"
+        )
+    if ends and ends[-1] > rows:
+        raise ValueError(f"_grouped_mm: offs = {ends} ends at row {ends[-1]}, past the input's {rows} rows")
+
+
 @implements("aten::_grouped_mm")
 def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
     """``torch._grouped_mm(x, W.transpose(-2, -1), offs)`` with a quantized stack of expert weights.
@@ -341,12 +356,16 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
         rows = None
     else:
         if offs is None or offs.ndim != 1 or offs.shape[0] != experts:
-            raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts})")
+            got = "none" if offs is None else f"shape {list(offs.shape)}"
+            raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts}), got {got}")
+        if offs.dtype.is_floating_point or offs.dtype.is_complex or offs.dtype == torch.bool:
+            raise ValueError(f"_grouped_mm: offs must be an integer tensor (torch takes int32), got {offs.dtype}")
         if is_tracing(offs):
             raise UnsupportedOpError(
                 f"dtensor_quant: _grouped_mm with a {describe(b)}: needs concrete offsets (eager mode)"
             )
         ends = offs.tolist()
+        _check_ends(ends, a.shape[0])
         starts = [0] + ends[:-1]
         groups = [(g, a[s:e]) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
         rows = (a.shape[0], ends[-1] if ends else 0)
