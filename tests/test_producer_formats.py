@@ -163,7 +163,7 @@ def _awq_packing():
     # (its __spec__ is None, which find_spec refuses): its __path__ names the same folder.
     top = sys.modules.get("awq")
     if top is not None and getattr(top, "__path__", None):
-        folder = Path(list(top.__path__)[0])
+        folder = Path(next(iter(top.__path__)))
     else:
         spec = importlib.util.find_spec("awq")
         folder = Path(spec.origin).parent if spec and spec.origin else None
