@@ -6,7 +6,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 from . import aten as _aten  # noqa: F401  (registers the layout handlers: slicing, views, factories, copies)
 from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
-from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, wire
+from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, trainable, wire
 from . import fastpath as _fastpath  # noqa: F401  (installs the fast path into dispatch.dispatch)
 from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
 from . import torch_fixes as _torch_fixes  # noqa: F401  (compiled DTensors keyed by their quantized local)
@@ -58,6 +58,7 @@ __all__ = [
     "quantize",
     "quantize_",
     "state_dict",
+    "trainable",
     "wire",
 ]
 

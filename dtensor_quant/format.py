@@ -118,6 +118,22 @@ class QuantFormat:
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def quantize_stochastic(
+        self, weight: torch.Tensor, reduce: Reducer, noise: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor] | None:
+        """``quantize`` with stochastic rounding of the codes; None (the default): the format has none.
+
+        What a trainable weight (``quantize_(..., trainable=True)``) needs to
+        be updated in place. ``weight`` holds float32 values of a weight of
+        logical dtype ``dtype`` (statistics and scales are computed and stored
+        as ``quantize`` does for a ``dtype`` weight); ``noise`` is float32 of
+        the same shape, uniform in ``[0, 1)``: a value a fraction ``f`` of the
+        way from one code to the next rounds up exactly when ``noise < f``
+        (``floor(x + noise)`` on an integer grid), so a value on a code stays
+        there. Statistics go through ``reduce`` as in ``quantize``.
+        """
+        return None
+
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Dense values from the inner tensors of a canonical ``[out, in]`` weight or shard.
 

@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from . import agree
+from .aten.arithmetic import trainable
 from .codec import pack, unpack, varies
 from .format import weight_layout
 from .fsdp_padding import padded_rows
@@ -334,11 +335,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
         if not local.is_contiguous():
             raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
-        if param.requires_grad and isinstance(local, QuantizedTensor):
+        if param.requires_grad and isinstance(local, QuantizedTensor) and trainable(local) is None:
             raise ValueError(
                 f"{where} has requires_grad=True: FSDP2 would compute and reduce a dense gradient that no "
                 "optimizer can apply to quantized bytes. Freeze it (requires_grad_(False)) and train adapters "
-                "(dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+                "(dtensor_quant.lora), or make it trainable: dtensor_quant.quantize_(..., trainable=True) (updated in "
+                "place with stochastic rounding) or dtensor_quant.gather_quantized_ (dense master weights)."
             )
         if world is not None and world > 1:
             factor = _row_factor(local)

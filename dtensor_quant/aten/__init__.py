@@ -6,4 +6,4 @@ registers the handlers in :mod:`dtensor_quant.dispatch` (the package
 ``__init__`` does). A new aten op goes into the module of its kind.
 """
 
-from . import copies, factories, slicing, views  # noqa: F401  (registration)
+from . import arithmetic, copies, factories, slicing, views  # noqa: F401  (registration)

@@ -29,6 +29,12 @@ def _has_kernel(device_type: str) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
 
 
+def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's ``amax / 127`` in ``dtype`` (rows cut into column shards reduce their maxima)."""
+    amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
+    return safe_scale(amax, _QMAX, dtype)
+
+
 @dataclass(frozen=True)
 class Int8Rowwise(QuantFormat):
     layout = {
@@ -38,9 +44,14 @@ class Int8Rowwise(QuantFormat):
     block_size_params = ()  # no blocks: every row and column cut is legal
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
-        scale = safe_scale(amax, _QMAX, weight.dtype)
+        scale = _scale(weight, reduce, weight.dtype)
         q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
+        return {"qdata": q, "scale": scale}
+
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        """``floor(w / scale + noise)``: the scale of ``quantize``, the codes rounded at random."""
+        scale = _scale(weight, reduce, dtype)
+        q = torch.floor(weight.float() / scale.float() + noise).clamp_(-_QMAX, _QMAX).to(torch.int8)
         return {"qdata": q, "scale": scale}
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
