@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant import agree
-from dtensor_quant.launch import run
+from dtensor_quant.dist import agree
+from dtensor_quant.testing.rank_pool import run
 
 SHAPES = [(256, 256), (4096, 4096)]
 

@@ -45,9 +45,9 @@ import common  # noqa: E402
 import llama  # noqa: E402
 import tp_inference  # noqa: E402
 
-from dtensor_quant.format_spec import parse_format  # noqa: E402
-from dtensor_quant.launch import RankPool  # noqa: E402
-from dtensor_quant.layout import LayoutError  # noqa: E402
+from dtensor_quant.core.layout import LayoutError  # noqa: E402
+from dtensor_quant.model.format_spec import parse_format  # noqa: E402
+from dtensor_quant.testing.rank_pool import RankPool  # noqa: E402
 
 FORMATS = ["int8", "int4:128", "nf4", "float8rowwise", "float8tensorwise", "float8blockwise:128"]
 GOAL = 0.85

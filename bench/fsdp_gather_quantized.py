@@ -26,10 +26,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_quant import wire
-from dtensor_quant.format_spec import parse_format
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.gather_quantized import gather_quantized_
-from dtensor_quant.launch import run
+from dtensor_quant.fsdp.gather_quantized import gather_quantized_
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing.rank_pool import run
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import llama

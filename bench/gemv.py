@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import dtensor_quant as dq
 from dtensor_quant.formats import float8, nf4
-from dtensor_quant.unpack import dense
+from dtensor_quant.ops.unpack import dense
 
 FORMATS = {
     "Int8Rowwise": dq.Int8Rowwise(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from dtensor_quant.planner import Layer, plan
+from dtensor_quant.model.planner import Layer, plan
 from dtensor_quant.testing import is_default, where
 
 # name: (layers, hidden, intermediate, q out, kv out, vocab) -- from each model's config.json

@@ -41,9 +41,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant import fastpath
-from dtensor_quant.format_spec import parse_format
-from dtensor_quant.launch import run
+from dtensor_quant.dist import fastpath
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing.rank_pool import run
 
 FORMATS = {"bf16": None, "int8": parse_format("int8"), "int4": parse_format("int4:128")}  # short labels for the table
 SLOW = " off"  # suffix of the variants run without the fast path

@@ -4,24 +4,41 @@ A format declares once how each of its inner tensors follows the weight's
 logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 """
 
-from . import aten as _aten  # noqa: F401  (registers the layout handlers: slicing, views, factories, copies)
-from . import collectives as _collectives  # noqa: F401  (registers the collective handlers)
-from . import custom_ops, fsdp, hf, interop, lora, model, state_dict, trainable, wire
-from . import fastpath as _fastpath  # noqa: F401  (installs the fast path into dispatch.dispatch)
-from . import matmul as _matmul  # noqa: F401  (registers mm/addmm)
-from . import torch_fixes as _torch_fixes  # noqa: F401  (compiled DTensors keyed by their quantized local)
-from .custom_ops import dequantize
-from .dispatch import UnsupportedOpError
-from .format import QuantFormat
+import sys as _sys
+
+from . import checkpoint, dist, fsdp, model, ops  # noqa: F401  (ops and dist register their handlers)
+from ._compat import install as _install_old_paths
+from ._compat import old_attribute as __getattr__  # noqa: F401  (dq.<moved module>, deprecated)
+from .checkpoint import hf, state_dict
+from .core.dispatch import UnsupportedOpError
+from .core.format import QuantFormat
+from .core.layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
+from .core.tensor import QuantizedTensor
+from .dist import custom_ops, wire
+from .dist.custom_ops import dequantize
+from .dist.placements import check_placements, legal_mesh_sizes
+from .dist.quantize import quantize
 from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
-from .gather_quantized import GatherQuantized, gather_quantized_
-from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
-from .model import quantize_
-from .padding import pad_for_tp
-from .placements import check_placements, legal_mesh_sizes
-from .quantize import quantize
-from .tensor import QuantizedTensor
-from .tp_plan import adapt_tp_plan
+from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
+from .model import interop, lora, trainable
+from .model.padding import pad_for_tp
+from .model.quantize_model import quantize_
+from .model.tp_plan import adapt_tp_plan
+
+# The public modules that live in a layer folder keep their documented names: ``import
+# dtensor_quant.hf``, ``from dtensor_quant.lora import add_lora_`` and ``dq.wire.record()``.
+_PUBLIC_MODULES = {
+    "hf": hf,
+    "state_dict": state_dict,
+    "custom_ops": custom_ops,
+    "wire": wire,
+    "interop": interop,
+    "lora": lora,
+    "trainable": trainable,
+}
+for _name, _module in _PUBLIC_MODULES.items():
+    _sys.modules[f"{__name__}.{_name}"] = _module
+_install_old_paths()
 
 __all__ = [
     "NF4",
@@ -58,16 +75,5 @@ __all__ = [
     "quantize",
     "quantize_",
     "state_dict",
-    "trainable",
     "wire",
 ]
-
-
-def __getattr__(name: str):
-    # dtensor_quant.checkpoint imports torch.distributed.checkpoint (about a second): only on first use.
-    # dtensor_quant.nn is the old name of dtensor_quant.model, kept for old code.
-    if name in ("checkpoint", "nn"):
-        import importlib
-
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'dtensor_quant' has no attribute {name!r}")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .format_spec import parse_format
-from .planner import STYLES, Layer, layers_of, plan
+from .model.format_spec import parse_format
+from .model.planner import STYLES, Layer, layers_of, plan
 
 
 def _load(target: str):

@@ -33,10 +33,10 @@ import llama
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.bits import same_bits
-from dtensor_quant.format_spec import parse_format
-from dtensor_quant.launch import run
+from dtensor_quant.core.bits import same_bits
 from dtensor_quant.model import weight_bytes
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing.rank_pool import run
 
 FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)
 ROW_WISE = ("wo", "w2")  # tensor parallelism splits their inputs

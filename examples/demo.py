@@ -40,9 +40,9 @@ import tp_inference
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.format_spec import parse_format
-from dtensor_quant.launch import run
 from dtensor_quant.lora import lora_parameters, lora_tp_plan
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing.rank_pool import run
 
 CFG = qlora_fsdp2.CFG  # 2 blocks, dim 256, 8 heads (4 kv), SwiGLU 768, vocab 512
 FORMATS = ("int4", "int8", "nf4")  # --format choices, read by parse_format: Int4Groupwise(128), NF4(64, 256)

@@ -37,8 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant import launch
-from dtensor_quant.format_spec import parse_format
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing import rank_pool as launch
 
 
 def model_class(path: Path):

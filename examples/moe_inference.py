@@ -47,8 +47,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_quant as dq
-from dtensor_quant.format_spec import parse_format
 from dtensor_quant.model import weight_bytes
+from dtensor_quant.model.format_spec import parse_format
 
 
 def tiny_moe(kind: str = "mixtral", dtype=torch.bfloat16, seed: int = 0, experts: int = 4):
@@ -224,7 +224,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from dtensor_quant.launch import run as launch
+    from dtensor_quant.testing.rank_pool import run as launch
 
     args = parse_args(argv)
     print(f"starting {args.world} local ranks ...", flush=True)

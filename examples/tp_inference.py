@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama
 
 import dtensor_quant as dq
-from dtensor_quant import launch
-from dtensor_quant.format_spec import parse_format
 from dtensor_quant.model import quantized_fqns, weight_bytes
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing import rank_pool as launch
 
 
 def tp_plan(model: llama.Transformer, sequence_parallel: bool = False) -> dict:

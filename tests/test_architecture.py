@@ -13,6 +13,25 @@ def test_no_import_cycle_and_no_private_import():
     assert check_imports.check() == []
 
 
+def test_architecture_doc_shows_the_enforced_layer_table():
+    doc = (_PATH.parent.parent / "docs" / "architecture.md").read_text()
+    assert check_imports.diagram() in doc, "regenerate it: python tools/check_imports.py --diagram"
+
+
+def test_checker_refuses_an_import_that_climbs_the_layer_table(tmp_path):
+    pkg = tmp_path / "dtensor_quant"
+    for folder in ("core", "ops", "misc"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "tensor.py").write_text("def method():\n    from ..ops.handlers import run\n    return run\n")
+    (pkg / "ops" / "handlers.py").write_text("def run():\n    return 1\n")
+    (pkg / "misc" / "thing.py").write_text("")
+    problems = check_imports.check(tmp_path)
+    assert any("function-level import of dtensor_quant.ops.handlers climbs" in p for p in problems), problems
+    assert any("module dtensor_quant.misc.thing is in no layer" in p for p in problems), problems
+
+
 def test_checker_catches_a_cycle_and_a_private_import(tmp_path):
     pkg = tmp_path / "dtensor_quant"
     pkg.mkdir()
@@ -21,10 +40,10 @@ def test_checker_catches_a_cycle_and_a_private_import(tmp_path):
     (pkg / "high.py").write_text("from .low import helper\n\n_thing = 1\n")
     problems = check_imports.check(tmp_path)
     assert any("imports private _thing" in p for p in problems), problems
-    assert any("climbs a layer" in p for p in problems), problems
+    assert any("import circle" in p for p in problems), problems
     (pkg / "low.py").write_text("from .high import helper2\n\ndef helper():\n    return 1\n")
     (pkg / "high.py").write_text("from .low import helper\n\ndef helper2():\n    return 2\n")
-    assert any("module-level import cycle" in p for p in check_imports.check(tmp_path))
+    assert any("import circle" in p for p in check_imports.check(tmp_path))
 
 
 def test_checker_catches_private_names_used_from_tests_benches_and_examples(tmp_path):

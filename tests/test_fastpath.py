@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant import fastpath, writes
-from dtensor_quant.fsdp_padding import PADDED_ROWS
-from dtensor_quant.layout import LayoutError, Opaque
-from dtensor_quant.layout_ops import VIEW_OF
-from dtensor_quant.tensor import QuantizedTensor
+from dtensor_quant.core.layout import LayoutError, Opaque
+from dtensor_quant.core.padded_rows import PADDED_ROWS
+from dtensor_quant.core.tensor import QuantizedTensor
+from dtensor_quant.dist import fastpath
+from dtensor_quant.ops import writes
+from dtensor_quant.ops.layout_ops import VIEW_OF
 from dtensor_quant.testing import pick
 
 FORMATS = list(pick("int8", "int4g32", "int4g64", "nf4b32s4", "f8row", "f8tensor").values())
@@ -232,7 +233,7 @@ def test_deferred_transposes_are_the_handlers_wherever_first_read():
     the method."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dtensor_quant.tensor import PENDING
+    from dtensor_quant.core.tensor import PENDING
 
     x = _weight((2, 256), 3)
     for fmt in FORMATS:

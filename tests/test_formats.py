@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.blocks import block_reduce, expand_blocks
+from dtensor_quant.core.reductions import block_reduce, expand_blocks
 
 NF4_LEVELS_REFERENCE = [
     -1.0,
@@ -196,7 +196,7 @@ def test_compile_cache_key_is_stable_and_discriminating():
 
 
 def test_format_id_is_marked_constant_the_way_torch_compiler_marks_it():
-    from dtensor_quant.format_ids import format_id
+    from dtensor_quant.core.format_ids import format_id
 
     def probe():
         pass
@@ -301,7 +301,7 @@ def test_nf4_extreme_and_non_finite_input():
 @pytest.mark.parametrize("shape", [(64, 512), (46, 1024), (32, 96)], ids=str)  # (32, 96): NF4 blocks across rows
 def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, shape, monkeypatch):
     """The fast whole-weight path (table lookup, block-grid scales, row chunks) is bit-exact."""
-    from dtensor_quant import unpack
+    from dtensor_quant.ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
 
     q = dq.quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(wdtype) * 0.05, fmt)
@@ -316,7 +316,7 @@ def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, s
 
 def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
     """A column slice of NF4 keeps a factor per row cut short: the flat fast path must not read it in flat order."""
-    from dtensor_quant import unpack
+    from dtensor_quant.ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
 
     q = dq.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)), dq.NF4())
@@ -354,7 +354,7 @@ def _hostile_weights():
 )
 def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
     """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite."""
-    from dtensor_quant import unpack
+    from dtensor_quant.ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
 
     w = _hostile_weights()[name]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant import native
+from dtensor_quant.core import native
 from dtensor_quant.formats import float8, nf4
 from dtensor_quant.testing import weight
 
@@ -152,7 +152,7 @@ def test_nf4_slice_whose_blocks_differ_from_a_fresh_weight_dequantizes(monkeypat
 
 def test_unavailable_compiler_falls_back(monkeypatch, caplog):
     """A source that does not compile (as with no C++ compiler) gives None, logged; DTENSOR_QUANT_NATIVE=0 too."""
-    with caplog.at_level(logging.INFO, logger="dtensor_quant.native"):
+    with caplog.at_level(logging.INFO, logger="dtensor_quant.core.native"):
         assert native.load("broken", "this is not C++", ["int64_t*"], lambda k: 1) is None
     assert "broken kernel unavailable" in caplog.text
     monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
@@ -213,7 +213,7 @@ def test_a_weight_the_kernel_cannot_read_is_said_once(caplog):
     q = dq.quantize(weight((40, 2048), seed=3), dq.NF4())
     piece = q[:, :1024]
     x = weight((1, 1024), seed=4)
-    with caplog.at_level(logging.WARNING, logger="dtensor_quant.matmul"):
+    with caplog.at_level(logging.WARNING, logger="dtensor_quant.ops.matmul"):
         for _ in range(3):
             assert torch.equal(F.linear(x, piece), x @ piece.dequantize().t())
     said = [r.getMessage() for r in caplog.records if "every matmul dequantizes" in r.getMessage()]

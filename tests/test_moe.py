@@ -159,7 +159,7 @@ def test_quantize_moe_model_covers_every_expert(kind, fmt):
     dq.quantize_(model, fmt, left_dense=dense)
     experts = [n for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
     assert len(experts) == 4  # two layers, two fused stacks each
-    quantized = set(dq.nn.quantized_fqns(model))
+    quantized = set(dq.model.quantized_fqns(model))
     assert set(experts) <= quantized
     # every parameter is either quantized or listed with a reason; the routers stay dense (listed)
     assert quantized | {n for n, _ in dense} == {n for n, _ in model.named_parameters()}
@@ -204,7 +204,7 @@ def test_quantize_never_skips_silently():
 
 
 def test_planner_takes_expert_stacks_and_ep():
-    from dtensor_quant.planner import plan, stored_bytes
+    from dtensor_quant.model.planner import plan, stored_bytes
 
     fmt = dq.Int4Groupwise(128)
     layers = [("experts.gate_up", (8, 2 * 1536, 2048), "colwise"), ("experts.down", (8, 2048, 1536), "rowwise"),
@@ -232,7 +232,7 @@ def test_planner_takes_expert_stacks_and_ep():
 
 
 def test_planner_lists_a_models_expert_stacks():
-    from dtensor_quant.planner import layers_of
+    from dtensor_quant.model.planner import layers_of
 
     with torch.device("meta"):
         model = tiny_moe("mixtral")

@@ -7,9 +7,9 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import dtensor_quant as dq
-from dtensor_quant.blocks import block_reduce, expand_blocks
-from dtensor_quant.format import check_shape, check_weight
-from dtensor_quant.planner import plan
+from dtensor_quant.core.format import check_shape, check_weight
+from dtensor_quant.core.reductions import block_reduce, expand_blocks
+from dtensor_quant.model.planner import plan
 
 
 def _codes(weight, scale):
@@ -143,13 +143,13 @@ def test_matmul_refusals_are_unsupported_op_errors():
 
 
 def test_public_api_edges():
-    """state_dict and model are exported; the old names nn and state_dict.format_spec still work."""
+    """Public modules keep their names after the move into layer folders; old paths warn and still work."""
     import importlib
 
-    assert {"state_dict", "model"} <= set(dq.__all__)
+    assert {"state_dict", "model", "hf", "wire", "lora", "interop", "custom_ops"} <= set(dq.__all__)
     assert dq.state_dict.register is importlib.import_module("dtensor_quant.state_dict").register
-    assert dq.nn.quantize_ is dq.model.quantize_ is dq.quantize_
-    from dtensor_quant.nn import is_matmul_weight, quantized_fqns, weight_bytes
+    assert dq.model.quantize_ is dq.quantize_
+    from dtensor_quant.model import is_matmul_weight, quantized_fqns, weight_bytes
 
     assert (is_matmul_weight, quantized_fqns, weight_bytes) == (
         dq.model.is_matmul_weight,
@@ -157,4 +157,12 @@ def test_public_api_edges():
         dq.model.weight_bytes,
     )
     assert dq.state_dict.format_spec is dq.state_dict.quant_record
-    assert importlib.import_module("dtensor_quant.format_spec").parse_format("int4:64") == dq.Int4Groupwise(64)
+    for name in ("hf", "wire", "lora", "interop", "custom_ops"):
+        assert importlib.import_module(f"dtensor_quant.{name}") is getattr(dq, name)
+    with pytest.warns(DeprecationWarning, match=r"format_spec moved to dtensor_quant\.model\.format_spec"):
+        old = importlib.import_module("dtensor_quant.format_spec")
+    assert old.parse_format("int4:64") == dq.Int4Groupwise(64)
+    with pytest.warns(DeprecationWarning, match="dtensor_quant.planner moved"):
+        assert dq.planner is importlib.import_module("dtensor_quant.model.planner")
+    with pytest.raises(ImportError):
+        importlib.import_module("dtensor_quant.nn")  # the old name of dtensor_quant.model is gone

@@ -1,11 +1,13 @@
-"""Check dtensor_quant's import structure: the layers in docs/architecture.md stay layers.
+"""Check dtensor_quant's import structure: the layer table below is the architecture, enforced.
 
-Fails (exit 1, one line per problem) on:
+The package is a stack of layers, each a folder (``LAYERS``, bottom first).
+A module may import modules of its own layer or of the layers below it,
+never above. Fails (exit 1, one line per problem) on:
 
-* a cycle among module-level imports inside the package;
-* a function-level import that closes a cycle with the module-level graph
-  (it climbs a layer), unless it is one of the documented late bindings in
-  ``LATE_BINDINGS`` below;
+* an import, at module level or inside a function, that climbs the table
+  (unless it is listed in ``LATE_BINDINGS`` with its reason: today none is);
+* an import circle, through module-level and function-level imports alike;
+* a module of the package that the table does not place;
 * a private name (``_x``) imported from, or read off, another module of the package;
 * a private name of the package imported or read by the code that uses it from
   outside (``OUTSIDE``: tests, benches, examples): ``from dtensor_quant.m import _x``,
@@ -13,7 +15,9 @@ Fails (exit 1, one line per problem) on:
   ``m`` of the package. They use the public API, as users do; what they need
   of the internals is made public where it lives, with a docstring.
 
-Run: ``python tools/check_imports.py`` (no torch import, a fraction of a second).
+``python tools/check_imports.py --diagram`` prints the layer diagram that
+docs/architecture.md shows (a test keeps the two equal). No torch import: a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -27,13 +31,46 @@ PACKAGE = "dtensor_quant"
 # Folders of code that uses the package from outside: no private name of the package in them.
 OUTSIDE = ("tests", "bench", "examples")
 
-# (importer, imported): function-level imports that go up a layer on purpose, each with its reason.
-# QuantizedTensor sits below the modules that implement its hooks; its methods bind them late.
-LATE_BINDINGS = {
-    ("dtensor_quant.tensor", "dtensor_quant.fsdp"): "the FSDP2 hooks FSDP2 looks up on the local tensor",
-    ("dtensor_quant.tensor", "dtensor_quant.dequant"): "QuantizedTensor.dequantize(), the user-facing method",
-    ("dtensor_quant.gather_quantized", "dtensor_quant.fsdp"): "the FSDP2 hooks of GatherQuantized",
-}
+#: The layers, bottom first: (folder or root module of the package, what it holds). A module imports only
+#: modules of its own layer or of lower ones. The package root (``__init__``, ``__main__``, ``_compat``) is
+#: the public API over everything; ``testing`` (the conformance kit and the rank pool) sits on top of it.
+LAYERS = [
+    ("core", "the data model: relations, the format protocol, QuantizedTensor and its op table"),
+    ("formats", "the built-in formats: each one's layout, math and kernel"),
+    ("ops", "local ops derived from the layout: slicing, views, copies and writes, matmul, dense values"),
+    ("dist", "across ranks: placements, collectives on stored bytes, sharded quantize, custom ops"),
+    ("fsdp", "FSDP2: all-gather hooks, fully_shard checks, GatherQuantized, the post-forward reshard"),
+    ("checkpoint", "DCP entries and save/load; Hugging Face directories (dq.hf)"),
+    ("model", "whole models: quantize_, LoRA, TP plans and padding, the mesh planner"),
+    ("", "the public API: __init__, __main__ (the CLI), _compat (old import paths)"),
+    ("testing", "the conformance kit and the rank pool"),
+]
+
+# (importer, imported): imports that climb the table on purpose, each with its reason. Implementations
+# that the tensor needs from above register themselves instead (core.dispatch.implements_method).
+LATE_BINDINGS: dict[tuple[str, str], str] = {}
+
+
+def layer_of(mod: str) -> int | None:
+    """The index in ``LAYERS`` of a module of the package (None if the table does not place it)."""
+    rest = mod.removeprefix(PACKAGE).lstrip(".")
+    head = rest.split(".")[0] if rest else ""
+    names = [name for name, _ in LAYERS]
+    if head in names:
+        return names.index(head)
+    return names.index("") if head in ("", "__main__", "_compat") else None
+
+
+def diagram() -> str:
+    """The layer diagram of docs/architecture.md, top first, made from ``LAYERS``."""
+    width = max(len(f"{PACKAGE}/{name}/" if name else f"{PACKAGE}/") for name, _ in LAYERS)
+    lines = []
+    for i, (name, what) in enumerate(reversed(LAYERS)):
+        label = f"{PACKAGE}/{name}/" if name else f"{PACKAGE}/ (root)"
+        lines.append(f"{label:<{width + 7}} {what}")
+        if i < len(LAYERS) - 1:
+            lines.append(f"{'':<4}│ imports only what is below")
+    return "\n".join(["```", *lines, "```"])
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -191,18 +228,29 @@ def _reaches(graph, src, dst) -> bool:
 def check(root: Path = ROOT) -> list[str]:
     mods = modules(root)
     problems = []
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    late = []
+    every: dict[str, set[str]] = {m: set() for m in mods}
+    for mod in mods:
+        if layer_of(mod) is None:
+            problems.append(
+                f"{mods[mod].relative_to(root)}: module {mod} is in no layer of LAYERS (tools/check_imports.py)"
+            )
     for mod, target, names, level, line in imports(mods):
         for name in names:
             if name.startswith("_") and not name.startswith("__") and target != mod:
                 problems.append(f"{mods[mod].relative_to(root)}:{line}: imports private {name} from {target}")
         if target == mod or target == PACKAGE or target not in mods:
             continue
-        if level:
-            graph[mod].add(target)
-        else:
-            late.append((mod, target, line))
+        if (mod, target) in LATE_BINDINGS:
+            continue
+        every[mod].add(target)
+        here, there = layer_of(mod), layer_of(target)
+        if here is not None and there is not None and there > here:
+            kind = "module-level" if level else "function-level"
+            problems.append(
+                f"{mods[mod].relative_to(root)}:{line}: {kind} import of {target} climbs from layer "
+                f"'{LAYERS[here][0] or 'root'}' to '{LAYERS[there][0] or 'root'}' (tools/check_imports.py LAYERS); "
+                "move the shared code down, or let the upper layer register it"
+            )
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         aliases = _module_aliases(tree, mod, path.name == "__init__.py", mods)
@@ -216,22 +264,19 @@ def check(root: Path = ROOT) -> list[str]:
                 and not node.attr.startswith("__")
             ):
                 problems.append(f"{path.relative_to(root)}:{node.lineno}: reads private {node.value.id}.{node.attr}")
+    # A package's __init__ that imports its own submodules is no circle: the submodule's import of the
+    # package runs first. Every other pair of modules that import each other, directly or not, is one.
+    graph = {
+        m: {t for t in ts if not (mods[m].name == "__init__.py" and t.startswith(m + "."))} for m, ts in every.items()
+    }
+    graph = {
+        m: {t for t in ts if not (mods[t].name == "__init__.py" and m.startswith(t + "."))} for m, ts in graph.items()
+    }
     cycle = _cycle(graph)
     if cycle:
-        problems.append("module-level import cycle: " + " -> ".join(cycle))
-    # Function-level imports count as edges too: two of them in opposite directions are a cycle as well.
-    every = {m: set(ts) for m, ts in graph.items()}
-    for mod, target, _ in late:
-        if (mod, target) not in LATE_BINDINGS:
-            every[mod].add(target)
-    for mod, target, line in late:
-        if (mod, target) not in LATE_BINDINGS and _reaches(every, target, mod):
-            problems.append(
-                f"{mods[mod].relative_to(root)}:{line}: function-level import of {target} climbs a layer "
-                f"({target} imports {mod}, directly or not); move the shared code down or list it in LATE_BINDINGS"
-            )
-    unused = [k for k in LATE_BINDINGS if not any((m, t) == k for m, t, _ in late)]
-    problems += [f"LATE_BINDINGS lists {a} -> {b}, which no longer imports late" for a, b in unused]
+        problems.append("import circle (module- and function-level imports): " + " -> ".join(cycle))
+    unused = [k for k in LATE_BINDINGS if not any(k == (m, t) for m, t, *_ in imports(mods))]
+    problems += [f"LATE_BINDINGS lists {a} -> {b}, which no longer imports it" for a, b in unused]
     return problems + outside_problems(root)
 
 
@@ -259,6 +304,9 @@ def layers(root: Path = ROOT) -> list[list[str]]:
 
 
 if __name__ == "__main__":
+    if "--diagram" in sys.argv:
+        print(diagram())
+        sys.exit(0)
     if "--layers" in sys.argv:
         for i, names in enumerate(layers()):
             print(f"{i:2d}  {' '.join(names)}")

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
-from ..blocks import block_reduce, safe_scale, scaled_into
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, OneToOne
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, OneToOne
+from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
-from ..blocks import block_reduce, expand_blocks
-from ..format import QuantFormat, Reducer
-from ..layout import Blocked, OneToOne
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Blocked, OneToOne
+from ..core.reductions import block_reduce, expand_blocks
 from .float8 import codes_into, kernel_linear, kernel_prepare, table_fits
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448

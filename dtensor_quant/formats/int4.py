@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, expand_blocks, nibbles_into
-from ..format import QuantFormat, Reducer
-from ..layout import Blocked, OneToOne, Packed
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Blocked, OneToOne, Packed
+from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import block_reduce, safe_scale, scaled_into
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, OneToOne
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, OneToOne
+from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _QMAX = 127
 # torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower

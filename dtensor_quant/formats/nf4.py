@@ -57,10 +57,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
-from ..blocks import expand_to, nibbles_into, reduce_to
-from ..format import QuantFormat, Reducer
-from ..layout import Constant, flat_blocked
+from ..core import native
+from ..core.format import QuantFormat, Reducer
+from ..core.layout import Constant, flat_blocked
+from ..core.reductions import expand_to, nibbles_into, reduce_to
 
 # torchao's table (to_nf4): the QLoRA levels rounded to 4 decimals.
 NF4_LEVELS = (

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..format import QuantFormat
-from ..launch import RankError, RankPool
+from ..core.format import QuantFormat
 from .checks import CHECKS, Check, pick_shape
+from .rank_pool import RankError, RankPool
 from .registry import FORMATS, has_kernel, is_default, pick, where
 from .tools import (
     assert_local_matches,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..format import QuantFormat
+from ..core.format import QuantFormat
 from ..formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
 
 FORMATS: dict[str, QuantFormat] = {

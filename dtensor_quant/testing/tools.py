@@ -25,13 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..bits import same_bits
-from ..format import QuantFormat
-from ..launch import RankPool
-from ..layout import LayoutError
-from ..layout_ops import block_sizes, broadcastable
-from ..placements import check_placements
-from ..tensor import QuantizedTensor
+from ..core.bits import same_bits
+from ..core.format import QuantFormat
+from ..core.layout import LayoutError
+from ..core.tensor import QuantizedTensor
+from ..dist.placements import check_placements
+from ..ops.layout_ops import block_sizes, broadcastable
+from .rank_pool import RankPool
 
 # -- the rank pools (in the test process) -----------------------------------------
 

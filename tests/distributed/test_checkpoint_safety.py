@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.launch import RankError, RankPool
 from dtensor_quant.testing import placements, rank
+from dtensor_quant.testing.rank_pool import RankError, RankPool
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

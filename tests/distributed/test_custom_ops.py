@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import dtensor_quant as dq
 from dtensor_quant import custom_ops as ops
 from dtensor_quant import wire
-from dtensor_quant.format_ids import format_from_id, format_id
+from dtensor_quant.core.format_ids import format_from_id, format_id
 from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
 
 

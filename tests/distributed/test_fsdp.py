@@ -18,8 +18,8 @@ from torch.distributed.tensor import Shard
 
 import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant.core.layout import Constant
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.layout import Constant
 from dtensor_quant.testing import assert_same_bits, mesh, rank, same_bits, weight
 
 

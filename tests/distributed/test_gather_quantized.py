@@ -17,7 +17,7 @@ from training import batches, floor_bytes, gather_quantized_model, gather_quanti
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.gather_quantized import GatherQuantized
+from dtensor_quant.fsdp.gather_quantized import GatherQuantized
 from dtensor_quant.testing import assert_same_bits, mesh, rank, weight
 
 

@@ -163,7 +163,7 @@ def disagreeing(kind, op):
 @pytest.mark.parametrize("kind", list(MIXED))
 def test_ranks_that_disagree_all_raise(ranks, kind, op):
     """A clear error on every rank -- never a gloo abort, a hang (the 60 s timeout) or mixed bytes."""
-    from dtensor_quant.launch import RankError
+    from dtensor_quant.testing.rank_pool import RankError
 
     pool = ranks(2)
     with pytest.raises(RankError) as info:
@@ -495,7 +495,7 @@ def disagree_after_agreeing(every_call):
     """Both ranks agreed on Int8 and Int4 layouts of this shape; then they disagree (the cached check's gap)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from dtensor_quant import agree
+    from dtensor_quant.dist import agree
 
     w, m = weight((20, 256), seed=12), mesh(2)
     for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(64)):  # both layouts agreed on this group
@@ -509,7 +509,7 @@ def disagree_after_agreeing(every_call):
 
 
 def test_checking_every_call_closes_the_cached_gap(ranks):
-    from dtensor_quant.launch import RankError
+    from dtensor_quant.testing.rank_pool import RankError
 
     with pytest.raises(RankError) as info:
         ranks(2).run(disagree_after_agreeing, True, timeout=60)

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import dtensor_quant as dq
-from dtensor_quant.gather_quantized import GatherQuantized, gather_quantized_
+from dtensor_quant.fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from dtensor_quant.lora import LoRALinear, add_lora_, lora_parameters, lora_tp_plan
 from dtensor_quant.testing import assert_same_bits, weight
 

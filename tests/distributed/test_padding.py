@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.padding import mlp_padding, pad_for_tp
+from dtensor_quant.model.padding import mlp_padding, pad_for_tp
 from dtensor_quant.testing import assert_same_bits, mesh
 
 INTER, HIDDEN = 29568, 64

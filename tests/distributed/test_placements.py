@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.launch import RankError
+from dtensor_quant.dist.placements import dim_alignment
 from dtensor_quant.testing import (
     FORMATS,
     assert_redistributes_exactly,
@@ -28,6 +28,7 @@ from dtensor_quant.testing import (
     rank,
     weight,
 )
+from dtensor_quant.testing.rank_pool import RankError
 
 
 def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0, transposed=False):
@@ -293,7 +294,7 @@ def _padded_cut_gap(fmt_name, shape, world, src, tgt) -> bool:
         return False
     dim = int(tgt[1:])
     size = -(-shape[dim] // world)
-    return size * world != shape[dim] and size % dq.placements.dim_alignment(_fmt(fmt_name), shape, dim) != 0
+    return size * world != shape[dim] and size % dim_alignment(_fmt(fmt_name), shape, dim) != 0
 
 
 def property_case(fmt_name, shape, world, src, tgt, seed):

@@ -17,8 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 import dtensor_quant as dq
-from dtensor_quant.format_spec import parse_format
-from dtensor_quant.planner import Layer, plan, stored_bytes
+from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.model.planner import Layer, plan, stored_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,7 +197,7 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
 
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dtensor_quant.placements import bad_cut, shard_pieces
+    from dtensor_quant.dist.placements import bad_cut, shard_pieces
 
     def torch_pieces(length, cuts):
         pieces = [torch.arange(length)]

@@ -41,11 +41,11 @@ def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.
     # Every quantized weight is a DTensor whose local shard has exactly the bytes of the same shard
     # of the one-process quantized weight.
     ref_params = dict(reference.named_parameters())
-    for name in dq.nn.quantized_fqns(model):
+    for name in dq.model.quantized_fqns(model):
         p = model.get_parameter(name)
         assert isinstance(p, DTensor), name
         assert_same_bits(p.to_local(), distribute_tensor(ref_params[name], m, p.placements).to_local(), name)
-    assert len(dq.nn.quantized_fqns(model)) == 15
+    assert len(dq.model.quantized_fqns(model)) == 15
     expected = llama.generate(reference, PROMPT, new_tokens, pad)
     tokens = llama.generate(model, PROMPT, new_tokens, pad)
     padded = F.pad(expected, (0, -expected.shape[1] % pad))

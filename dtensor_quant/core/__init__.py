@@ -1,0 +1,8 @@
+"""The data model: relations, the format protocol, the tensor and its op table.
+
+Nothing here knows an op, a collective or a format: ``layout`` (how inner
+tensors follow logical dims), ``format`` (what a format declares),
+``tensor`` (``QuantizedTensor``), ``dispatch`` (the handler table every op
+goes through, filled by the layers above on import), and the leaf helpers the
+formats use (``reductions``, ``native``).
+"""

@@ -1,0 +1,200 @@
+"""QuantizedTensor: a traceable wrapper subclass standing for a dense weight.
+
+The wrapper carries the *logical* shape, dtype and strides of the weight it
+stands for, so DTensor's sharding propagation, FSDP2's bookkeeping and DCP's
+metadata all see an ordinary ``[out, in]`` tensor of the weight's dtype. The
+bytes live in the inner tensors the format declares. Every op on the wrapper
+goes through :func:`dtensor_quant.dispatch.dispatch`, to the handler that
+derives the inner ops from the format's layout; an op without one raises
+instead of dequantizing.
+
+The class sits below the modules that implement its behaviour (the op
+handlers, FSDP2's hooks, dequantizing). Those register themselves on import
+-- the handlers in the dispatch table, FSDP2's two hooks and
+:meth:`dequantize` as methods (:func:`dtensor_quant.core.dispatch.implements_method`)
+-- so the tensor never imports the layers above it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .dispatch import dispatch, method
+from .format import QuantFormat
+from .layout import LayoutError, Relation
+
+# Per logical dim, the canonical dims of the format's weight it holds:
+# ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
+Dims = tuple[tuple[int, ...], ...]
+
+# ``(fill, *args)`` on a QuantizedTensor whose inner tensors are made on first read:
+# ``fill(q, *args)`` sets them. The fast path's ``t()`` defers its inner transposes this way
+# (dtensor_quant.fastpath): F.linear's mm reads the weight's own inner tensors, not the view's.
+PENDING = "_dtensor_quant_pending"
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+# Keys of a QuantizedTensor's __dict__ that the library owns: its layout and every note or cache it
+# keeps on a tensor (all named with these prefixes). Anything else (``_is_param``, a user's tag) is left.
+_STATE_KEYS = frozenset({"fmt", "rels", "dims", "_transposed_from", "fsdp_padded_rows"})
+_STATE_PREFIXES = ("_dtensor_quant", "_dq_")
+
+
+def _library_state(key: str, fmt) -> bool:
+    return key in _STATE_KEYS or key.startswith(_STATE_PREFIXES) or key in fmt.inner_names
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized weight: inner tensors plus the relations that tie them to logical dims.
+
+    Build one with :func:`dtensor_quant.quantize`; read it back with
+    :meth:`dequantize`. ``fmt`` is the format, ``rels[i]`` the current
+    relation of inner ``fmt.inner_names[i]`` to each logical dim, ``dims`` the
+    orientation relative to the format's canonical ``[out, in]``.
+    """
+
+    fmt: QuantFormat
+    rels: tuple[tuple[Relation, ...], ...]
+    dims: Dims
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
+        device = next(iter(inner.values())).device
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=stride if stride is not None else contiguous_strides(shape),
+            dtype=dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(self, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
+        if tuple(inner) != fmt.inner_names or len(rels) != len(inner) or any(len(r) != len(shape) for r in rels):
+            raise LayoutError(
+                f"QuantizedTensor of {fmt}: inner tensors {tuple(inner)} with {len(rels)} relation rows for a "
+                f"{len(shape)}-D shape; the format declares {fmt.inner_names}, one row of {len(shape)} per inner "
+                "tensor. Build quantized tensors with dtensor_quant.quantize()."
+            )
+        self.fmt = fmt
+        self.rels = tuple(tuple(r) for r in rels)
+        self.dims = tuple(tuple(d) for d in dims)
+        for name, t in inner.items():
+            setattr(self, name, t)
+
+    def __getattr__(self, name: str):
+        # Only reached for a name that is not set: inner tensors still pending (see PENDING).
+        # Made first, the mark dropped after: another thread reading meanwhile makes the same views
+        # itself instead of finding them neither pending nor set; a fill that raises stays pending.
+        d = self.__dict__
+        pending = d.get(PENDING)
+        if pending is not None:
+            pending[0](self, *pending[1:])
+            d.pop(PENDING, None)
+        elif name in d:  # set by another thread since this lookup missed it
+            return d[name]
+        else:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(self, name)
+
+    # ``param.data = other``: torch's setter swaps only the C++ metadata (shape, strides, dtype), so
+    # the inner tensors -- the values -- would silently stay the old ones. Take ``other``'s state too.
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, other) -> None:
+        if not isinstance(other, QuantizedTensor):
+            raise ValueError(
+                f"cannot assign a {type(other).__name__} to .data of a quantized tensor ({self.fmt}): its "
+                "values live in its inner tensors, which a dense tensor cannot replace. Quantize it first "
+                "(dtensor_quant.quantize(t, fmt)), or replace the parameter itself "
+                "(module.weight = nn.Parameter(t, requires_grad=False))."
+            )
+        torch._C.TensorBase.data.__set__(self, other)
+        d = self.__dict__
+        for key in [k for k in d if _library_state(k, self.fmt)]:
+            del d[key]  # the old format's inner tensors, relations, cached plans and view notes
+        d.update({k: v for k, v in other.__dict__.items() if _library_state(k, other.fmt)})
+
+    @property
+    def inner(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.fmt.inner_names}
+
+    def rel(self, name: str) -> tuple[Relation, ...]:
+        return self.rels[self.fmt.inner_names.index(name)]
+
+    # -- traceability (torch.compile, FSDP2, DCP) --------------------------
+    def __tensor_flatten__(self):
+        ctx = (self.fmt, self.rels, self.dims, self.dtype, tuple(self.stride()))
+        return list(self.fmt.inner_names), ctx
+
+    def _stable_hash_for_caching(self) -> str:
+        """A process-independent key for torch.compile's AOT autograd cache.
+
+        Dataclass reprs of the format and relations are deterministic, unlike
+        ``hash()``; inner tensors contribute their metadata, not their values.
+        """
+        inner = [(n, t.dtype, tuple(t.shape), t.stride(), t.device.type) for n, t in self.inner.items()]
+        key = (
+            type(self.fmt).__module__,
+            repr(self.fmt),
+            self.rels,
+            self.dims,
+            self.dtype,
+            tuple(self.shape),
+            self.stride(),
+            self.requires_grad,
+            inner,
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        fmt, rels, dims, dtype, stride = ctx
+        inner = {name: inner[name] for name in fmt.inner_names}
+        return QuantizedTensor(inner, fmt, rels, dims, outer_size, dtype, outer_stride or stride)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    # -- FSDP2 all-gather extension (derived from the layout: dtensor_quant.fsdp) --
+    @property
+    def fsdp_pre_all_gather(self):
+        """``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)``.
+
+        A property because FSDP2 picks the hook's form by its signature: an
+        uneven (short) shard presents the 1-argument form, see dtensor_quant.fsdp.
+        """
+        return method("fsdp_pre_all_gather")(self)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return method("fsdp_post_all_gather")(self, outputs, metadata, param_dtype, out=out)
+
+    # -- user API ----------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense tensor this stands for (in ``dtype``, default the logical dtype)."""
+        return method("dequantize")(self, dtype or self.dtype)
+
+    @property
+    def nbytes_stored(self) -> int:
+        """Bytes held by the inner tensors (what a collective of the whole tensor moves)."""
+        return sum(t.numel() * t.element_size() for t in self.inner.values())
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        inner = ", ".join(f"{n}={tuple(t.shape)}:{t.dtype}" for n, t in self.inner.items())
+        orient = "" if self.dims == tuple((i,) for i in range(len(self.dims))) else f", dims={self.dims}"
+        return f"QuantizedTensor({self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}{orient}, {inner})"

@@ -1,0 +1,106 @@
+"""Ranks that hold a weight in different formats get a clear error on every rank.
+
+A collective on quantized bytes is only meaningful when every rank lays its
+bytes out the same way. If configs differ between ranks (Int8Rowwise on one,
+Int4Groupwise on another; group size 64 against 128), the byte counts differ
+and gloo aborts a rank, or they happen to match and every rank decodes the
+others' bytes with its own format. So before the first collective of a given
+layout on a given process group, the ranks exchange an 8-byte fingerprint of
+that layout (format and its constants, relations, orientation, logical shape
+and dtype, inner dtypes and shapes). If any differs, every rank gathers the
+others' descriptions and raises :class:`~dtensor_quant.LayoutError` naming
+what each rank holds -- on every rank, before the real collective.
+
+Cost: one all-gather of 8 bytes per rank the first time a (process group,
+layout) pair is seen; afterwards building the layout key and a set lookup,
+about 10 us (measured in ``bench/agree.py``). Under ``torch.compile`` tracing no check is made.
+
+What it cannot catch: ranks that disagree on a layout which each of them
+already used successfully with the others on the same group (both layouts
+are in the agreed set) skip the exchange. With equal byte counts those still
+mix; with unequal ones gloo still fails. That takes two ranks whose configs
+agree on one weight of a shape and disagree on another of the same shape.
+``DTENSOR_QUANT_AGREE_EVERY_CALL=1`` checks every collective instead (one
+8-byte all-gather each), which closes that gap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import wire
+from ..core.bits import is_tracing
+from ..core.layout import LayoutError
+
+# The (group name, layout key) pairs every rank of the group has agreed on: checked once, then a set lookup.
+AGREED: set = set()
+# Check every collective, not only the first per layout (one 8-byte all-gather each): closes the gap
+# described above, for debugging configs. Set DTENSOR_QUANT_AGREE_EVERY_CALL=1, or this attribute.
+EVERY_CALL = os.environ.get("DTENSOR_QUANT_AGREE_EVERY_CALL", "") not in ("", "0")
+
+
+def layout_key(q) -> tuple:
+    """What must be the same on every rank for ``q``'s bytes to mean the same (hashable, cheap)."""
+    inner = tuple((t.dtype, tuple(t.shape)) for t in q.inner.values())
+    # Relations are frozen dataclasses: hashable, and printed the same on every rank for the fingerprint.
+    return (q.fmt, q.rels, q.dims, q.dtype, tuple(q.shape), inner)
+
+
+def describe_key(key: tuple) -> str:
+    fmt, rels, dims, dtype, shape, inner = key[0], key[1], key[2], key[3], key[4], key[5]
+    parts = ", ".join(
+        f"{n}={s}:{str(d).removeprefix('torch.')} {[str(x) for x in r]}"
+        for n, (d, s), r in zip(fmt.inner_names, inner, rels)
+    )
+    orient = "" if dims == tuple((i,) for i in range(len(dims))) else f", dims={dims}"
+    return f"{fmt!r} of shape {shape}, {str(dtype).removeprefix('torch.')}{orient} ({parts})"
+
+
+def check_same(
+    group_name: str, key: tuple, sample: torch.Tensor, what: str, describe: Callable[[tuple], str] = describe_key
+) -> None:
+    """Raise ``LayoutError`` on every rank of ``group_name`` unless all of them pass the same ``key``.
+
+    Every rank of the group must call this at the same point (it is a
+    collective the first time a key is seen). ``what`` names the operation;
+    ``sample`` is a tensor on the group's device.
+    """
+    if not EVERY_CALL and (group_name, key) in AGREED:
+        return
+    if is_tracing(sample):
+        return
+    text = describe(key)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(sample.device)
+    group = _resolve_process_group(group_name)
+    # Recorded once, as what it is (not as one of the data all-gathers a wire log selects).
+    wire.note("dtensor_quant::agree", mine, quantized=False)
+    c10d = torch.ops._c10d_functional
+    with _disable_current_modes():
+        got = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size(), group_name))
+    if bool((got.view(-1, 8) == mine).all()):
+        AGREED.add((group_name, key))
+        return
+    texts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, text, group=group)
+    held = "; ".join(f"rank {dist.get_global_rank(group, i)}: {t}" for i, t in enumerate(texts))
+    raise LayoutError(
+        f"{what}: the ranks hold this tensor in different layouts ({held}). Every rank must quantize the same "
+        "weight with the same format and constants; check that all ranks run with the same configuration."
+    )
+
+
+def group_name_of(process_group) -> str:
+    """The name functional collectives use for a c10d ``ProcessGroup`` (or a name already)."""
+    if isinstance(process_group, str):
+        return process_group
+    if isinstance(process_group, torch.ScriptObject):  # what c10d ops receive
+        process_group = dist.ProcessGroup.unbox(process_group)
+    return process_group.group_name

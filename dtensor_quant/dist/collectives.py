@@ -1,0 +1,155 @@
+"""The collectives DTensor issues on a QuantizedTensor, run on its stored bytes.
+
+torch has no per-local-type redistribute hook: DTensor calls the same c10d
+ops on a quantized local tensor as on a dense one, and they arrive here.
+Each one packs the inner tensors that must travel into one ``uint8`` buffer
+(:mod:`dtensor_quant.codec`), runs the same collective on that buffer, and
+unpacks the result with the layout's concatenation rule. The gathers leave
+out an inner tensor that is constant along the joined dims (a per-tensor
+scale: :func:`~dtensor_quant.codec.varies`); ``scatter_`` and ``broadcast_``
+send every inner tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import agree, wire
+from ..ops import writes
+from .codec import pack, packed_size, unpack, varies
+from ..core.dispatch import implements
+from ..core.layout import partial_refused
+from ..ops.layout_ops import alias, cat_dim, describe, rebuild, slice_dim
+from ..core.tensor import QuantizedTensor
+
+functional = torch.ops._c10d_functional
+
+
+def _refuse_partial(func, q, *args, **kwargs):
+    raise partial_refused(f"a {describe(q)}", "Partial", f" ({func} would sum it)")
+
+
+implements(
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_reduce_",
+    "_c10d_functional::reduce_scatter_tensor",
+    "c10d::allreduce_",
+    "c10d::_reduce_scatter_base_",
+    "c10d::reduce_scatter_",
+)(_refuse_partial)
+
+
+@implements("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
+def _identity(func, q, *args, **kwargs):
+    # Our collectives complete before they return, so there is nothing to wait for.
+    return alias(q)
+
+
+@implements("_c10d_functional::all_gather_into_tensor")
+def all_gather_into_tensor(func, q, group_size, group_name):
+    """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ."""
+    if group_size == 1:
+        return alias(q)
+    agree_layout(q, group_name, "all-gather")
+    names = [n for n in q.fmt.inner_names if varies(q, n)]
+    sent = [getattr(q, n) for n in names]
+    buf = pack(sent)
+    wire.note(func._schema.name, buf)
+    out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
+    pieces = []
+    for rank_buf in out.view(group_size, -1):
+        received = dict(zip(names, unpack(rank_buf, sent)))
+        pieces.append(rebuild(q, {n: received.get(n, t) for n, t in q.inner.items()}, q.shape))
+    return cat_dim(pieces, 0)
+
+
+@implements("c10d::scatter_")
+def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, timeout=-1):
+    """distribute_tensor's Shard path: the source sends each rank its piece's bytes."""
+    (out,) = outputs
+    agree_layout(out, process_group, "distribute_tensor (scatter)")
+    names = out.fmt.inner_names
+    like = [getattr(out, n) for n in names]
+    out_buf = torch.empty(packed_size(like), dtype=torch.uint8, device=out.device)
+    in_bufs = [[pack([getattr(p, n) for n in names]) for p in row] for row in inputs]
+    wire.note(func._schema.name, out_buf)
+    _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
+    work.wait()
+    writes.write_inner(zip(like, unpack(out_buf, like)))
+    return [out], work
+
+
+@implements("c10d::broadcast_")
+def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
+    """distribute_tensor's Replicate path: every inner tensor from the source, in place."""
+    (q,) = tensors
+    agree_layout(q, process_group, "distribute_tensor (broadcast)")
+    like = list(q.inner.values())
+    buf = pack(like)
+    wire.note(func._schema.name, buf)
+    _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
+    work.wait()
+    writes.write_inner(zip(like, unpack(buf, like)))
+    return [q], work
+
+
+@implements("_c10d_functional::broadcast")
+def broadcast(func, q, src, group_name):
+    agree_layout(q, group_name, "broadcast")
+    like = list(q.inner.values())
+    buf = pack(like)
+    wire.note(func._schema.name, buf)
+    out = functional.wait_tensor(func(buf, src, group_name))
+    inner = dict(zip(q.fmt.inner_names, (t.clone() for t in unpack(out, like))))
+    return rebuild(q, inner, q.shape)
+
+
+@implements("_dtensor::shard_dim_alltoall")
+def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
+    """Shard(i) -> Shard(j) on NCCL: every rank sends piece k of its shard to rank k."""
+    group = _group(group_name)
+    agree_layout(q, group_name, "all-to-all", shape=False)  # the pieces' shapes may differ between ranks
+    n, me = group.size(), torch.distributed.get_rank(group)
+    # Split first: a misaligned target placement raises on every rank before any collective.
+    pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
+    pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
+    names = [name for name in q.fmt.inner_names if varies(q, name, (gather_dim,))]
+    send = [[getattr(p, name) for name in names] for p in pieces]
+    sizes = {packed_size(s) for s in send}
+    if len(sizes) != 1:
+        raise ValueError(f"{describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
+    buf = pack([t for s in send for t in s])  # each tensor is padded on its own: rank k's bytes are piece k's
+    wire.note(func._schema.name, buf)
+    split = [sizes.pop()] * n
+    out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
+    mine = pieces[me]
+    received = []
+    for rank_buf in out.view(n, -1):
+        got = dict(zip(names, unpack(rank_buf, send[me])))
+        received.append(rebuild(mine, {k: got.get(k, t) for k, t in mine.inner.items()}, mine.shape))
+    return cat_dim(received, gather_dim).contiguous()
+
+
+def agree_layout(q: QuantizedTensor, group, what: str, shape: bool = True) -> None:
+    """Every rank of ``group`` must hold ``q`` in the same layout (a clear error on all of them if not)."""
+    key = agree.layout_key(q)
+    if not shape:
+        key = key[:4] + (None, tuple(d for d, _ in key[5]))
+    agree.check_same(
+        agree.group_name_of(group), key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key
+    )
+
+
+def _describe_key(key) -> str:
+    if key[4] is None:
+        relations = [[str(r) for r in row] for row in key[1]]
+        return f"{key[0]!r}, {key[3]}, inner dtypes {[str(d) for d in key[5]]}, relations {relations}"
+    return agree.describe_key(key)
+
+
+def _group(group_name):
+    if isinstance(group_name, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group_name)
+    return group_name

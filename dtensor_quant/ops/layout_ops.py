@@ -1,0 +1,472 @@
+"""Layout operations on QuantizedTensors: slice, split, concatenate, pad, select, flatten, create.
+
+Each one maps a logical operation to the same operation on every inner
+tensor, using only the relations in ``QuantizedTensor.rels`` (no format
+knows them, none of them knows a format). They are the vocabulary of
+everything above: the aten handlers (:mod:`dtensor_quant.aten`) are thin
+wrappers over them, the collectives join received pieces with
+:func:`cat_dim`, FSDP2's hooks pad short shards with :func:`pad_end`, the
+matmuls select experts with :func:`select_dim`, and dequantizing hands a
+format :func:`broadcastable` inner tensors. A cut that would split a packed
+element or a block raises :class:`~dtensor_quant.LayoutError` naming the
+legal shard counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..core.bits import is_tracing, same_bits
+from ..core.dispatch import UnsupportedOpError
+from ..core.format import weight_layout
+from ..core.layout import (
+    Blocked,
+    Constant,
+    FlatBlocked,
+    InFlat,
+    LayoutError,
+    OneToOne,
+    Opaque,
+    Packed,
+    Stacked,
+    can_flatten,
+    dim_factor,
+    inner_slice,
+    legal_chunk_counts,
+)
+from ..core.padded_rows import keep_padded_rows, note_narrow
+from ..core.tensor import QuantizedTensor, contiguous_strides
+from . import writes
+
+# -- orientation and construction ---------------------------------------------
+
+
+def canonical_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
+    """``dims`` of a weight as quantized: logical dim i is the format's dim i."""
+    return tuple((i,) for i in range(ndim))
+
+
+def transposed_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
+    """``dims`` of a weight ``[..., out, in]`` after ``transpose(-2, -1)``: ``[..., in, out]``."""
+    return canonical_dims(ndim - 2) + ((ndim - 1,), (ndim - 2,))
+
+
+def is_transposed(q: QuantizedTensor) -> bool:
+    """Whether ``q`` is a weight viewed through ``.t()`` / ``.mT`` (the orientation ``F.linear`` uses)."""
+    return q.ndim >= 2 and q.dims == transposed_dims(q.ndim)
+
+
+def _strides(q: QuantizedTensor, shape, dims) -> tuple[int, ...]:
+    """Logical strides for a result of ``q``: contiguous unless ``q`` was a transposed view."""
+    n = len(shape)
+    if q.is_contiguous() or n < 2 or dims != transposed_dims(n):
+        return contiguous_strides(shape)
+    swapped = contiguous_strides((*shape[:-2], shape[-1], shape[-2]))
+    return (*swapped[:-2], swapped[-1], swapped[-2])
+
+
+def matrix_dims(q: QuantizedTensor) -> int:
+    """How many leading (expert) dims ``q`` has in front of its ``[out, in]`` (or ``[in, out]``) matrix.
+
+    0 for a 2-D weight and for anything that is not a plain stack of
+    matrices (a flat view, a weight broadcast over a batch by ``expand``).
+    """
+    k = q.ndim - 2
+    if k <= 0 or q.dims not in (canonical_dims(q.ndim), transposed_dims(q.ndim)):
+        return 0
+    return k
+
+
+# "_dtensor_quant_view_of": the tensor an inner view was taken from. Views made inside
+# __torch_dispatch__ have no ``_base`` (autograd's view tracking is below us), and a kernel
+# caches its prepared weight on the viewed tensor (dtensor_quant.matmul), so the experts
+# selected from a stack record the stack's inner tensor here.
+VIEW_OF = "_dtensor_quant_view_of"
+
+
+def view_of(view: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Record on inner ``view`` the tensor it views (``t``'s owner, its base, or ``t``); returns ``view``."""
+    owner = t.__dict__.get(VIEW_OF)
+    view.__dict__[VIEW_OF] = owner if owner is not None else (t._base if t._base is not None else t)
+    return view
+
+
+def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None):
+    """A QuantizedTensor of ``q``'s format over ``inner``; what is not given is ``q``'s.
+
+    The logical strides default to contiguous, or to a transposed view's when
+    ``q`` is one and the result keeps its orientation.
+    """
+    dims = q.dims if dims is None else dims
+    return QuantizedTensor(
+        inner,
+        q.fmt,
+        q.rels if rels is None else rels,
+        dims,
+        tuple(shape),
+        q.dtype if dtype is None else dtype,
+        stride if stride is not None else _strides(q, shape, dims),
+    )
+
+
+def map_inner(q: QuantizedTensor, fn) -> dict[str, torch.Tensor]:
+    """``fn`` applied to every inner tensor, by name."""
+    return {name: fn(t) for name, t in q.inner.items()}
+
+
+def _with_rel(rels: tuple, dim: int, rel) -> tuple:
+    return rels[:dim] + (rel,) + rels[dim + 1 :]
+
+
+def describe(q: QuantizedTensor) -> str:
+    """How error messages name a quantized tensor: its format and logical shape."""
+    return f"{q.fmt} tensor of shape {tuple(q.shape)}"
+
+
+def alias(q: QuantizedTensor) -> QuantizedTensor:
+    """A new wrapper over the same inner tensors (``detach``, same-shape ``view``)."""
+    out = rebuild(q, map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
+    writes.keep_shared(q, out)
+    return keep_padded_rows(q, out)
+
+
+# -- slicing, splitting, concatenation, padding -----------------------------
+
+
+def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedTensor:
+    """``q[..., start:stop, ...]`` along ``dim``; the inner tensors are views."""
+    length = q.shape[dim]
+    inner, rels = {}, []
+    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+        try:
+            i0, i1, rel = inner_slice(rel_row[dim], start, stop, length)
+        except LayoutError as e:
+            raise LayoutError(
+                f"{describe(q)}: cannot take [{start}:{stop}] of dim {dim}: inner '{name}' is "
+                f"{rel_row[dim]} along it ({e}). dtensor_quant.check_placements() lists the mesh sizes "
+                "whose shard boundaries are legal."
+            ) from None
+        inner[name] = t.narrow(dim, i0, i1 - i0)
+        rels.append(_with_rel(rel_row, dim, rel))
+    shape = list(q.shape)
+    shape[dim] = stop - start
+    out = rebuild(q, inner, shape, rels=tuple(rels))
+    writes.note_slice(q, out, dim, start, stop)
+    note_narrow(q, out, dim, start)  # FSDP2's padded shard (dtensor_quant.fsdp_padding)
+    return out
+
+
+def check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
+    """Raise, naming the legal shard counts, if a split would cut a packed element or a block."""
+    rels = {name: row[dim] for name, row in zip(q.fmt.inner_names, q.rels) if not isinstance(row[dim], Stacked)}
+    try:
+        factor = dim_factor(list(rels.values()))
+    except LayoutError as e:
+        raise LayoutError(f"{describe(q)}: cannot split dim {dim} into pieces of {list(sizes)[:8]}: {e}") from None
+    cuts = [sum(sizes[:i]) for i in range(1, len(sizes))]
+    bad = next((c for c in cuts if factor > 1 and c % factor and c < q.shape[dim]), None)
+    if bad is None:
+        return
+    why = ", ".join(f"'{n}' is {r}" for n, r in rels.items() if r.factor > 1)
+    length = q.shape[dim]
+    legal = legal_chunk_counts(length, factor)
+    hint = (
+        f"Sharding this dim over n ranks cuts only on multiples of {factor} for n = {', '.join(map(str, legal))}."
+        if legal != [1]
+        else "This dim cannot be sharded at all; shard another dim (check_placements lists the legal sizes)."
+    )
+    raise LayoutError(
+        f"{describe(q)}: cannot split dim {dim} (size {length}) into pieces of {list(sizes)[:8]}: the cut "
+        f"at {bad} is not a multiple of {factor} ({why}). {hint}"
+    )
+
+
+def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = None) -> QuantizedTensor:
+    """Concatenate quantized pieces along ``dim`` (what every gather does after the collective).
+
+    Any pieces of one format concatenate: where their blocks continue one grid
+    the relation stays; where they do not (a piece ending in a partial block,
+    constant inners that differ) the result is ``Stacked`` in runs of the
+    piece length, which splitting at piece boundaries undoes. ``joined`` maps
+    inner names to tensors that already hold the concatenation (an all-gather
+    output the pieces are views of), used as they are instead of copied.
+    """
+    first = pieces[0]
+    for p in pieces[1:]:
+        if not isinstance(p, QuantizedTensor) or p.fmt != first.fmt or p.dims != first.dims:
+            raise LayoutError(
+                f"cannot concatenate {describe(first)} with {p!r}: pieces must share format and orientation"
+            )
+    inner, rels = {}, []
+    for i, name in enumerate(first.fmt.inner_names):
+        parts = [getattr(p, name) for p in pieces]
+        rel_rows = [p.rels[i] for p in pieces]
+        if len(parts) > 1 and all(t is parts[0] for t in parts) and all(isinstance(r[dim], Constant) for r in rel_rows):
+            # One tensor shared by every piece (a scale no collective sent): equal without
+            # concatenating and comparing copies (a host sync on CUDA); cloned, as a cat would be.
+            inner[name] = parts[0].clone()
+            rels.append(rel_rows[0])
+            continue
+        if joined is not None and name in joined:
+            whole = joined[name]
+        else:
+            whole = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+        rel = _cat_relation(name, dim, pieces, [r[dim] for r in rel_rows], whole)
+        inner[name] = whole.narrow(dim, 0, 1) if isinstance(rel, Constant) else whole
+        rels.append(_with_rel(rel_rows[0], dim, rel))
+    shape = list(first.shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    return rebuild(first, inner, shape, rels=tuple(rels))
+
+
+def _cat_relation(name, dim, pieces, rels, joined):
+    """The relation along ``dim`` of the concatenation of ``pieces`` (inner ``name`` joined)."""
+    runs = []  # (logical length, relation) of every run of one grid, in order
+    for piece, rel in zip(pieces, rels):
+        length = piece.shape[dim]
+        if isinstance(rel, Stacked):
+            full, rem = divmod(length, rel.n)
+            runs += [(rel.n, rel.rel)] * full + ([(rem, rel.rel)] if rem else [])
+        else:
+            runs.append((length, rel))
+    kinds = {r for _, r in runs}
+    if len(kinds) != 1:
+        raise LayoutError(
+            f"cannot concatenate along dim {dim}: inner '{name}' is laid out as {sorted(map(str, kinds))}"
+        )
+    (rel,) = kinds
+    lengths = [n for n, _ in runs]
+    if isinstance(rel, Constant):
+        if len(runs) == 1 or is_tracing(joined) or same_bits(joined, joined.narrow(dim, 0, 1).expand_as(joined)):
+            return Constant()
+    elif all(n % rel.factor == 0 for n in lengths[:-1]):
+        return rel
+    run = lengths[0]
+    if any(n != run for n in lengths[:-1]) or lengths[-1] > run:
+        raise LayoutError(
+            f"cannot concatenate pieces of {describe(pieces[0])} along dim {dim}: inner '{name}' is {rel} "
+            f"and the pieces ({lengths[:8]}) neither continue its grid nor have equal lengths"
+        )
+    return Stacked(run, rel)
+
+
+def pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
+    """Append ``amount`` zero elements to ``dim`` (what uneven shards are padded with)."""
+    length = q.shape[dim]
+    inner = {}
+    flat = [f"'{n}' is {r[dim]}" for n, r in zip(q.fmt.inner_names, q.rels) if isinstance(r[dim], InFlat)]
+    if flat:
+        raise LayoutError(
+            f"{describe(q)}: padding dim {dim} would move blocks that run across it ({', '.join(flat)}); "
+            "this dim cannot be sharded, shard another dim"
+        )
+    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+        rel = rel_row[dim]
+        if isinstance(rel, Packed) and amount % rel.p:
+            raise LayoutError(f"{describe(q)}: padding dim {dim} by {amount} splits a packed element ({rel})")
+        extra = rel.inner_len(length + amount) - t.shape[dim] if not isinstance(rel, Constant) else 0
+        if extra > 0:
+            widths = [0, 0] * (t.ndim - 1 - dim) + [0, extra]
+            t = torch.nn.functional.pad(t, widths)
+        inner[name] = t
+    shape = list(q.shape)
+    shape[dim] = length + amount
+    return rebuild(q, inner, shape)
+
+
+def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
+    """``q[..., index, ...]`` along a leading (expert) ``dim``: one matrix, or a smaller stack.
+
+    Every inner tensor is one-to-one along a leading dim, so each is indexed
+    the same way; the result is an ordinary quantized weight the linear
+    kernels take (a 2-D one for a single expert).
+    """
+    k = matrix_dims(q)
+    if dim >= k:
+        raise UnsupportedOpError(
+            f"{describe(q)}: select along dim {dim} would cut the quantized [out, in] matrix; only its "
+            f"{k} leading (expert) dim(s) can be indexed"
+        )
+    length = q.shape[dim]
+    if not -length <= index < length:
+        raise IndexError(f"index {index} is out of bounds for dim {dim} of size {length} ({describe(q)})")
+    index %= length
+    for name, row in zip(q.fmt.inner_names, q.rels):
+        if not isinstance(row[dim], OneToOne):
+            raise LayoutError(f"{describe(q)}: inner '{name}' is {row[dim]} along leading dim {dim}, not one-to-one")
+    inner = map_inner(q, lambda t: view_of(t.select(dim, index), t))
+    rels = tuple(row[:dim] + row[dim + 1 :] for row in q.rels)
+    shape = tuple(q.shape[:dim]) + tuple(q.shape[dim + 1 :])
+    dims = (canonical_dims if q.dims == canonical_dims(q.ndim) else transposed_dims)(q.ndim - 1)
+    stride = tuple(q.stride()[:dim]) + tuple(q.stride()[dim + 1 :])
+    return rebuild(q, inner, shape, rels=rels, dims=dims, stride=stride)
+
+
+# -- flat views --------------------------------------------------------------
+
+
+def flatten(q: QuantizedTensor) -> QuantizedTensor:
+    """``view(-1)`` (FSDP2 calls it on every sharded parameter); N dims fold from the last."""
+
+    def flat(row):
+        rel, length = row[-1], q.shape[-1]
+        for dim in range(q.ndim - 2, -1, -1):
+            rel = can_flatten(row[dim], rel, length) if not isinstance(rel, Opaque) else None
+            rel, length = rel or Opaque(), length * q.shape[dim]
+        return (rel,)
+
+    rels = tuple(flat(r) for r in q.rels)
+    inner = map_inner(q, lambda t: t.reshape(-1))
+    return rebuild(q, inner, (q.numel(),), rels=rels, dims=(tuple(range(q.ndim)),), stride=(1,))
+
+
+def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
+    """A flat view (``view(-1)`` of a canonical weight) viewed back as a weight of ``size``, with its layout."""
+    rows = tuple(weight_layout(q.fmt, size).values())
+    inner = {}
+    for (name, t), rel_row in zip(q.inner.items(), rows):
+        shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
+        if t.numel() != torch.Size(shape).numel():
+            raise UnsupportedOpError(f"{describe(q)}: cannot view as {size}: inner '{name}' does not match")
+        inner[name] = t.reshape(shape)
+    return rebuild(q, inner, size, rels=rows, dims=canonical_dims(len(size)), stride=contiguous_strides(size))
+
+
+# -- a weight broadcast over a batch (torch.matmul of a batched activation) ---
+
+
+def broadcast_batch(q: QuantizedTensor, batch: tuple[int, ...]) -> QuantizedTensor:
+    """``q`` viewed as ``batch`` identical matrices: size-1 inner dims, ``Constant`` along the batch dims."""
+    k = len(batch)
+    inner = {n: t.reshape((1,) * k + tuple(t.shape)) for n, t in q.inner.items()}
+    rels = tuple((Constant(),) * k + row for row in q.rels)
+    dims = ((),) * k + q.dims
+    return QuantizedTensor(inner, q.fmt, rels, dims, batch + tuple(q.shape), q.dtype, (0,) * k + q.stride())
+
+
+def is_broadcast_batch(q: QuantizedTensor) -> bool:
+    """Whether ``q`` is a 2-D weight broadcast over leading batch dims (what ``expand`` makes)."""
+    k = q.ndim - 2
+    return k > 0 and all(d == () for d in q.dims[:k])
+
+
+def unbroadcast(q: QuantizedTensor) -> QuantizedTensor:
+    """The single 2-D weight every batch entry of a broadcast ``q`` holds."""
+    k = q.ndim - 2
+    inner = {n: t.reshape(tuple(t.shape[k:])) for n, t in q.inner.items()}
+    rels = tuple(row[k:] for row in q.rels)
+    return same_owner(
+        q, QuantizedTensor(inner, q.fmt, rels, q.dims[k:], tuple(q.shape[k:]), q.dtype, tuple(q.stride()[k:]))
+    )
+
+
+def rebatch(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor | None:
+    """``view``/``reshape`` of a broadcast weight that only regroups its batch dims, else None."""
+    if not is_broadcast_batch(q) or len(size) < 3 or tuple(size[-2:]) != tuple(q.shape[-2:]):
+        return None
+    return same_owner(q, broadcast_batch(unbroadcast(q), tuple(size[:-2])))
+
+
+def same_owner(q: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
+    """``out`` remembers the weight ``q.t()`` came from, so the kernel still finds its prepared copy."""
+    if "_transposed_from" in q.__dict__:
+        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
+    return out
+
+
+# -- new tensors -------------------------------------------------------------
+
+
+def factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
+    """A quantized tensor of logical ``size`` laid out like ``q``: zero (or empty) bytes.
+
+    Except for the inner tensors whose blocks are the same as ``q``'s -- constant
+    along every dim whose size changes (a per-tensor scale, a row scale of an
+    empty column shard): those describe blocks the new tensor shares with
+    ``q``, so they are copied. torch creates empty trailing shards with
+    ``new_zeros``; zeroing their shared scales would make a later gather
+    disagree with the other ranks.
+    """
+    size = tuple(size)
+    if size == (0,) and q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
+        # FSDP2's placeholder for the ranks past torch.chunk's last piece.
+        return flatten(factory(q, (0, *q.shape[1:]), fill, dtype, device))
+    if len(size) != q.ndim:
+        raise UnsupportedOpError(f"{describe(q)}: cannot create a quantized tensor of shape {size}")
+    inner = {}
+    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+        try:
+            shape = tuple(r.inner_len(n) for r, n in zip(rel_row, size))
+        except LayoutError as e:
+            raise LayoutError(f"{describe(q)}: cannot create shape {size}: inner '{name}': {e}") from None
+        if any(isinstance(r, InFlat) and n != n0 for r, n, n0 in zip(rel_row, size, q.shape)):
+            raise LayoutError(f"{describe(q)}: cannot create shape {size}: inner '{name}' has flat blocks across rows")
+        shared = any(isinstance(r, Constant) for r in rel_row) and all(
+            isinstance(r, Constant) or n == n0 for r, n, n0 in zip(rel_row, size, q.shape)
+        )
+        if shared and not t.is_meta:  # a meta weight (built on "meta", then to_empty) has nothing to copy
+            inner[name] = t.clone().to(device or t.device)
+        else:
+            inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
+    out = rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
+    out.__dict__[writes.FACTORY] = True
+    return out
+
+
+# -- what a format's math receives -------------------------------------------
+
+
+def block_sizes(rels) -> list[int]:
+    """The block size of every (inner tensor, dim) in order, 0 where the dim is not blocked.
+
+    A block over the flat index of this and the later dims (``FlatBlocked``, not packed) is
+    given as ``-b``: a list of ints is what the compiled kernel op can take.
+    """
+    return [_block_size(rel) for row in rels for rel in row]
+
+
+def _block_size(rel) -> int:
+    if isinstance(rel, Blocked):
+        return rel.b
+    return -rel.b if isinstance(rel, FlatBlocked) and not rel.packed else 0
+
+
+def broadcastable(inner: dict[str, torch.Tensor], blocks: Sequence[int], shape) -> dict[str, torch.Tensor]:
+    """Blocked inner tensors repeated to one value per logical element; constant ones stay size 1.
+
+    This is what a format's ``dequantize`` receives, so its math is elementwise
+    (broadcasting) whatever the shard, block size or partial last block.
+    ``blocks`` is :func:`block_sizes` of the tensor's relations.
+    """
+    out, ndim = {}, len(shape)
+    for i, (name, t) in enumerate(inner.items()):
+        for dim in range(ndim):
+            b = blocks[i * ndim + dim]
+            if b > 0:
+                t = t.repeat_interleave(b, dim).narrow(dim, 0, shape[dim])
+            elif b < 0:  # blocks over the flat index of dims dim.. (their inner dims are 1 after dim)
+                span = tuple(shape[dim:])
+                flat = t.flatten(dim).repeat_interleave(-b, dim).narrow(dim, 0, math.prod(span))
+                t = flat.unflatten(dim, span)
+                break
+        out[name] = t
+    return out
+
+
+def broadcastable_for(inner: dict[str, torch.Tensor], rels, shape) -> dict[str, torch.Tensor]:
+    """What a format's ``dequantize`` receives: see :func:`broadcastable`."""
+    return broadcastable(inner, block_sizes(rels), shape)
+
+
+def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:
+    """Inner tensors in the format's ``[..., out, in]`` orientation, or None if ``q`` is not a plain weight view."""
+    if any(isinstance(r, Stacked) for row in q.rels for r in row):
+        return None
+    if q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
+        return q.inner
+    if is_transposed(q):
+        return map_inner(q, lambda t: view_of(t.transpose(-2, -1), t))
+    return None

@@ -1,0 +1,339 @@
+"""Matmuls with a quantized weight: the format's kernel when it has one, else dequantize + mm.
+
+``F.linear(x, w)`` and ``x @ w.t()`` reach a QuantizedTensor as ``t`` then
+``mm``/``addmm`` (on one process and under DTensor, which decomposes linear
+above the local tensor; ``linear`` and ``matmul`` themselves are composite
+ops that never reach a subclass). A 3-D activation that cannot be folded
+into a matrix without a copy (a transposed one, say) arrives instead as
+``expand`` of the weight to a batch of identical matrices, then ``bmm``: the
+expand is a broadcast view (``Constant`` along the batch dims) and ``bmm``
+runs the same kernel on the folded activation.
+
+``mm(x, w.t())`` is ``x @ W.T`` on the canonical weight: the format's
+``linear`` kernel. Any other orientation (the input gradient's ``grad @ W``)
+dequantizes -- a matmul, not a silent format change: the result is dense by
+definition.
+
+Kernels often want the weight in a layout of their own (torch's CPU int4 mm
+repacks it, 86 ms for 4096x4096). ``QuantFormat.prepare`` builds that once per
+weight; the result is cached on the weight's first inner tensor (its base,
+for a view; one entry per view, so every expert of a stack keeps its own)
+keyed by every inner tensor's address, shape and strides and checked
+against their versions, so an in-place update (``copy_``, a checkpoint
+load) rebuilds it -- also one through another view of the same bytes,
+whose inner tensors have version counters of their own
+(:data:`~dtensor_quant.writes.GENERATION`). Inference tensors (made under
+``torch.inference_mode``) have no version counter: their weights are
+prepared on every call.
+Under ``torch.compile`` the kernel call is one opaque custom op,
+``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
+the compiled graph then finds the same cache at run time instead of
+repacking the weight on every call, and inductor never lowers the kernel
+itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ..core.bits import is_tracing
+from ..core.dispatch import UnsupportedOpError, implements
+from ..core.format import QuantFormat
+from ..core.format_ids import format_from_id, format_id
+from ..core.tensor import QuantizedTensor
+from . import unpack, writes
+from .dequant import dequantize
+from .layout_ops import (
+    VIEW_OF,
+    block_sizes,
+    broadcast_batch,
+    broadcastable,
+    canonical_dims,
+    canonical_inner,
+    describe,
+    is_broadcast_batch,
+    is_transposed,
+    matrix_dims,
+    rebuild,
+    same_owner,
+    select_dim,
+    unbroadcast,
+)
+
+_CACHE_ATTR = "_dtensor_quant_prepared"
+_NO_CACHE_ATTR = "_dtensor_quant_never_cache"
+
+log = logging.getLogger(__name__)
+
+
+def _anchor(t: torch.Tensor) -> torch.Tensor:
+    owner = t.__dict__.get(VIEW_OF)  # an expert selected from a stack: the stack's tensor
+    if owner is not None:
+        return owner
+    return t._base if t._base is not None else t
+
+
+def invalidate(q: QuantizedTensor) -> None:
+    """Forget the prepared kernel weight of ``q`` (not needed after in-place ops: they bump versions)."""
+    for t in q.inner.values():
+        _anchor(t).__dict__.pop(_CACHE_ATTR, None)
+
+
+def never_cache(buffer: torch.Tensor) -> None:
+    """Prepare weights viewing ``buffer`` on every call: its owner frees and refills it in place.
+
+    FSDP2's all-gather buffers: a cached prepared copy would outlive each
+    gather (an extra weight per layer) and go stale when the buffer is
+    refilled without a version bump.
+    """
+    _anchor(buffer).__dict__[_NO_CACHE_ATTR] = True
+
+
+def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
+    """``fmt.prepare(inner)``, cached on the first inner tensor while no inner tensor changes."""
+    tensors = list(inner.values())
+    if any(is_tracing(t) for t in tensors):
+        return fmt.prepare(inner)
+    anchor = _anchor(tensors[0])
+    if anchor.__dict__.get(_NO_CACHE_ATTR) or any(t.is_inference() for t in tensors):
+        return fmt.prepare(inner)  # inference tensors have no version counter: a write could not be seen
+    # One entry per view of the anchor: the experts of a stack are views of one base tensor.
+    cache = anchor.__dict__.setdefault(_CACHE_ATTR, {})
+    where = (fmt, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
+    versions = (writes.GENERATION[0], *(t._version for t in tensors))  # a write through another view too
+    hit = cache.get(where)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    result = fmt.prepare(inner)
+    cache[where] = (versions, result)
+    return result
+
+
+def kernel_linear_impl(
+    x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks
+):
+    """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
+
+    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations.
+    """
+    shape = (out_features, x.shape[-1])
+    whole = not fmt.kernel_needs_whole_blocks or unpack.fresh_inner(
+        fmt, tuple(blocks), shape, tuple(tuple(t.shape) for t in inner.values())
+    )
+    if not whole:
+        _say_no_kernel(fmt, shape)
+    out = fmt.linear(x, prepared(fmt, inner), bias) if whole else None
+    if out is not None:
+        return out
+    w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
+    out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
+    return out + bias if bias is not None else out
+
+
+@functools.cache
+def _say_no_kernel(fmt: QuantFormat, shape: tuple[int, int]) -> None:
+    """Once per format and shape: this weight's kernel cannot run on it, so every call dequantizes."""
+    log.warning(
+        "dtensor_quant: a %s weight of shape %s is not laid out as a fresh weight of its shape (a column slice or "
+        "shard whose blocks differ), so %s's kernel cannot run on it and every matmul dequantizes it. In tensor "
+        "parallelism, dtensor_quant.adapt_tp_plan(..., kernels=True) makes such a layer column-parallel instead.",
+        fmt,
+        list(shape),
+        type(fmt).__name__,
+    )
+
+
+@torch.library.custom_op("dtensor_quant::kernel_linear", mutates_args=())
+def kernel_linear(
+    x: torch.Tensor,
+    inner: list[torch.Tensor],
+    fmt_id: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+    blocks: list[int],
+) -> torch.Tensor:
+    """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order)."""
+    fmt = format_from_id(fmt_id)
+    return kernel_linear_impl(x, fmt, dict(zip(fmt.inner_names, inner)), out_features, bias, blocks)
+
+
+@kernel_linear.register_fake
+def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _kernel_inner(w_t: QuantizedTensor) -> dict[str, torch.Tensor] | None:
+    """Canonical inner tensors of a transposed weight: the persistent ones when ``w_t = w.t()``."""
+    if not is_transposed(w_t):
+        return None
+    owner = w_t.__dict__.get("_transposed_from")
+    if owner is not None and owner.dims == canonical_dims(2) and canonical_inner(owner) is not None:
+        return owner.inner
+    return canonical_inner(w_t)
+
+
+def plan_linear(w_t: QuantizedTensor):
+    """``(canonical inner tensors or None, block sizes)`` for ``w_t``, decided once per persistent weight.
+
+    Both depend only on the weight's relations and orientation, which never
+    change for a tensor object: a ``w.t()`` made per call (DTensor's linear)
+    finds them on the weight it came from instead of re-deriving them.
+    """
+    owner = w_t.__dict__.get("_transposed_from")
+    if owner is not None and is_transposed(w_t):  # w_t is owner.t() (or a broadcast of it, unbroadcast)
+        plan = owner.__dict__.get(_PLAN_ATTR)
+        if plan is None:
+            plan = owner.__dict__[_PLAN_ATTR] = (_kernel_inner(w_t) is not None, block_sizes(owner.rels))
+        if plan[0] and owner.dims == ((0,), (1,)):
+            return owner.inner, plan[1]
+    inner = _kernel_inner(w_t)
+    return inner, (block_sizes(row[::-1] for row in w_t.rels) if inner is not None else None)
+
+
+_PLAN_ATTR = "_dtensor_quant_linear_plan"
+
+
+def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
+    inner, blocks = plan_linear(w_t)
+    if inner is None:
+        out = x @ dequantize(w_t, x.dtype)
+        return out + bias if bias is not None else out
+    lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
+        out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
+    else:
+        out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks)
+    return out.reshape(*lead, out.shape[-1])
+
+
+@implements("aten::mm")
+def _mm(func, a, b):
+    if isinstance(b, QuantizedTensor) and not isinstance(a, QuantizedTensor):
+        return linear(a, b)
+    if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+        return dequantize(a, b.dtype) @ b
+    raise UnsupportedOpError(f"dtensor_quant: mm of two quantized tensors ({describe(a)}, {describe(b)})")
+
+
+@implements("aten::addmm")
+def _addmm(func, bias, a, b, beta=1, alpha=1):
+    if isinstance(bias, QuantizedTensor):
+        raise UnsupportedOpError(f"dtensor_quant: addmm with a quantized bias ({describe(bias)})")
+    return _plus_bias(_mm(func, a, b), bias, beta, alpha)
+
+
+def _plus_bias(out, bias, beta, alpha):
+    """``beta * bias + alpha * out``, skipping the multiplies addmm/baddbmm almost always have as 1."""
+    if alpha != 1:
+        out = out * alpha
+    return out + (bias if beta == 1 else beta * bias)
+
+
+# -- batched products: a 2-D weight broadcast over a batch ---------------------
+
+
+@implements("aten::expand")
+def _expand(func, q, size, implicit=False):
+    """A 2-D weight viewed as a batch of identical matrices (``Constant`` along the new leading dims)."""
+    size = tuple(size)
+    extra = len(size) - q.ndim
+    trailing = tuple(q.shape[i] if s == -1 else s for i, s in enumerate(size[extra:]))
+    if extra < 0 or trailing != tuple(q.shape) or any(s < 0 for s in size[:extra]):
+        raise UnsupportedOpError(
+            f"dtensor_quant: {describe(q)}: expand to {size} would repeat quantized elements; only a broadcast "
+            "over new leading (batch) dims is supported"
+        )
+    if extra == 0:
+        return rebuild(q, q.inner, q.shape, stride=q.stride())
+    return same_owner(q, broadcast_batch(q, size[:extra]))
+
+
+def _batched(func, a, b):
+    if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and is_broadcast_batch(b):
+        return linear(a, unbroadcast(b))
+    if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and is_broadcast_batch(a):
+        return dequantize(unbroadcast(a), b.dtype) @ b
+    if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and matrix_dims(b) == 1:
+        # One matrix per batch entry (transformers' batched_mm experts: ``bmm(x, w[ids])``).
+        return (
+            torch.stack([linear(a[i], select_dim(b, 0, i)) for i in range(b.shape[0])])
+            if b.shape[0]
+            else a.new_empty((0, a.shape[1], b.shape[2]))
+        )
+    if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and matrix_dims(a) == 1:
+        # ``bmm(w[ids], x)``: ``W_i @ x_i = (x_i.T @ W_i.T).T``, the weight-only kernel on ``x_i.T``.
+        if not a.shape[0]:
+            return b.new_empty((0, a.shape[1], b.shape[2]))
+        return torch.stack([linear(b[i].mT, select_dim(a, 0, i).mT).mT for i in range(a.shape[0])])
+    q = a if isinstance(a, QuantizedTensor) else b
+    raise UnsupportedOpError(
+        f"dtensor_quant: {func} with a {describe(q)}: only a 2-D weight broadcast over the batch (torch.matmul of a "
+        "batched activation and a weight) is supported; use F.linear"
+    )
+
+
+@implements("aten::bmm")
+def _bmm(func, a, b):
+    return _batched(func, a, b)
+
+
+@implements("aten::baddbmm")
+def _baddbmm(func, bias, a, b, beta=1, alpha=1):
+    if isinstance(bias, QuantizedTensor):
+        raise UnsupportedOpError(f"dtensor_quant: baddbmm with a quantized bias ({describe(bias)})")
+    return _plus_bias(_batched(func, a, b), bias, beta, alpha)
+
+
+# -- grouped products: one weight matrix per group of rows (mixture-of-experts) ----
+
+
+@implements("aten::_grouped_mm")
+def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm(x, W.transpose(-2, -1), offs)`` with a quantized stack of expert weights.
+
+    Rows ``[offs[g-1], offs[g])`` of ``x`` go through expert ``g`` with the
+    format's weight-only kernel (:func:`linear`, which dequantizes that one
+    expert where the format has no kernel); a 3-D ``x`` pairs batch entry
+    ``g`` with expert ``g``. Rows past ``offs[-1]`` come back as zeros (torch
+    leaves them undefined). The per-group loop needs concrete offsets, so
+    this is an eager-mode path.
+    """
+    if isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor) or matrix_dims(b) != 1:
+        q = a if isinstance(a, QuantizedTensor) else b
+        raise UnsupportedOpError(
+            f"dtensor_quant: _grouped_mm with a {describe(q)}: only a dense input and a quantized [experts, in, out] "
+            "stack (a transposed [experts, out, in] weight) are supported"
+        )
+    if isinstance(bias, QuantizedTensor):
+        raise UnsupportedOpError(f"dtensor_quant: _grouped_mm with a quantized bias ({describe(bias)})")
+    experts = b.shape[0]
+    if a.ndim == 3:
+        if offs is not None or a.shape[0] != experts:
+            raise ValueError(f"_grouped_mm: a 3-D input needs one batch entry per expert ({experts}) and no offs")
+        groups = [(g, a[g]) for g in range(experts)]
+        rows = None
+    else:
+        if offs is None or offs.ndim != 1 or offs.shape[0] != experts:
+            raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts})")
+        if is_tracing(offs):
+            raise UnsupportedOpError(
+                f"dtensor_quant: _grouped_mm with a {describe(b)}: needs concrete offsets (eager mode)"
+            )
+        ends = offs.tolist()
+        starts = [0] + ends[:-1]
+        groups = [(g, a[s:e]) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
+        rows = (a.shape[0], ends[-1] if ends else 0)
+    dtype = out_dtype or a.dtype
+    outs = []
+    for g, x in groups:
+        y = linear(x, select_dim(b, 0, g), None if bias is None else bias[g]).to(dtype)
+        outs.append(y)
+    if rows is None:
+        return torch.stack(outs) if outs else a.new_empty((0, a.shape[1], b.shape[2]), dtype=dtype)
+    total, used = rows
+    outs.append(a.new_zeros((total - used, b.shape[2]), dtype=dtype))
+    return torch.cat(outs)
