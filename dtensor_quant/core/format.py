@@ -128,8 +128,9 @@ class QuantFormat:
         logical dtype ``dtype`` (statistics and scales are computed and stored
         as ``quantize`` does for a ``dtype`` weight); ``noise`` is float32 of
         the same shape, uniform in ``[0, 1)``: a value a fraction ``f`` of the
-        way from one code to the next rounds up exactly when ``noise < f``
-        (``floor(x + noise)`` on an integer grid), so a value on a code stays
+        way from one code to the next rounds to the farther one with
+        probability ``f``, chosen by its noise alone (``floor(x + noise)`` on an
+        integer grid), so the rounding is unbiased and a value on a code stays
         there. Statistics go through ``reduce`` as in ``quantize``.
         """
         return None
