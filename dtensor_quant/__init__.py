@@ -6,7 +6,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 import sys as _sys
 
-from . import checkpoint, dist, fsdp, model, ops  # noqa: F401  (ops and dist register their handlers)
+from . import checkpoint, dist, fsdp, model, ops, optim  # noqa: F401  (ops and dist register their handlers)
 from ._compat import install as _install_old_paths
 from ._compat import old_attribute as __getattr__  # noqa: F401  (dq.<moved module>, deprecated)
 from .checkpoint import hf, state_dict
@@ -18,7 +18,16 @@ from .dist import custom_ops, wire
 from .dist.custom_ops import dequantize
 from .dist.placements import check_placements, legal_mesh_sizes
 from .dist.quantize import quantize
-from .formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
+from .formats import (
+    NF4,
+    BlockFloat8,
+    BlockLog4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int8Rowwise,
+)
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from .model import interop, lora, trainable
 from .model.padding import pad_for_tp
@@ -42,6 +51,8 @@ _install_old_paths()
 
 __all__ = [
     "NF4",
+    "BlockFloat8",
+    "BlockLog4",
     "Blocked",
     "Constant",
     "FlatBlocked",
@@ -71,9 +82,11 @@ __all__ = [
     "legal_mesh_sizes",
     "lora",
     "model",
+    "optim",
     "pad_for_tp",
     "quantize",
     "quantize_",
     "state_dict",
+    "trainable",
     "wire",
 ]
