@@ -14,6 +14,7 @@ from torch import nn
 import dtensor_quant as dq
 from dtensor_quant.core import stochastic
 from dtensor_quant.core.format import Reducer
+from dtensor_quant.core.stochastic import Noise
 from dtensor_quant.model import trainable
 
 SR_FORMATS = {"int8": dq.Int8Rowwise(), "float8": dq.Float8Rowwise(), "float8t": dq.Float8Tensorwise()}
@@ -54,7 +55,7 @@ def test_noise_depends_only_on_seed_step_and_global_index():
 
 def rounded(fmt, w: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """``w`` stochastically rounded into ``fmt`` with ``noise``, as float32 values."""
-    return fmt.dequantize(fmt.quantize_stochastic(w, Reducer(w.shape), noise, torch.float32), torch.float32)
+    return fmt.dequantize(fmt.quantize_stochastic(w, Reducer(w.shape), Noise.of(noise), torch.float32), torch.float32)
 
 
 @pytest.mark.parametrize("name", SR_FORMATS)
@@ -64,7 +65,7 @@ def test_stochastic_rounding_is_unbiased_and_keeps_values_on_codes(name):
     nearest = fmt.quantize(w, Reducer(w.shape))
     codes = fmt.dequantize(nearest, torch.float32)
     # a value on a code stays there whatever the noise: requantizing dequantized bytes is exact
-    again = fmt.quantize_stochastic(codes, Reducer(w.shape), torch.rand(w.shape), torch.float32)
+    again = fmt.quantize_stochastic(codes, Reducer(w.shape), Noise.of(torch.rand(w.shape)), torch.float32)
     for n in fmt.inner_names:
         assert torch.equal(again[n].view(torch.uint8), nearest[n].view(torch.uint8))
     # the average over many noises converges on the value (nearest rounding does not)
@@ -79,7 +80,7 @@ def test_stochastic_rounding_is_unbiased_and_keeps_values_on_codes(name):
 
 def test_scales_keep_the_logical_dtype():
     w = torch.randn(8, 64)
-    inner = dq.Int8Rowwise().quantize_stochastic(w, Reducer(w.shape), torch.rand(w.shape), torch.bfloat16)
+    inner = dq.Int8Rowwise().quantize_stochastic(w, Reducer(w.shape), Noise.of(torch.rand(w.shape)), torch.bfloat16)
     assert inner["scale"].dtype == torch.bfloat16 and inner["qdata"].dtype == torch.int8
 
 

@@ -26,6 +26,7 @@ uses the reference.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +89,44 @@ def uniform_reference(
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+@dataclass(frozen=True)
+class Noise:
+    """The stochastic-rounding noise of one local block: what a format's ``quantize_stochastic`` receives.
+
+    ``uniform()`` is the float32 tensor; a format with a kernel of its own may
+    draw the same numbers itself from ``key``, ``offsets``, ``global_shape``
+    and ``wide`` (:data:`NOISE_SOURCE`). ``values``, when given, replaces the
+    hash (tests, or a caller with noise of its own): kernels then step aside.
+    """
+
+    seed: int
+    step: int
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    device: torch.device | str = "cpu"
+    values: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> Noise:
+        """Given noise (uniform in ``[0, 1)``, float32, one value per element of the block)."""
+        shape = tuple(values.shape)
+        return cls(0, 0, shape, (0,) * len(shape), shape, values.device, values.float())
+
+    @property
+    def key(self) -> int:
+        return key(self.seed, self.step)
+
+    @property
+    def wide(self) -> bool:
+        return _wide(self.global_shape)
+
+    def uniform(self) -> torch.Tensor:
+        if self.values is not None:
+            return self.values
+        return uniform(self.seed, self.step, self.shape, self.offsets, self.global_shape, self.device)
+
+
 def uniform(
     seed: int, step: int, shape: Sequence[int], offsets: Sequence[int], global_shape: Sequence[int], device=None
 ) -> torch.Tensor:
@@ -109,7 +148,9 @@ def uniform(
     return uniform_reference(seed, step, shape, offsets, global_shape, device)
 
 
-_KERNEL_SOURCE = r"""
+#: C++ of the hash, for kernels that draw the noise themselves (after dtensor_quant.core.native.PRELUDE):
+#: ``dq_noise(key, i, wide)`` is element ``i``'s number, the bits :func:`uniform` gives.
+NOISE_SOURCE = r"""
 static inline uint32_t dq_fmix(uint32_t h) {
     h ^= h >> 16;
     h *= 0x45D9F3Bu;
@@ -120,13 +161,18 @@ static inline uint32_t dq_fmix(uint32_t h) {
 
 static inline float dq_unit(uint32_t h) { return float(int32_t(h >> 8)) * (1.0f / 16777216.0f); }
 
+static inline float dq_noise(uint32_t key, uint64_t i, bool wide) {
+    uint32_t h = dq_fmix(uint32_t(i) ^ key);
+    return dq_unit(wide ? dq_fmix(h ^ uint32_t(i >> 32)) : h);
+}
+"""
+
+_KERNEL_SOURCE = (
+    NOISE_SOURCE
+    + r"""
 // One row: element j has global index first + j.
 static void dq_noise_row(float* out, int64_t n, uint64_t first, uint32_t key, bool wide) {
-    for (int64_t j = 0; j < n; ++j) {
-        uint64_t i = first + uint64_t(j);
-        uint32_t h = dq_fmix(uint32_t(i) ^ key);
-        out[j] = dq_unit(wide ? dq_fmix(h ^ uint32_t(i >> 32)) : h);
-    }
+    for (int64_t j = 0; j < n; ++j) out[j] = dq_noise(key, first + uint64_t(j), wide);
 }
 
 __attribute__((target("avx2")))
@@ -174,6 +220,7 @@ void kernel(float* out, int64_t key, int64_t row0, int64_t col0, int64_t gcols, 
     }
 }
 """
+)
 
 _ARGTYPES = ["float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*"]
 

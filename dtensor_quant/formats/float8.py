@@ -30,7 +30,7 @@ def _quantize(weight: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tenso
     return {"qdata": q, "scale": scale}
 
 
-def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise: torch.Tensor, dtype) -> dict:
+def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise, dtype) -> dict:
     """``_quantize`` with each code rounded at random between its two e4m3 neighbours (scale in ``dtype``).
 
     The nearest code decides which neighbours bracket the value (e4m3fn magnitudes
@@ -46,7 +46,7 @@ def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise: torch.
     lo = torch.where(av > ax, (mag - 1).clamp_(min=0), mag)  # the code at or below |x|
     hi = torch.where(av < ax, (mag + 1).clamp_(max=0x7E), mag)  # the code at or above |x|
     lo_v, hi_v = table[lo], table[hi]
-    up = noise < (ax - lo_v) / (hi_v - lo_v)  # False where |x| is on a code (0 / 0 is NaN)
+    up = noise.uniform() < (ax - lo_v) / (hi_v - lo_v)  # False where |x| is on a code (0 / 0 is NaN)
     out = (torch.where(up, hi, lo).to(torch.uint8) | sign).view(torch.float8_e4m3fn)
     out = torch.where(x.isnan(), x.to(torch.float8_e4m3fn), out)  # NaN stays NaN
     return {"qdata": out, "scale": scale}

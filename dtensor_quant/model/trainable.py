@@ -51,7 +51,9 @@ from ..core.reductions import canonical_nans
 from ..core.tensor import QuantizedTensor
 from ..dist.shard_quant import MeshReducer
 from ..ops import arithmetic, writes
-from ..ops.layout_ops import canonical_dims, describe
+from ..ops.dequant import dequantize
+from ..ops.layout_ops import block_sizes, canonical_dims, describe
+from ..ops.unpack import dense_inner
 
 STATE = "_dtensor_quant_trainable"  # on a module: {parameter name: TrainState}
 LINK = "_dq_trainable_link"  # on a local QuantizedTensor: its ShardLink (derived once per tensor object)
@@ -102,9 +104,16 @@ class ShardLink:
     def __init__(self, state: TrainState, global_shape, offsets, reducer: Reducer):
         self.state, self.global_shape, self.offsets, self.reducer = state, tuple(global_shape), tuple(offsets), reducer
 
-    def noise(self, q: QuantizedTensor) -> torch.Tensor:
+    def dense(self, q: QuantizedTensor) -> torch.Tensor:
+        """``q``'s values in float32 (the format's ``unpack`` straight from the stored tensors where it can)."""
+        out = dense_inner(q.fmt, q.inner, block_sizes(q.rels), tuple(q.shape), torch.float32)
+        return out if out is not None else dequantize(q, torch.float32)
+
+    def noise(self, q: QuantizedTensor) -> stochastic.Noise:
         """The stochastic-rounding noise of this shard at the weight's current step."""
-        return stochastic.uniform(self.state.seed, self.state.step, q.shape, self.offsets, self.global_shape, q.device)
+        return stochastic.Noise(
+            self.state.seed, self.state.step, tuple(q.shape), self.offsets, self.global_shape, q.device
+        )
 
     def requantize_(self, q: QuantizedTensor, dense: torch.Tensor) -> None:
         """Write ``dense`` (float32 values of ``q``'s shape) into ``q``'s inner tensors, stochastically rounded.

@@ -26,7 +26,8 @@ arguments alone, so no rank requantizes (and reduces statistics) alone.
 
 Which weights are trainable is asked of :data:`TRAINABLE`, which
 :mod:`dtensor_quant.model.trainable` sets (registration, like the fast path):
-``TRAINABLE(q)`` is the weight's link (with ``requantize_(q, dense)``) or None.
+``TRAINABLE(q)`` is the weight's link (with ``dense(q)``, its float32 values,
+and ``requantize_(q, values)``) or None.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..core.dispatch import fallback, refusal
 from ..core.tensor import QuantizedTensor
 from .dequant import dequantize
 
-TRAINABLE: Callable[[QuantizedTensor], object | None] | None = None
+TRAINABLE: Callable[[QuantizedTensor], object | None] | None = None  # -> a link: dense(q), requantize_(q, x)
 
 _HINT = (
     " A weight trained in place is made with dtensor_quant.quantize_(model, fmt, trainable=True): "
@@ -121,7 +122,7 @@ def _update(func, args, kwargs):
     if _identity(func, args, kwargs):
         return q
     with torch.no_grad():
-        dense = dequantize(q, torch.float32)
+        dense = link.dense(q)
         func(dense, *_read(args[1:], torch.float32), **_read(kwargs, torch.float32))
         link.requantize_(q, dense)
     return q
@@ -148,24 +149,35 @@ _NEUTRAL = {
 }
 
 
+_NEUTRAL_ARG: dict = {}  # op -> (argument name, its position, its default, the neutral value) or None
+
+
+def _neutral_arg(func):
+    if func not in _NEUTRAL_ARG:
+        entry, found = _NEUTRAL.get(func._schema.name), None
+        if entry is not None:
+            arg, neutral = entry
+            names = [a.name for a in func._schema.arguments]
+            for name in (arg, {"scalar": "scalars", "value": "scalars"}.get(arg)):
+                if name is not None and name in names:
+                    i = names.index(name)
+                    found = (name, i, func._schema.arguments[i].default_value, neutral)
+                    break
+        _NEUTRAL_ARG[func] = found
+    return _NEUTRAL_ARG[func]
+
+
 def _identity(func, args, kwargs) -> bool:
-    entry = _NEUTRAL.get(func._schema.name)
-    if entry is None:
+    found = _neutral_arg(func)
+    if found is None:
         return False
-    arg, neutral = entry
-    names = [a.name for a in func._schema.arguments]
-    alt = {"scalar": "scalars", "value": "scalars"}.get(arg)
-    for name in (arg, alt):
-        if name is None or name not in names:
-            continue
-        i = names.index(name)
-        value = kwargs.get(name, args[i] if i < len(args) else func._schema.arguments[i].default_value)
-        if isinstance(value, torch.Tensor):
-            return False
-        if isinstance(value, (list, tuple)):
-            return len(value) > 0 and all(not isinstance(v, torch.Tensor) and v == neutral for v in value)
-        return value == neutral
-    return False
+    name, i, default, neutral = found
+    value = kwargs.get(name, args[i] if i < len(args) else default)
+    if isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(not isinstance(v, torch.Tensor) and v == neutral for v in value)
+    return value == neutral
 
 
 # -- _foreach_ ops: lists of parameters, some quantized ----------------------------------
@@ -218,7 +230,7 @@ def _foreach(func, args, kwargs):
                 _link(func, t, a, k)
         link = trainable(q)
         with torch.no_grad():
-            dense = dequantize(q, torch.float32)
+            dense = link.dense(q)
             func([dense], *_read(a[1:], torch.float32), **_read(k, torch.float32))
             link.requantize_(q, dense)
     return None

@@ -31,9 +31,12 @@ from collections.abc import Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..checkpoint.state_dict import SPEC_KEY, from_entries, to_entries
 from ..core.format import QuantFormat, Reducer, check_shape
+from ..core.reductions import canonical_nans
+from ..core.stochastic import Noise
 from ..core.tensor import QuantizedTensor
 from ..dist.placements import check_placements
 from ..dist.shard_quant import MeshReducer, quantize_local
@@ -41,6 +44,8 @@ from ..formats.block_states import BlockFloat8, BlockLog4
 from ..model import trainable
 from ..ops import writes
 from ..ops.dequant import dequantize
+from ..ops.layout_ops import block_sizes
+from ..ops.unpack import dense_inner
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -55,8 +60,11 @@ class AdamW(torch.optim.Optimizer):
     ``state_formats``: the formats of the first and second moment (the
     second one sees ``v``, never negative); ``min_quantized_numel``: smaller
     parameters (and 1-D ones: norms, biases) keep dense states in their own
-    dtype, as ``torch.optim.AdamW`` does. Not supported: ``amsgrad``,
-    ``maximize``, ``foreach``/``fused`` kernels, sparse gradients.
+    dtype, as ``torch.optim.AdamW`` does. ``seed`` keys the stochastic
+    rounding of the moments (each parameter's and moment's own, from its
+    position in ``param_groups``, the step and each element's global index).
+    Not supported: ``amsgrad``, ``maximize``, ``foreach``/``fused`` kernels,
+    sparse gradients.
     """
 
     def __init__(
@@ -67,8 +75,9 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        state_formats: tuple[QuantFormat, QuantFormat] = (BlockFloat8(256), BlockFloat8(256, sqrt=True)),
+        state_formats: tuple[QuantFormat, QuantFormat] = (BlockFloat8(256), BlockFloat8(256, nonnegative=True)),
         min_quantized_numel: int = 4096,
+        seed: int = 0,
     ):
         if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"AdamW: invalid lr={lr}, eps={eps} or betas={betas}")
@@ -77,6 +86,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW: state_formats holds one format per moment (2), got {len(state_formats)}")
         self.state_formats = tuple(state_formats)
         self.min_quantized_numel = min_quantized_numel
+        self.seed = seed
         for group in self.param_groups:
             for p in group["params"]:
                 self._check(p)
@@ -129,30 +139,55 @@ class AdamW(torch.optim.Optimizer):
                 state[key] = self._new_state(p, fmt)
         return state
 
-    def _reducer(self, state: torch.Tensor, fmt: QuantFormat) -> Reducer:
+    def _place(self, state: torch.Tensor, fmt: QuantFormat) -> tuple[Reducer, tuple[int, ...]]:
+        """``(the reducer quantize would use for this state's placement, its local block's global offsets)``."""
         if not isinstance(state, DTensor):
-            return Reducer(state.shape)
+            return Reducer(state.shape), (0,) * state.ndim
         key = (id(state), fmt)
         cached = self._reducers.get(key)
         if cached is None or cached[0] is not state:
             mesh, placements = state.device_mesh, tuple(state.placements)
-            cached = self._reducers[key] = (state, MeshReducer.for_mesh(fmt, state.shape, mesh, placements))
+            _, offsets = compute_local_shape_and_global_offset(state.shape, mesh, placements)
+            reducer = MeshReducer.for_mesh(fmt, state.shape, mesh, placements)
+            cached = self._reducers[key] = (state, (reducer, tuple(offsets)))
         return cached[1]
 
     @staticmethod
     def _read(state: torch.Tensor) -> torch.Tensor:
         local = _local(state)
         if isinstance(local, QuantizedTensor):
-            return dequantize(local, torch.float32)
+            out = dense_inner(local.fmt, local.inner, block_sizes(local.rels), tuple(local.shape), torch.float32)
+            return out if out is not None else dequantize(local, torch.float32)
         return local.float()
 
-    def _write(self, state: torch.Tensor, fmt: QuantFormat, values: torch.Tensor) -> None:
+    def _write(self, state: torch.Tensor, fmt: QuantFormat, values: torch.Tensor, seed: int, step: int) -> None:
+        """Requantize float32 ``values`` into the state's own bytes, with the format's statistics.
+
+        Stochastically rounded where the format can (keyed by ``seed``, the
+        step and each element's index in the whole state, so any sharding gives
+        the same bytes): a moving average whose every step is smaller than half
+        a code would otherwise stop moving, or drift.
+        """
         local = _local(state)
         if not isinstance(local, QuantizedTensor):
             local.copy_(values)
             return
-        fresh = quantize_local(fmt, values.to(local.dtype), self._reducer(state, fmt), tuple(state.shape))
-        writes.write_inner([(getattr(local, n), getattr(fresh, n)) for n in local.fmt.inner_names])
+        reduce, offsets = self._place(state, fmt)
+        if values.ndim == 2:
+            inner = None
+            if trainable.supports_training(fmt):
+                noise = Noise(seed, step, tuple(values.shape), offsets, tuple(state.shape), values.device)
+                inner = fmt.quantize_stochastic(values, reduce, noise, local.dtype)
+            inner = inner if inner is not None else fmt.quantize(values, reduce)
+            pairs = [(getattr(local, n), canonical_nans(inner[n])) for n in local.fmt.inner_names]
+        else:  # a stack of matrices (experts): the library's per-matrix math
+            fresh = quantize_local(fmt, values, reduce, tuple(state.shape))
+            pairs = [(getattr(local, n), getattr(fresh, n)) for n in local.fmt.inner_names]
+        writes.write_inner(pairs)
+
+    def moment_seeds(self, index: int) -> tuple[int, int]:
+        """The stochastic-rounding seeds of the two moments of the ``index``-th parameter (in param_groups order)."""
+        return tuple(trainable.weight_seed(self.seed, f"adamw.{index}.{key}") for key in _MOMENTS)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -162,9 +197,11 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -179,8 +216,9 @@ class AdamW(torch.optim.Optimizer):
                 m, v = self._read(state["exp_avg"]), self._read(state["exp_avg_sq"])
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                self._write(state["exp_avg"], self.state_formats[0], m)
-                self._write(state["exp_avg_sq"], self.state_formats[1], v)
+                seeds = self.moment_seeds(index)
+                self._write(state["exp_avg"], self.state_formats[0], m, seeds[0], int(t))
+                self._write(state["exp_avg_sq"], self.state_formats[1], v, seeds[1], int(t))
                 if lr == 0:
                     continue  # the update is zero: the parameter's bytes stay as they are
                 denom = v.sqrt_().div_(math.sqrt(1 - beta2**t)).add_(eps)
@@ -192,33 +230,35 @@ class AdamW(torch.optim.Optimizer):
         local = _local(p)
         if isinstance(local, QuantizedTensor):  # one stochastically rounded requantization per step
             link = trainable.resolve(local)
-            dense = dequantize(local, torch.float32)
+            dense = link.dense(local)
             dense.mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size)
             link.requantize_(local, dense)
-        else:
+        elif local.dtype == torch.float32:
             local.mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size)
+        else:  # bf16/fp16: in float32, rounded once (a mixed-dtype in-place op is a slow path of its own)
+            local.copy_(local.float().mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size))
 
 
 class AdamW8bit(AdamW):
     """:class:`AdamW` with both moments in :class:`~dtensor_quant.BlockFloat8`: 8-bit codes, a float32 scale per
-    ``block_size`` values of a row (the second moment as its square root)."""
+    ``block_size`` values of a row (e4m3 for the first moment, e5m2 for the second)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, block_size=256,
-                 min_quantized_numel=4096):  # fmt: skip
-        formats = (BlockFloat8(block_size), BlockFloat8(block_size, sqrt=True))
+                 min_quantized_numel=4096, seed=0):  # fmt: skip
+        formats = (BlockFloat8(block_size), BlockFloat8(block_size, nonnegative=True))
         super().__init__(params, lr, betas, eps, weight_decay, state_formats=formats,
-                         min_quantized_numel=min_quantized_numel)  # fmt: skip
+                         min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
 
 
 class AdamW4bit(AdamW):
     """:class:`AdamW` with both moments in :class:`~dtensor_quant.BlockLog4`: 4-bit codes on a power-of-two grid,
-    a float32 scale per ``block_size`` values of a row (the second moment as its square root)."""
+    a float32 scale per ``block_size`` values of a row."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, block_size=128,
-                 min_quantized_numel=4096):  # fmt: skip
-        formats = (BlockLog4(block_size), BlockLog4(block_size, sqrt=True))
+                 min_quantized_numel=4096, seed=0):  # fmt: skip
+        formats = (BlockLog4(block_size), BlockLog4(block_size, nonnegative=True))
         super().__init__(params, lr, betas, eps, weight_decay, state_formats=formats,
-                         min_quantized_numel=min_quantized_numel)  # fmt: skip
+                         min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
 
 
 # -- state dicts: quantized states as DCP entries --------------------------------------------
