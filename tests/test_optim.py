@@ -235,6 +235,11 @@ def test_int8_stochastic_kernel_gives_the_torch_bits(monkeypatch):
             monkeypatch, lambda n=noise: dq.Int8Rowwise().quantize_stochastic(w, Reducer(w.shape), n, torch.bfloat16)
         )
         assert torch.equal(fast["qdata"], slow["qdata"]) and torch.equal(fast["scale"], slow["scale"])
+    w[3, 5], w[4] = float("nan"), 0.0  # a NaN row and a zero row: the row maxima and dense values as torch's
+    q = dq.quantize(w.bfloat16(), dq.Int8Rowwise())
+    for fn in (lambda: q.dequantize(torch.float32), lambda: dq.quantize(w, dq.Int8Rowwise()).scale):
+        fast, slow = _both_paths(monkeypatch, fn)
+        assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
 
 
 @pytest.mark.parametrize(

@@ -165,15 +165,6 @@ static inline float dq_noise(uint32_t key, uint64_t i, bool wide) {
     uint32_t h = dq_fmix(uint32_t(i) ^ key);
     return dq_unit(wide ? dq_fmix(h ^ uint32_t(i >> 32)) : h);
 }
-"""
-
-_KERNEL_SOURCE = (
-    NOISE_SOURCE
-    + r"""
-// One row: element j has global index first + j.
-static void dq_noise_row(float* out, int64_t n, uint64_t first, uint32_t key, bool wide) {
-    for (int64_t j = 0; j < n; ++j) out[j] = dq_noise(key, first + uint64_t(j), wide);
-}
 
 __attribute__((target("avx2")))
 static inline __m256i dq_fmix8(__m256i h) {
@@ -184,27 +175,35 @@ static inline __m256i dq_fmix8(__m256i h) {
     return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
 }
 
-// 8 elements at a time while their low 32 index bits do not wrap (then the high bits are constant).
+// The numbers of the 8 elements first .. first + 7 (dq_noise's bits).
+__attribute__((target("avx2")))
+static inline __m256 dq_noise8(uint32_t key, uint64_t first, bool wide) {
+    const uint32_t lo = uint32_t(first);
+    if (lo > 0xFFFFFFF7u) {  // the low 32 index bits wrap inside these 8: one at a time
+        alignas(32) float u[8];
+        for (int j = 0; j < 8; ++j) u[j] = dq_noise(key, first + uint64_t(j), wide);
+        return _mm256_load_ps(u);
+    }
+    __m256i h = _mm256_add_epi32(_mm256_set1_epi32(int32_t(lo)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    h = dq_fmix8(_mm256_xor_si256(h, _mm256_set1_epi32(int32_t(key))));
+    if (wide) h = dq_fmix8(_mm256_xor_si256(h, _mm256_set1_epi32(int32_t(uint32_t(first >> 32)))));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
+}
+"""
+
+_KERNEL_SOURCE = (
+    NOISE_SOURCE
+    + r"""
+// One row: element j has global index first + j.
+static void dq_noise_row(float* out, int64_t n, uint64_t first, uint32_t key, bool wide) {
+    for (int64_t j = 0; j < n; ++j) out[j] = dq_noise(key, first + uint64_t(j), wide);
+}
+
+// 8 elements at a time.
 __attribute__((target("avx2")))
 static void dq_noise_row_avx2(float* out, int64_t n, uint64_t first, uint32_t key, bool wide) {
-    const __m256i step = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 unit = _mm256_set1_ps(1.0f / 16777216.0f);
     int64_t j = 0;
-    while (j + 8 <= n) {
-        uint64_t i = first + uint64_t(j);
-        uint32_t lo = uint32_t(i);
-        if (lo > 0xFFFFFFF7u) {  // the low bits wrap inside these 8: element by element
-            dq_noise_row(out + j, 8, i, key, wide);
-            j += 8;
-            continue;
-        }
-        __m256i h = _mm256_add_epi32(_mm256_set1_epi32(int32_t(lo)), step);
-        h = dq_fmix8(_mm256_xor_si256(h, _mm256_set1_epi32(int32_t(key))));
-        if (wide) h = dq_fmix8(_mm256_xor_si256(h, _mm256_set1_epi32(int32_t(uint32_t(i >> 32)))));
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
-        _mm256_storeu_ps(out + j, u);
-        j += 8;
-    }
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, dq_noise8(key, first + uint64_t(j), wide));
     dq_noise_row(out + j, n - j, first + uint64_t(j), key, wide);
 }
 
