@@ -10,12 +10,15 @@ fresh Gaussian rows per rank and step, the same rows for every mode). Modes:
 * ``bf16 + AdamW`` (torch's): the baseline;
 * ``bf16 + dq AdamW8bit``: dense weights, this library's 8-bit moments;
 * ``dq int8 + AdamW``: ``dq.quantize_(..., trainable=True)``, torch's AdamW;
-* ``dq int8 + dq AdamW8bit``: both;
-* ``torchao AdamW8bit``, ``torchao int8 + _AdamW``, ``torchao int8 + AdamW8bit``:
-  torchao 0.18's low-bit optimizer and int8 quantized training
-  (``int8_weight_only_quantized_training``), as shipped; a mode that raises
-  is reported with its error and left out (install: ``pip install --no-deps
-  torchao``).
+* ``dq int8 + dq AdamW``: the same weights, ``dq.optim.AdamW`` with dense
+  moments (one stochastically rounded requantization a step);
+* ``dq int8 + dq AdamW8bit``: int8 weights and 8-bit moments;
+* ``torchao AdamW8bit``, ``torchao int8 + AdamW``, ``torchao int8 + _AdamW``,
+  ``torchao int8 + AdamW8bit``: torchao 0.18's low-bit optimizer and int8
+  quantized training (``int8_weight_only_quantized_training``), as shipped,
+  each paired with the mode of ours above that does the same; a mode that
+  raises is reported with its error and left out (install: ``pip install
+  --no-deps torchao``).
 
 Every mode is built first, then all are stepped round-robin, one step each
 in turn, so that load from elsewhere hits them alike. Printed per mode, as
@@ -48,8 +51,8 @@ import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.testing.rank_pool import run
 
-DQ_MODES = ["bf16 + dq AdamW8bit", "dq int8 + AdamW", "dq int8 + dq AdamW8bit"]
-AO_MODES = ["torchao AdamW8bit", "torchao int8 + _AdamW", "torchao int8 + AdamW8bit"]
+DQ_MODES = ["bf16 + dq AdamW8bit", "dq int8 + AdamW", "dq int8 + dq AdamW", "dq int8 + dq AdamW8bit"]
+AO_MODES = ["torchao AdamW8bit", "torchao int8 + AdamW", "torchao int8 + _AdamW", "torchao int8 + AdamW8bit"]
 PAIRS = dict(zip(DQ_MODES, AO_MODES))  # the torchao mode doing what each of ours does
 BASE = "bf16 + AdamW"
 LR = 1e-3
@@ -78,6 +81,8 @@ def build(mode: str, dim: int, layers: int, mesh):
     params = list(model.parameters())
     if mode.endswith("dq AdamW8bit"):
         opt = dq.optim.AdamW8bit(params, lr=LR)
+    elif mode.endswith("dq AdamW"):  # the library's AdamW with dense moments (one requantization a step)
+        opt = dq.optim.AdamW(params, lr=LR, state_formats=(None, None))
     elif mode.startswith("torchao") and mode.endswith("AdamW8bit"):
         import torchao.optim
 

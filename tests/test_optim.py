@@ -287,3 +287,13 @@ def test_moments_are_unbiased_over_many_steps():
         v_exact = 0.999 * v_exact + 0.001 * p.grad * p.grad
     ratio = opt.state[p]["exp_avg_sq"].dequantize(torch.float32) / v_exact
     assert abs(ratio.mean().item() - 1) < 0.01
+
+
+def test_dense_moments_and_one_requantization_per_step():
+    """``state_formats=(None, None)``: dense moments in the parameter's dtype; int8 weights requantized once a step."""
+    m = dq.quantize_(model(), dq.Int8Rowwise(), trainable=True, seed=1)
+    opt = dq.optim.AdamW(m.parameters(), lr=2e-3, state_formats=(None, None))
+    losses = train(m, opt, 30)
+    state = opt.state[m[0].weight]
+    assert type(state["exp_avg"]) is torch.Tensor and state["exp_avg"].dtype == torch.bfloat16
+    assert dq.trainable.resolve(m[0].weight).state.step == 30 and tail(losses) < 0.8 * losses[0]

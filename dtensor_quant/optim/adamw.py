@@ -58,7 +58,8 @@ class AdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (decoupled weight decay) with ``exp_avg``/``exp_avg_sq`` stored in ``state_formats``.
 
     ``state_formats``: the formats of the first and second moment (the
-    second one sees ``v``, never negative); ``min_quantized_numel``: smaller
+    second one sees ``v``, never negative; ``None``: dense, in the parameter's
+    dtype); ``min_quantized_numel``: smaller
     parameters (and 1-D ones: norms, biases) keep dense states in their own
     dtype, as ``torch.optim.AdamW`` does. ``seed`` keys the stochastic
     rounding of the moments (each parameter's and moment's own, from its
@@ -75,7 +76,10 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        state_formats: tuple[QuantFormat, QuantFormat] = (BlockFloat8(256), BlockFloat8(256, nonnegative=True)),
+        state_formats: tuple[QuantFormat | None, QuantFormat | None] = (
+            BlockFloat8(256),
+            BlockFloat8(256, nonnegative=True),
+        ),
         min_quantized_numel: int = 4096,
         seed: int = 0,
     ):
@@ -97,9 +101,9 @@ class AdamW(torch.optim.Optimizer):
 
     # -- which states are quantized (the global shape decides) ---------------------
 
-    def quantizes(self, p: torch.Tensor, fmt: QuantFormat) -> bool:
-        """Whether ``p``'s state in ``fmt`` is quantized: from ``p``'s global shape only."""
-        if p.ndim < 2 or p.numel() < self.min_quantized_numel or not p.dtype.is_floating_point:
+    def quantizes(self, p: torch.Tensor, fmt: QuantFormat | None) -> bool:
+        """Whether ``p``'s state in ``fmt`` is quantized: from ``p``'s global shape only (never for ``None``)."""
+        if fmt is None or p.ndim < 2 or p.numel() < self.min_quantized_numel or not p.dtype.is_floating_point:
             return False
         try:
             check_shape(fmt, tuple(p.shape))
