@@ -6,8 +6,9 @@
 What bench/decode.py's model step is made of, without DTensor, dispatch or
 all-reduces: ``F.linear(x, W)`` for a bf16 ``x`` of one row, for the dense
 bf16 weight (oneDNN's GEMV) and each quantized one through the library
-(torch's int8/int4 kernels; NF4's and float8's fused kernels from
-``dtensor_quant.native``; every vector level of those, forced, too; and the
+(torch's int8/int4 kernels; the fused kernels of NF4 (also BnbNF4's and MXFP4's),
+float8 and Int4GroupwiseIntZero from ``dtensor_quant.core.native``; every vector
+level of those, forced, too; and the
 plain path they replaced, dequantize + mm). All variants run in turn within
 each round; each time is the median over the rounds of the mean of
 ``--calls`` calls. ``GB/s`` is the weight's stored bytes (codes and scales) over that
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, nf4
+from dtensor_quant.formats import float8, int4_zero, nf4
 from dtensor_quant.ops.unpack import dense
 
 FORMATS = {
@@ -33,9 +34,16 @@ FORMATS = {
     "Int4Groupwise(128)": dq.Int4Groupwise(128),
     "NF4": dq.NF4(),
     "Float8Rowwise": dq.Float8Rowwise(),
+    # the layouts pre-quantized checkpoints load into (AWQ/GPTQ, bitsandbytes, gpt-oss)
+    "Int4GroupwiseIntZero(fp16)": dq.Int4GroupwiseIntZero(128, scale_dtype=torch.float16),
+    "BnbNF4": dq.BnbNF4(),
+    "MXFP4": dq.MXFP4(),
 }
 LEVELS = {  # each fused kernel's vector paths, by the level its max_level argument takes
     "NF4": (nf4, {1: "AVX2", 2: "AVX-512"}),
+    "BnbNF4": (nf4, {1: "AVX2", 2: "AVX-512"}),  # NF4's kernel with bitsandbytes' tables
+    "MXFP4": (nf4, {1: "AVX2", 2: "AVX-512"}),  # NF4's kernel with the e2m1 values
+    "Int4GroupwiseIntZero(fp16)": (int4_zero, {1: "AVX2", 2: "AVX-512"}),
     "Float8Rowwise": (float8, {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16"}),
 }
 
@@ -53,7 +61,7 @@ def variants(shape):
             prepared, best = fmt.prepare(q.inner).get(), (module.kernel() or (None, 0))[1]
             for level, isa in levels.items():
                 if prepared is not None and level <= best:
-                    args = (fmt.block_size,) if name == "NF4" else ()
+                    args = () if module is float8 else (getattr(fmt, "block_size", None) or fmt.group_size,)
                     out[f"{name} kernel, {isa}"] = (
                         lambda p=prepared, a=args, lv=level, m=module: m.fused_linear(x, p, *a, max_level=lv),
                         nbytes,
@@ -84,9 +92,9 @@ def main(argv=None) -> int:
                 times[name].append((time.perf_counter() - start) / args.calls)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         print(f"\n[{shape[0]}, {shape[1]}]   load average {os.getloadavg()[0]:.1f}")
-        print(f"{'path':<36}{'ms':>8}{'x bf16':>8}{'GB/s':>7}")
+        print(f"{'path':<46}{'ms':>8}{'x bf16':>8}{'GB/s':>7}")
         for name, (_, nbytes) in runs.items():
-            print(f"{name:<36}{ms[name]:>8.3f}{ms[name] / ms['bf16']:>8.2f}{nbytes / ms[name] / 1e6:>7.1f}")
+            print(f"{name:<46}{ms[name]:>8.3f}{ms[name] / ms['bf16']:>8.2f}{nbytes / ms[name] / 1e6:>7.1f}")
     return 0
 
 

@@ -9,10 +9,10 @@ layers issue: a 1-token column-parallel ``F.linear``, ``full_tensor()``,
 ``redistribute`` Shard(0) -> Shard(1), the view ``.t()`` of the DTensor, and
 the views ``.t()`` and ``view(-1)`` of the local tensor.
 
-Every quantized op runs twice per round, with dtensor_quant's fast path (the
-default: each op's decisions made once per layout) and without it (the
-handlers derive everything per call, ``DTENSOR_QUANT_FASTPATH=0``), so the
-gain is measured under the same load. Every op is timed as the median of
+Every quantized op runs twice per round, with its layout decisions memoised
+(the default: made once per layout, ``dtensor_quant.core.memo``) and
+without (decided on every call, ``DTENSOR_QUANT_MEMO=0``), so the gain is
+measured under the same load. Every op is timed as the median of
 ``--repeat`` calls, all variants interleaved call by call; printed as ratios
 to dense. Target (issue 15): every ratio <= 1.2.
 
@@ -41,12 +41,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant.dist import fastpath
+from dtensor_quant.core import memo
 from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import run
 
 FORMATS = {"bf16": None, "int8": parse_format("int8"), "int4": parse_format("int4:128")}  # short labels for the table
-SLOW = " off"  # suffix of the variants run without the fast path
+SLOW = " off"  # suffix of the variants run with the memo off
 TORCHAO = "torchao NF4"
 BARE = "bare"
 VIEWS = ("DTensor .t()", "local .t()", "local view(-1)")
@@ -127,15 +127,15 @@ def measure(size: int, repeat: int, pin: bool):
     for op in calls["bf16"]:
         names = [n for n in calls if op in calls[n]]
         for name in names:
-            fastpath.ENABLED = fast[name]
-            calls[name][op]()  # warm-up (and the fast path's plans)
+            memo.ENABLED = fast[name]
+            calls[name][op]()  # warm-up (and the memoised decisions)
         for _ in range(repeat):
             for name in names:
-                fastpath.ENABLED = fast[name]  # outside the timed region
+                memo.ENABLED = fast[name]  # outside the timed region
                 t0 = time.perf_counter()
                 calls[name][op]()
                 times[name][op].append(time.perf_counter() - t0)
-        fastpath.ENABLED = True
+        memo.ENABLED = True
     return {name: {op: statistics.median(t) for op, t in ts.items()} for name, ts in times.items()}
 
 
@@ -156,7 +156,7 @@ def main():
         f"per-op time, {args.size}x{args.size} weight Shard(0) over {args.world} gloo ranks x 1 thread"
         f"{', each pinned to its own CPU' if args.pin else ''}, "
         f"median of {args.repeat} interleaved calls; ratio to the same op on a dense bf16 DTensor.\n"
-        f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format with the fast path off"
+        f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format, memo off"
     )
     quant = [n for n in res if n not in ("bf16", TORCHAO, BARE)]
     print(
@@ -185,7 +185,7 @@ def main():
             ao = res[TORCHAO][op]
             rel = ", ".join(f"{n} {res[n][op] / ao:.2f}x" for n in quant)
             print(f"{op:<26}{TORCHAO} {ao * 1e6:.1f} us; {rel}")
-    print(f"target (every ratio <= {TARGET}, fast path on):", "MISSED " + "; ".join(missed) if missed else "met")
+    print(f"target (every ratio <= {TARGET}, memo on):", "MISSED " + "; ".join(missed) if missed else "met")
 
 
 if __name__ == "__main__":

@@ -19,18 +19,22 @@ from .dist.custom_ops import dequantize
 from .dist.placements import check_placements, legal_mesh_sizes
 from .dist.quantize import quantize
 from .formats import (
+    MXFP4,
     NF4,
     BlockFloat8,
     BlockLog4,
+    BnbNF4,
     Float8Blockwise,
     Float8Rowwise,
     Float8Tensorwise,
     Int4Groupwise,
+    Int4GroupwiseIntZero,
     Int8Rowwise,
 )
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from .model import interop, lora, trainable
 from .model.padding import pad_for_tp
+from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
 from .model.quantize_model import quantize_
 from .model.tp_plan import adapt_tp_plan
 
@@ -47,13 +51,17 @@ _PUBLIC_MODULES = {
 }
 for _name, _module in _PUBLIC_MODULES.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
+# dq.hf's entry point that quantizes a model (the model layer, above checkpoint/) joins the others there.
+hf.quantize_like_checkpoint = _quantize_like_checkpoint
 _install_old_paths()
 
 __all__ = [
+    "MXFP4",
     "NF4",
     "BlockFloat8",
     "BlockLog4",
     "Blocked",
+    "BnbNF4",
     "Constant",
     "FlatBlocked",
     "Float8Blockwise",
@@ -62,6 +70,7 @@ __all__ = [
     "GatherQuantized",
     "InFlat",
     "Int4Groupwise",
+    "Int4GroupwiseIntZero",
     "Int8Rowwise",
     "LayoutError",
     "OneToOne",

@@ -289,6 +289,9 @@ def test_nf4_extreme_and_non_finite_input():
     [
         dq.NF4(),
         dq.NF4(64, 4),
+        dq.BnbNF4(),
+        dq.MXFP4(),
+        dq.Int4GroupwiseIntZero(32, scale_dtype=torch.float16),
         dq.Int4Groupwise(32),
         dq.Int8Rowwise(),
         dq.Float8Rowwise(),
@@ -344,11 +347,18 @@ def _hostile_weights():
     "fmt",
     [
         dq.NF4(),
+        dq.BnbNF4(),
+        dq.MXFP4(),
         dq.Int4Groupwise(128),
+        dq.Int4Groupwise(128, scale_dtype=torch.float16),
+        dq.Int4GroupwiseIntZero(128),
+        dq.Int4GroupwiseIntZero(128, scale_dtype=torch.float16),
         dq.Int8Rowwise(),
+        dq.Int8Rowwise(scale_dtype=torch.bfloat16),
         dq.Float8Rowwise(),
         dq.Float8Tensorwise(),
         dq.Float8Blockwise(32),
+        dq.Float8Blockwise(32, scale_dtype=torch.bfloat16),
     ],
     ids=str,
 )

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import dtensor_quant as dq
 from dtensor_quant.core import native
-from dtensor_quant.formats import float8, nf4
+from dtensor_quant.formats import float8, int4_zero, nf4
 from dtensor_quant.testing import weight
 
 pytestmark = pytest.mark.skipif(
@@ -47,11 +47,12 @@ def assert_close(out, x, dense):
     assert err <= TOL, f"relative error {err:.2e} > {TOL}"
 
 
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4(), dq.MXFP4()], ids=str)  # the same kernel, their tables
 @pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype):
+def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype, fmt):
     """bf16 and fp32 weights, bf16 activations, every vector path here: each weight is dequantize's, bit for bit."""
-    q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, dq.NF4())
+    q = dq.quantize(weight(shape, seed=1, dtype=dtype) * 0.02, fmt)
     dense = q.dequantize(torch.bfloat16)
     prepared = q.fmt.prepare(q.inner).get()
     assert prepared is not None
@@ -76,6 +77,33 @@ def test_float8_kernel_weights_are_dequantize_bits(fmt, shape):
         out = float8.fused_linear(one_hot_columns(q, cols), prepared, max_level=level)
         assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
         assert_close(float8.fused_linear(x, prepared, max_level=level), x, dense)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("group", [128, 32])
+def test_int_zero_kernel_weights_are_dequantize_bits(scale_dtype, group):
+    """Every code and zero point 0-16 (GPTQ v1), scales over the dtype's range: each weight is dequantize's bf16,
+    fp16 products rounded to fp16 first, at every vector level here."""
+    if int4_zero.kernel() is None:
+        pytest.skip("no Int4GroupwiseIntZero kernel here")
+    fmt, shape = dq.Int4GroupwiseIntZero(group, scale_dtype=scale_dtype), (40, 2048)
+    q = dq.quantize(weight(shape, seed=1), fmt)
+    g = torch.Generator().manual_seed(3)
+    q.qdata.copy_(torch.randint(0, 256, q.qdata.shape, generator=g, dtype=torch.int32).to(torch.uint8))
+    q.zero.copy_(torch.randint(0, 17, q.zero.shape, generator=g, dtype=torch.int32).to(torch.uint8))
+    info = torch.finfo(scale_dtype)
+    exps = torch.randint(-14 if scale_dtype == torch.float16 else -100, 12, q.scale.shape, generator=g)
+    q.scale.copy_((torch.rand(q.scale.shape, generator=g) + 1) * torch.exp2(exps.float()))
+    q.scale[0, 0], q.scale[1, 0] = info.smallest_normal * info.eps, info.smallest_normal  # subnormal products
+    dense = q.dequantize(torch.bfloat16)
+    prepared = q.fmt.prepare(q.inner).get()
+    assert prepared is not None
+    cols = columns(shape[1], group)
+    x = weight((1, shape[1]), seed=2)
+    for level in range(1, int4_zero.kernel()[1] + 1):  # AVX2, AVX-512
+        out = int4_zero.fused_linear(one_hot_columns(q, cols), prepared, group, max_level=level)
+        assert torch.equal(out.t(), dense[:, cols]), f"level {level}"
+        assert_close(int4_zero.fused_linear(x, prepared, group, max_level=level), x, dense)
 
 
 def test_float8_kernel_extreme_scales_and_every_code():
@@ -113,7 +141,19 @@ def test_float8_nan_codes_take_the_plain_path():
     assert out[0, 3].isnan() and not out[0, :3].isnan().any()
 
 
-@pytest.mark.parametrize("fmt", [dq.NF4(), dq.Float8Rowwise(), dq.Float8Tensorwise(), dq.Float8Blockwise()], ids=str)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        dq.NF4(),
+        dq.BnbNF4(),
+        dq.MXFP4(),
+        dq.Int4GroupwiseIntZero(128, scale_dtype=torch.float16),
+        dq.Float8Rowwise(),
+        dq.Float8Tensorwise(),
+        dq.Float8Blockwise(),
+    ],
+    ids=str,
+)
 def test_decode_linear_takes_the_kernel_and_prefill_dequantizes(monkeypatch, fmt):
     """F.linear: 1-4 bf16 tokens run the kernel (bias added); more, or fp32 activations, dequantize + mm."""
     q = dq.quantize(weight((64, 2048), seed=1), fmt)

@@ -53,8 +53,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..core.layout import LayoutError
 from ..core.tensor import contiguous_strides
+from ..dist.agree import raise_together
 from .state_dict import (
     SPEC_KEY,
     CheckpointFormatError,
@@ -284,6 +284,12 @@ def _to_save(state) -> dict:
     return entries_from_state(state)
 
 
+def _prepared(state, process_group) -> dict:
+    """The state dict to save; a model one rank cannot checkpoint (a Partial weight, a flattened view) raises on
+    every rank here, not only on that one while the others wait in DCP's first collective."""
+    return raise_together(lambda: _to_save(state), process_group)
+
+
 def save(state, path, *, process_group=None) -> Metadata:
     """Save a model (or a state dict) to directory ``path`` with DCP, atomically.
 
@@ -292,7 +298,7 @@ def save(state, path, *, process_group=None) -> Metadata:
     :class:`CheckpointSaveError` on every surviving rank if the save does not
     complete; ``path`` then still holds the previous checkpoint.
     """
-    state_dict = _to_save(state)
+    state_dict = _prepared(state, process_group)
     try:
         with _quiet_single_process():
             return dcp.save(
@@ -317,7 +323,7 @@ def async_save(state, path, *, process_group=None) -> Future:
     ``process_group`` is given: on the default group they would interleave
     with the training loop's collectives and deadlock.
     """
-    state_dict = _to_save(state)
+    state_dict = _prepared(state, process_group)
     with _quiet_single_process():
         inner = dcp.async_save(
             state_dict,
@@ -503,36 +509,13 @@ def load(state, path, *, process_group=None, strict: bool = True):
     return None
 
 
-_MIRRORED = {
-    t.__name__: t
-    for t in (CheckpointFormatError, CheckpointCorruptError, CheckpointLoadError, FileNotFoundError, LayoutError)
-}
-
-
 def _on_every_rank(check, process_group):
     """``check()``, whose failure on any rank is raised on every rank (one small all-gather per load).
 
     The checks before a load read files but run no collective; a rank whose
     check fails must not leave the others waiting in DCP's first collective.
     """
-    error = None
-    try:
-        result = check()
-    except Exception as e:
-        error, result = e, None
-    if dist.is_initialized():
-        errors: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(
-            errors, None if error is None else (type(error).__name__, str(error)), group=process_group
-        )
-        if error is None:
-            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-            if failed:
-                rank, (kind, msg) = failed[0]
-                raise _MIRRORED.get(kind, CheckpointLoadError)(f"rank {rank}: {kind}: {msg}")
-    if error is not None:
-        raise error
-    return result
+    return raise_together(check, process_group, fallback=CheckpointLoadError)
 
 
 def _load_error(path, e: CheckpointException) -> CheckpointLoadError:

@@ -52,6 +52,7 @@ from ..core.layout import (
     inner_slice,
     partial_refused,
 )
+from ..core.notes import watch
 from ..core.tensor import QuantizedTensor, contiguous_strides
 from ..dist.quantize import quantize
 from ..ops.layout_ops import canonical_dims, canonical_inner
@@ -91,7 +92,10 @@ def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapp
     :mod:`dtensor_quant.format_spec` (format names from command-line
     strings); the old name stays as an alias.
     """
-    params = {f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt)} if dataclasses.is_dataclass(fmt) else {}
+    # A parameter that is None is left out: a format without an optional parameter added later (a scale
+    # dtype, say) keeps the record, and so the checkpoints, it had before the parameter existed.
+    fields = dataclasses.fields(fmt) if dataclasses.is_dataclass(fmt) else ()
+    params = {f.name: getattr(fmt, f.name) for f in fields if getattr(fmt, f.name) is not None}
     return {
         "version": SPEC_VERSION,
         "format": type(fmt).__name__,
@@ -241,8 +245,14 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
 
 
 def to_entries(value, key: str = "weight") -> dict:
-    """The state-dict form of a quantized weight (entries alias its inner tensors)."""
+    """The state-dict form of a quantized weight (entries alias its inner tensors).
+
+    A checkpoint loader writes into the entries with plain ``copy_``: the
+    weight's bytes record watches them, so kernels prepared from the old
+    bytes are rebuilt (:func:`dtensor_quant.core.notes.watch`).
+    """
     q, inner, to_canonical, shape = canonical_view(value, key)
+    watch(q.notes, inner.values())
     spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
     out: dict = {}
     if isinstance(value, DTensor):
@@ -386,13 +396,34 @@ def _load_hook(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
         if flat and value is None:
             value = {short: state_dict.pop(full) for short, full in flat.items()}
         if isinstance(value, Mapping):
-            state_dict[key] = from_entries(value, param, key)
+            try:
+                state_dict[key] = from_entries(value, param, key)
+            except CheckpointFormatError as e:
+                if not _aliases(value, param):
+                    raise
+                raise CheckpointFormatError(
+                    f"{e} These entries are the parameter's own inner tensors (model.state_dict()), so a dcp.load "
+                    "into them has already written the checkpoint's bytes into the parameter: rebuild or reload the "
+                    "model. dtensor_quant.checkpoint.load checks every format record before reading any tensor."
+                ) from None
         elif isinstance(value, torch.Tensor) and not is_quantized(value):
             state_dict[key] = quantize_like(value, param, key)
         elif value is not None and is_quantized(value):
             found, want = _quantized_local(value).fmt, _quantized_local(param).fmt
             if found != want:
                 raise CheckpointFormatError(f"{key}: the state dict holds {found}, the model's parameter is {want}")
+
+
+def _aliases(entries: Mapping, param) -> bool:
+    """Whether any entry shares memory with ``param``'s inner tensors (a ``state_dict()`` entry, not a copy)."""
+    q = _quantized_local(param)
+    ours = {t.untyped_storage().data_ptr() for t in q.inner.values() if t.untyped_storage().nbytes()}
+    for e in entries.values():
+        if isinstance(e, torch.Tensor):
+            local = e._local_tensor if isinstance(e, DTensor) else e
+            if local.untyped_storage().nbytes() and local.untyped_storage().data_ptr() in ours:
+                return True
+    return False
 
 
 def register(model: nn.Module) -> nn.Module:

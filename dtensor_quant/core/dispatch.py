@@ -55,16 +55,7 @@ def fallback(predicate: Callable):
     return register
 
 
-# dtensor_quant.fastpath sets this (registration, like the handlers): it replays the hot ops'
-# decisions made once per layout, or returns NotImplemented for the handler to run.
-FAST_PATH: Callable | None = None
-
-
 def dispatch(func, args, kwargs):
-    if FAST_PATH is not None:
-        out = FAST_PATH(func, args, kwargs)
-        if out is not NotImplemented:
-            return out
     handler = _BY_OP.get(func)
     if handler is None:
         handler = HANDLERS.get(func._schema.name)

@@ -183,6 +183,54 @@ class QuantFormat:
         return tuple(self.layout)
 
 
+# -- optional parameters shared by formats ---------------------------------------------------------------------
+
+_DTYPE_NAMES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def dtype_param(fmt: QuantFormat, name: str, allowed=_FLOAT_DTYPES) -> None:
+    """Normalize the dtype field ``name`` of a frozen format in ``__post_init__``: None, a dtype or its name.
+
+    A name (``"float16"``, ``"torch.bfloat16"``) is what a command-line spec
+    (``int4:128,float16``) or a checkpoint record gives; the field always holds
+    a ``torch.dtype`` (hashable, so part of the format's identity) or None.
+    """
+    value = getattr(fmt, name)
+    if isinstance(value, str):
+        value = _DTYPE_NAMES.get(value.removeprefix("torch."), value)
+    if value is not None and value not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"{type(fmt).__name__}: {name} must be None or one of {names}; got {getattr(fmt, name)!r}")
+    object.__setattr__(fmt, name, value)
+
+
+def compact_repr(fmt: QuantFormat) -> str:
+    """``Name(a=1, b=2)`` without the fields that are None: a new optional parameter keeps old formats' reprs.
+
+    The repr is a format's identity (:mod:`~dtensor_quant.format_ids` hashes
+    it) and the checkpoint record omits None parameters the same way, so a
+    format without the option is the one it was before the option existed.
+    """
+    shown = [f"{f.name}={getattr(fmt, f.name)!r}" for f in dataclasses.fields(fmt) if getattr(fmt, f.name) is not None]
+    return f"{type(fmt).__name__}({', '.join(shown)})"
+
+
+def unpack_through(fmt: QuantFormat, inner: dict[str, torch.Tensor], out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``fmt.unpack`` into a ``dtype`` buffer, then one conversion into ``out``: values rounded to ``dtype`` first.
+
+    What a format whose dequantize rounds to its scale's dtype before the
+    output dtype (the producers' arithmetic) needs when ``out`` is another dtype.
+    """
+    values = torch.empty(out.shape, dtype=dtype, device=out.device)
+    if not fmt.unpack(inner, values):
+        return False
+    out.copy_(values)
+    return True
+
+
 def weight_layout(fmt: QuantFormat, shape) -> dict[str, tuple[Relation, ...]]:
     """``fmt``'s relations for a weight of logical ``shape`` ``[..., out, in]``.
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 class LayoutError(ValueError):
     """A shape, placement or op that the quantized layout cannot express."""
@@ -279,6 +281,60 @@ def inner_slice(rel: Relation, start: int, stop: int, length: int) -> tuple[int,
     if isinstance(rel, Packed) and stop % f:
         raise LayoutError(f"end {stop} is not a multiple of {f} ({rel})")
     return start // f, -(-stop // f), rel
+
+
+def inner_index(rel, x):
+    """The inner index of logical index ``x`` (an int, or a tensor of them) along a dim laid out by ``rel``."""
+    if isinstance(rel, OneToOne):
+        return x
+    if isinstance(rel, (Packed, Blocked)):
+        return x // rel.factor
+    if isinstance(rel, Constant):
+        return x * 0
+    if isinstance(rel, Stacked):
+        return (x // rel.n) * rel.rel.inner_len(rel.n) + inner_index(rel.rel, x % rel.n)
+    raise LayoutError(f"{rel}: this view cannot be written into (it has no per-element grid)")
+
+
+def shares_outside(rel, start: int, stop: int, end: int) -> bool:
+    """Whether the inner elements of ``[start, stop)`` along a dim laid out by ``rel`` also hold elements outside it.
+
+    ``end`` is where the dim's elements end (the rows past a factory buffer's
+    leading narrow are padding, not elements). A constant inner tensor covers
+    every element; a block cut inside covers the elements on both sides.
+    """
+    if isinstance(rel, Constant):
+        return end > 0
+    if start == stop or isinstance(rel, (OneToOne, Packed)):  # slices cut whole packs only
+        return False
+    if isinstance(rel, FlatBlocked):  # a block of the flat index straddles a cut row boundary
+        return (start > 0 and start * rel.row % rel.b != 0) or (stop < end and stop * rel.row % rel.b != 0)
+    if isinstance(rel, InFlat):  # blocks run across the whole dim: any cut shares them
+        return True
+    if isinstance(rel, Stacked) and isinstance(rel.rel, FlatBlocked):  # each run has its own flat grid
+        f, n = rel.rel, rel.n
+
+        def inside(p):
+            return p % n != 0 and (p % n) * f.row % f.b != 0
+
+        return (start > 0 and inside(start)) or (stop < end and inside(stop))
+    if isinstance(rel, Blocked):  # the start is on a block boundary (slicing checked it)
+        return stop < end and stop % rel.b != 0
+    # the element just outside on either side maps into the view's inner range
+    return (start > 0 and inner_index(rel, start - 1) >= inner_index(rel, start)) or (
+        stop < end and inner_index(rel, stop) <= inner_index(rel, stop - 1)
+    )
+
+
+def same_grid(a, b, length: int) -> bool:
+    """Whether relations ``a`` and ``b`` put every logical index of a dim of ``length`` at the same inner index."""
+    if a == b:
+        return True
+    x = torch.arange(length)
+    try:
+        return torch.equal(inner_index(a, x), inner_index(b, x))
+    except LayoutError:
+        return False
 
 
 def can_flatten(outer: Relation, inner: Relation, inner_dim_len: int) -> Relation | None:

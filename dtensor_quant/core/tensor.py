@@ -24,15 +24,11 @@ import torch
 from .dispatch import dispatch, method
 from .format import QuantFormat
 from .layout import LayoutError, Relation
+from .notes import Notes, alias, new_bytes
 
 # Per logical dim, the canonical dims of the format's weight it holds:
 # ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
 Dims = tuple[tuple[int, ...], ...]
-
-# ``(fill, *args)`` on a QuantizedTensor whose inner tensors are made on first read:
-# ``fill(q, *args)`` sets them. The fast path's ``t()`` defers its inner transposes this way
-# (dtensor_quant.fastpath): F.linear's mm reads the weight's own inner tensors, not the view's.
-PENDING = "_dtensor_quant_pending"
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -43,33 +39,25 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-# Keys of a QuantizedTensor's __dict__ that the library owns: its layout and every note or cache it
-# keeps on a tensor (all named with these prefixes). Anything else (``_is_param``, a user's tag) is left.
-_STATE_KEYS = frozenset({"fmt", "rels", "dims", "_transposed_from", "fsdp_padded_rows"})
-_STATE_PREFIXES = ("_dtensor_quant", "_dq_")
-
-
-def _library_state(key: str, fmt) -> bool:
-    return key in _STATE_KEYS or key.startswith(_STATE_PREFIXES) or key in fmt.inner_names
-
-
 class QuantizedTensor(torch.Tensor):
     """A quantized weight: inner tensors plus the relations that tie them to logical dims.
 
     Build one with :func:`dtensor_quant.quantize`; read it back with
     :meth:`dequantize`. ``fmt`` is the format, ``rels[i]`` the current
     relation of inner ``fmt.inner_names[i]`` to each logical dim, ``dims`` the
-    orientation relative to the format's canonical ``[out, in]``.
+    orientation relative to the format's canonical ``[out, in]``, ``notes``
+    what later ops need to know beyond the layout (:mod:`dtensor_quant.core.notes`).
     """
 
     fmt: QuantFormat
     rels: tuple[tuple[Relation, ...], ...]
     dims: Dims
+    notes: Notes
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
+    def __new__(cls, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False, notes=None):
         device = next(iter(inner.values())).device
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -80,7 +68,7 @@ class QuantizedTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
 
-    def __init__(self, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False):
+    def __init__(self, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False, notes=None):
         if tuple(inner) != fmt.inner_names or len(rels) != len(inner) or any(len(r) != len(shape) for r in rels):
             raise LayoutError(
                 f"QuantizedTensor of {fmt}: inner tensors {tuple(inner)} with {len(rels)} relation rows for a "
@@ -92,16 +80,18 @@ class QuantizedTensor(torch.Tensor):
         self.dims = tuple(tuple(d) for d in dims)
         for name, t in inner.items():
             setattr(self, name, t)
+        self.notes = notes if notes is not None else new_bytes(list(inner.values()))
 
     def __getattr__(self, name: str):
-        # Only reached for a name that is not set: inner tensors still pending (see PENDING).
+        # Only reached for a name that is not set: inner tensors still pending (Notes.pending, a fast t()).
         # Made first, the mark dropped after: another thread reading meanwhile makes the same views
         # itself instead of finding them neither pending nor set; a fill that raises stays pending.
         d = self.__dict__
-        pending = d.get(PENDING)
+        notes = d.get("notes")
+        pending = notes.pending if notes is not None else None
         if pending is not None:
             pending[0](self, *pending[1:])
-            d.pop(PENDING, None)
+            d["notes"] = notes._replace(pending=None)
         elif name in d:  # set by another thread since this lookup missed it
             return d[name]
         else:
@@ -124,10 +114,25 @@ class QuantizedTensor(torch.Tensor):
                 "(module.weight = nn.Parameter(t, requires_grad=False))."
             )
         torch._C.TensorBase.data.__set__(self, other)
-        d = self.__dict__
-        for key in [k for k in d if _library_state(k, self.fmt)]:
-            del d[key]  # the old format's inner tensors, relations, cached plans and view notes
-        d.update({k: v for k, v in other.__dict__.items() if _library_state(k, other.fmt)})
+        for name in self.fmt.inner_names:
+            self.__dict__.pop(name, None)  # the old format's inner tensors
+        for name, t in other.inner.items():
+            setattr(self, name, t)
+        self.fmt, self.rels, self.dims, self.notes = other.fmt, other.rels, other.dims, alias(other.notes)
+
+    @classmethod
+    def make(cls, inner, fmt, rels, dims, shape, stride, dtype, notes: Notes, device: torch.device) -> QuantizedTensor:
+        """A result of an op whose layout is already decided: no validation, nothing derived again.
+
+        ``inner`` in the format's order (a sequence, or nothing when ``notes.pending`` makes them).
+        The op handlers build their results this way; :class:`QuantizedTensor` itself checks its
+        arguments, for everything else.
+        """
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device)
+        out.fmt, out.rels, out.dims, out.notes = fmt, rels, dims, notes
+        for name, t in zip(fmt.inner_names, inner):
+            setattr(out, name, t)
+        return out
 
     @property
     def inner(self) -> dict[str, torch.Tensor]:

@@ -1,9 +1,8 @@
 """Quantized tensors across ranks: placements, the collectives on stored bytes, sharded quantizing.
 
-Importing this package registers the collective handlers (``collectives``),
-the library's custom ops with their sharding strategies (``custom_ops``) and
-the fast path (``fastpath``), and keys compiled DTensors by their quantized
-local tensor (``compile_key``).
+Importing this package registers the collective handlers (``collectives``)
+and the library's custom ops with their sharding strategies (``custom_ops``),
+and keys compiled DTensors by their quantized local tensor (``compile_key``).
 """
 
-from . import collectives, compile_key, custom_ops, fastpath  # noqa: F401  (registration)
+from . import collectives, compile_key, custom_ops  # noqa: F401  (registration)

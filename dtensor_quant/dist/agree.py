@@ -104,3 +104,72 @@ def group_name_of(process_group) -> str:
     if isinstance(process_group, torch.ScriptObject):  # what c10d ops receive
         process_group = dist.ProcessGroup.unbox(process_group)
     return process_group.group_name
+
+
+class RankFailure(RuntimeError):
+    """Another rank's failure, raised here because its exception type cannot be rebuilt from a message."""
+
+
+LOCAL = "local"  # raise_together(..., process_group=LOCAL): only this process takes part, nothing to agree on
+
+
+def raise_together(
+    step: Callable, process_group=None, what: str = "", fallback: type[Exception] = RankFailure, mesh=None
+):
+    """``step()`` on this rank; if it raised on any rank, raise on every rank (small all-gathers).
+
+    Work that runs no collective (checks, file writes) can fail on some ranks
+    only; a rank that raises alone leaves the others waiting in the next
+    collective until the process group's timeout. Every rank that takes part
+    calls this at the same point: the failing rank re-raises its own
+    exception, the others raise one of the same type (builtin
+    ``OSError``/``ValueError`` kinds and the library's own types, else
+    ``fallback``) whose message names the first failing rank and its error.
+
+    Who takes part: the ranks of ``mesh`` when one is given (one all-gather
+    per mesh dim, over that dim's group, so a model on part of the world
+    agrees among its own ranks), else those of ``process_group`` (default:
+    all). With ``process_group=LOCAL``, or without a process group, it is
+    ``step()``.
+    """
+    error = result = None
+    try:
+        result = step()
+    except Exception as e:  # every kind must reach the other ranks
+        error = e
+    local = not dist.is_initialized() or process_group is LOCAL
+    if mesh is not None and mesh.get_coordinate() is None:
+        local = True  # this rank holds no part of the mesh: nobody waits for it
+    if local:
+        if error is not None:
+            raise error
+        return result
+    me = dist.get_rank()
+    errors = [] if error is None else [(me, type(error).__module__, type(error).__qualname__, str(error))]
+    for group in [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else [process_group]:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, errors, group=group)
+        errors = sorted({e for part in gathered for e in part})
+    if error is not None:
+        raise error
+    if errors:
+        rank, module, name, msg = errors[0]
+        raise _rebuilt(module, name, f"{what}{': ' if what else ''}rank {rank} failed: {name}: {msg}", fallback)
+    return result
+
+
+def _rebuilt(module: str, name: str, message: str, fallback: type[Exception]) -> Exception:
+    """An exception of the class ``module.name`` with ``message``: a builtin one or one of this library's."""
+    import builtins
+    import sys
+
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+    else:
+        cls = getattr(sys.modules.get(module), name, None) if module.split(".")[0] == "dtensor_quant" else None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # a constructor that wants other arguments
+            pass
+    return fallback(message)

@@ -16,9 +16,11 @@ import torch
 
 from . import agree, wire
 from ..ops import writes
-from .codec import pack, packed_size, unpack, varies
+from .codec import ALIGN, pack, packed_size, unpack, varies
 from ..core.dispatch import implements
-from ..core.layout import partial_refused
+from ..core.layout import Constant, Stacked, partial_refused
+from ..core.memo import layout_key, lookup, remember
+from ..core.notes import new_bytes
 from ..ops.layout_ops import alias, cat_dim, describe, rebuild, slice_dim
 from ..core.tensor import QuantizedTensor
 
@@ -47,9 +49,48 @@ def _identity(func, q, *args, **kwargs):
 
 @implements("_c10d_functional::all_gather_into_tensor")
 def all_gather_into_tensor(func, q, group_size, group_name):
-    """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ."""
+    """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ.
+
+    The ranks' bytes travel as one ``uint8`` buffer. Where every sent inner
+    tensor simply stacks (the common case: nothing sent is constant along
+    dim 0), the result's inner tensors are views of the received buffer and
+    its layout is decided once per layout (:func:`_gather_plan`, read off
+    the first call's result); otherwise the pieces are joined with
+    :func:`~dtensor_quant.ops.layout_ops.cat_dim`, which looks at whether
+    sent constants agree.
+    """
     if group_size == 1:
         return alias(q)
+    inner = [getattr(q, name) for name in q.fmt.inner_names]
+    key = ("all_gather", *layout_key(q), tuple((t.dtype, t.shape) for t in inner), group_size, group_name)
+    plain = type(inner[0]) is torch.Tensor and not inner[0].is_meta  # not traced, fake or meta
+    plan = lookup(key) if plain else None
+    if plan is None:
+        out = _gather_pieces(func, q, group_size, group_name)
+        if plain:
+            remember(key, _gather_plan(q, inner, out, group_size, group_name), q.rels, q.dims, q.fmt)
+        return out
+    if plan is _PIECES:
+        return _gather_pieces(func, q, group_size, group_name)
+    (rels, dims, shape, stride), sent, widths, agreed = plan
+    if agree.EVERY_CALL or agreed not in agree.AGREED:
+        agree_layout(q, group_name, "all-gather")
+    buf = pack([t for t, s in zip(inner, sent) if s is not None])
+    wire.note(func._schema.name, buf)
+    rows = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
+    columns = rows.view(group_size, -1).split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor
+    joined = []
+    for t, s in zip(inner, sent):
+        if s is None:
+            joined.append(t.clone())  # sent by no rank: the same on all of them (cat_dim clones it)
+        else:
+            column, gathered = s  # every rank's piece stacked along its dim 0 = torch.cat of the pieces
+            joined.append(columns[column].view(t.dtype).reshape(gathered))
+    return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, q.dtype, new_bytes(joined), q.device)
+
+
+def _gather_pieces(func, q, group_size, group_name):
+    """The all-gather as pieces: each rank's inner tensors rebuilt, joined by the layout's rule."""
     agree_layout(q, group_name, "all-gather")
     names = [n for n in q.fmt.inner_names if varies(q, n)]
     sent = [getattr(q, n) for n in names]
@@ -61,6 +102,31 @@ def all_gather_into_tensor(func, q, group_size, group_name):
         received = dict(zip(names, unpack(rank_buf, sent)))
         pieces.append(rebuild(q, {n: received.get(n, t) for n, t in q.inner.items()}, q.shape))
     return cat_dim(pieces, 0)
+
+
+_PIECES = "pieces"  # the plan of a gather whose result reads the data (sent constants): always the pieces
+
+
+def _gather_plan(q, inner, out, group_size, group_name):
+    """``(result layout, per inner (its column of the buffer, gathered shape) or None if not sent,
+    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed)``, or ``_PIECES``.
+
+    A rank's buffer is :func:`codec.pack` of the sent tensors: each one's bytes, then padding.
+    """
+    sent, widths = [], []
+    for name, t, row in zip(q.fmt.inner_names, inner, q.rels):
+        if not varies(q, name):
+            sent.append(None)
+            continue
+        if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
+            return _PIECES  # whether the gathered pieces agree is read from the data; or nothing to view
+        nbytes = t.numel() * t.element_size()
+        sent.append((len(widths), (group_size * t.shape[0], *t.shape[1:])))
+        widths += [nbytes, -nbytes % ALIGN] if nbytes % ALIGN else [nbytes]
+    if not widths:
+        return _PIECES
+    layout = (out.rels, out.dims, out.shape, out.stride())
+    return layout, tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q))
 
 
 @implements("c10d::scatter_")
@@ -75,7 +141,7 @@ def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, tim
     wire.note(func._schema.name, out_buf)
     _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
     work.wait()
-    writes.write_inner(zip(like, unpack(out_buf, like)))
+    writes.write_inner(out, zip(like, unpack(out_buf, like)))
     return [out], work
 
 
@@ -89,7 +155,7 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
     wire.note(func._schema.name, buf)
     _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
     work.wait()
-    writes.write_inner(zip(like, unpack(buf, like)))
+    writes.write_inner(q, zip(like, unpack(buf, like)))
     return [q], work
 
 

@@ -21,13 +21,13 @@ import hashlib
 from torch.distributed.tensor import DTensor
 
 from ..core.tensor import QuantizedTensor
+from ..core.torch_patches import replace
+
+#: torch 2.13.0's ``DTensor._stable_hash_for_caching`` (core.torch_patches.fingerprint of its source).
+TORCH_2_13 = "6e6be6a17262cf9f"
 
 
-def _key_dtensor_by_quantized_local() -> None:
-    torch_key = DTensor._stable_hash_for_caching
-    if getattr(torch_key, "keys_quantized_local", False):
-        return  # already installed (the module was reloaded)
-
+def _keyed_by_quantized_local(torch_key):
     def _stable_hash_for_caching(self) -> str:
         key = torch_key(self)
         local = self._local_tensor
@@ -36,14 +36,14 @@ def _key_dtensor_by_quantized_local() -> None:
             key = hashlib.blake2b(both.encode(), digest_size=16).hexdigest()
         return key
 
-    _stable_hash_for_caching.keys_quantized_local = True
     _stable_hash_for_caching.__doc__ = torch_key.__doc__
-    DTensor._stable_hash_for_caching = _stable_hash_for_caching
+    return _stable_hash_for_caching
 
 
-if hasattr(DTensor, "_stable_hash_for_caching"):
-    _key_dtensor_by_quantized_local()
-
-
-if hasattr(DTensor, "_stable_hash_for_caching"):
-    _key_dtensor_by_quantized_local()
+#: The installed patch (None only on a torch without ``DTensor._stable_hash_for_caching``, with a warning).
+PATCH = replace(
+    "compile_key",
+    "torch.compile's cache key of a DTensor names its quantized local tensor",
+    {(DTensor, "_stable_hash_for_caching"): (TORCH_2_13, _keyed_by_quantized_local)},
+    strict=False,
+)

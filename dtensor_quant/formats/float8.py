@@ -7,7 +7,12 @@ and all-reduced over every sharded mesh dim when a sharded weight is
 quantized). Collectives move the float8 bytes as uint8: gloo has no float8.
 
 Math: ``q = clamp(w / scale, +-448)`` rounded to e4m3fn with ``scale =
-amax / 448``; ``w ~= float(q) * scale``.
+amax / 448``; ``w ~= float(q) * scale``, in float32, rounded once to the output
+dtype. ``Float8Rowwise(scale_dtype=...)`` stores the scale in that dtype and
+rounds the product to it before converting: compressed-tensors'
+``float-quantized`` per-channel checkpoints (e4m3 ``weight``, bf16
+``weight_scale`` ``[out, 1]``, dequantized as ``q.to(bf16) * scale``);
+``Float8Tensorwise(scale_dtype=...)`` the same with one scale.
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
 from ..core.reductions import block_reduce, safe_scale, scaled_into
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def _quantize(weight: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tensor]:
-    scale = safe_scale(amax, _E4M3_MAX, weight.dtype)
+def _quantize(weight: torch.Tensor, amax: torch.Tensor, scale_dtype=None) -> dict[str, torch.Tensor]:
+    scale = safe_scale(amax, _E4M3_MAX, scale_dtype or weight.dtype)
     q = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return {"qdata": q, "scale": scale}
 
@@ -63,8 +68,9 @@ def _magnitudes(device) -> torch.Tensor:
     return _MAGNITUDES[key]
 
 
-def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype, scale_dtype=None) -> torch.Tensor:
+    values = inner["qdata"].float() * inner["scale"].float()
+    return (values.to(scale_dtype) if scale_dtype else values).to(dtype)
 
 
 _TABLES: dict[tuple[torch.dtype, str], torch.Tensor] = {}
@@ -311,58 +317,89 @@ def kernel_linear(x, prepared, bias):
 
 @dataclass(frozen=True)
 class Float8Rowwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
+
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (OneToOne(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"))
+        return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"), self.scale_dtype)
 
     def quantize_stochastic(self, weight, reduce, noise, dtype):
         amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
-        return _quantize_stochastic(weight, amax, noise, dtype)
+        return _quantize_stochastic(weight, amax, noise, self.scale_dtype or dtype)
 
     def dequantize(self, inner, dtype):
-        return _dequantize(inner, dtype)
+        return _dequantize(inner, dtype, self.scale_dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
 
     def prepare(self, inner):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None.
+
+        The kernel rounds each weight once, to bf16: with a ``scale_dtype`` other than bf16 that
+        would skip dequantize's rounding to it, so such a weight dequantizes instead.
+        """
+        if self.scale_dtype not in (None, x.dtype):
+            return None
         return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
-        return "Float8Rowwise()"
+        return compact_repr(self).replace("torch.", "")
 
 
 @dataclass(frozen=True)
 class Float8Tensorwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's): compressed-tensors' per-tensor FP8 keeps it in its own dtype.
+    scale_dtype: torch.dtype | None = None
+
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
-        return _quantize(weight, reduce(amax, "max", "scale"))
+        return _quantize(weight, reduce(amax, "max", "scale"), self.scale_dtype)
 
     def quantize_stochastic(self, weight, reduce, noise, dtype):
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
-        return _quantize_stochastic(weight, reduce(amax, "max", "scale"), noise, dtype)
+        return _quantize_stochastic(weight, reduce(amax, "max", "scale"), noise, self.scale_dtype or dtype)
 
     def dequantize(self, inner, dtype):
-        return _dequantize(inner, dtype)
+        return _dequantize(inner, dtype, self.scale_dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
 
     def prepare(self, inner):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
+        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None.
+
+        A ``scale_dtype`` other than the activations' dequantizes instead (see Float8Rowwise.linear).
+        """
+        if self.scale_dtype not in (None, x.dtype):
+            return None
         return kernel_linear(x, prepared, bias)
 
     def __str__(self) -> str:
-        return "Float8Tensorwise()"
+        return compact_repr(self).replace("torch.", "")

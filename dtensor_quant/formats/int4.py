@@ -2,12 +2,21 @@
 
 Layout: ``qdata`` uint8 ``[out, in/2]`` holds two 4-bit codes per byte along
 ``in`` (even index in the low nibble); ``scale`` and ``zero`` ``[out,
-ceil(in/group_size)]`` (the weight's dtype) hold one value per group along
-``in``. Column shards must therefore start on a group boundary.
+ceil(in/group_size)]`` (the weight's dtype, or ``scale_dtype``) hold one value
+per group along ``in``. Column shards must therefore start on a group boundary.
 
 Math (torch's int4 convention, zero point in the float domain)::
 
     w ~= (q - 8) * scale + zero,   q in [0, 15]
+
+computed in float32 and rounded once to the output dtype. With
+``scale_dtype`` (a checkpoint's fp16 or bf16 scales in a model of another
+dtype: GPTQ and AWQ store fp16, compressed-tensors bf16) the value is rounded
+to ``scale_dtype`` first and then converted, which is what those producers
+compute (``(q - 8) * scale`` in the scale's dtype): a symmetric checkpoint's
+codes and scales, with ``zero = 0``, dequantize bit for bit as its producer
+does. The codes are compressed-tensors' ``weight_packed`` bytes as stored
+(int32 words, element ``i`` at bits ``4i``, stored ``q + 8``).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Blocked, OneToOne, Packed
 from ..core.reductions import block_reduce, expand_blocks, nibbles_into
 
@@ -61,12 +70,17 @@ def _has_kernel(op: str, key: str) -> bool:
 @dataclass(frozen=True)
 class Int4Groupwise(QuantFormat):
     group_size: int = 128
+    #: The dtype of ``scale`` and ``zero`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
 
     block_size_params = ("group_size",)
 
     def __post_init__(self):
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"Int4Groupwise needs an even group_size >= 2, got {self.group_size}")
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
 
     @property
     def layout(self):
@@ -82,7 +96,7 @@ class Int4Groupwise(QuantFormat):
             raise ValueError(f"{self} packs two values per byte along dim 1, which must be even; got {tuple(shape)}")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        g, n_in, dtype = self.group_size, weight.shape[1], weight.dtype
+        g, n_in, dtype = self.group_size, weight.shape[1], self.scale_dtype or weight.dtype
         lo = reduce(block_reduce(weight, 1, g, "min"), "min", "scale")
         hi = reduce(block_reduce(weight, 1, g, "max"), "max", "scale")
         finite = lo.isfinite() & hi.isfinite()
@@ -112,10 +126,13 @@ class Int4Groupwise(QuantFormat):
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         packed = inner["qdata"]
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
-        return ((q - 8) * inner["scale"].float() + inner["zero"].float()).to(dtype)
+        values = (q - 8) * inner["scale"].float() + inner["zero"].float()
+        return (values.to(self.scale_dtype) if self.scale_dtype else values).to(dtype)
 
     def unpack(self, inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
         """``q - 8`` by table lookup (one per byte) in fp32, then the group's scale and zero, as ``dequantize``."""
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         rows = out.shape[0]
         values = (
             out
@@ -165,9 +182,10 @@ class Int4Groupwise(QuantFormat):
         ``_weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
 
         fp32/fp16 activations dequantize instead: torch 2.13's CPU kernel is vectorized for
-        bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in bf16).
+        bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in bf16). So does a
+        ``scale_dtype`` other than the activations' (the kernel would round the scales to it).
         """
-        if prepared is None or x.dtype != torch.bfloat16:
+        if prepared is None or x.dtype != torch.bfloat16 or self.scale_dtype not in (None, x.dtype):
             return None
         device, packed, scale_zeros = prepared
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu if device == "cpu" else torch.ops.aten._weight_int4pack_mm
@@ -175,4 +193,4 @@ class Int4Groupwise(QuantFormat):
         return out + bias if bias is not None else out
 
     def __str__(self) -> str:
-        return f"Int4Groupwise(group_size={self.group_size})"
+        return compact_repr(self).replace("torch.", "")

@@ -1,9 +1,14 @@
 """Int8Rowwise: symmetric int8 with one scale per output row.
 
 Layout: ``qdata`` int8 ``[out, in]`` follows both dims one-to-one; ``scale``
-``[out, 1]`` (the weight's dtype) follows rows and is constant along ``in``.
-So any row or column sharding is legal, and quantizing a column-sharded
-weight all-reduces the row maxima.
+``[out, 1]`` (the weight's dtype, or ``scale_dtype``) follows rows and is
+constant along ``in``. So any row or column sharding is legal, and quantizing
+a column-sharded weight all-reduces the row maxima.
+
+Math: ``w ~= q * scale``, in float32, rounded once to the output dtype; with
+``scale_dtype`` rounded to it first, then converted (compressed-tensors'
+``int-quantized`` checkpoints: int8 ``weight`` and bf16 ``weight_scale``
+``[out, 1]``, dequantized as ``q.to(bf16) * scale``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
 from ..core.reductions import block_reduce, canonical_nan, safe_scale, scaled_into
 from ..core.stochastic import NOISE_SOURCE, Noise
@@ -212,14 +217,22 @@ def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype) -> torch.T
 
 @dataclass(frozen=True)
 class Int8Rowwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
+
     layout = {
         "qdata": (OneToOne(), OneToOne()),
         "scale": (OneToOne(), Constant()),
     }
     block_size_params = ()  # no blocks: every row and column cut is legal
 
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        scale = _scale(weight, reduce, weight.dtype)
+        scale = _scale(weight, reduce, self.scale_dtype or weight.dtype)
         q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
         return {"qdata": q, "scale": scale}
 
@@ -228,7 +241,7 @@ class Int8Rowwise(QuantFormat):
 
         On the CPU a kernel draws the noise and rounds in one pass (:func:`sr_codes`); the same bits.
         """
-        scale = _scale(weight, reduce, dtype)
+        scale = _scale(weight, reduce, self.scale_dtype or dtype)
         q = sr_codes(weight.float(), scale.float(), noise)
         if q is None:
             q = torch.addcdiv(noise.uniform(), weight.float(), scale.float()).floor_().clamp_(-_QMAX, _QMAX)
@@ -236,9 +249,12 @@ class Int8Rowwise(QuantFormat):
         return {"qdata": q, "scale": scale}
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+        values = inner["qdata"].float() * inner["scale"].float()
+        return (values.to(self.scale_dtype) if self.scale_dtype else values).to(dtype)
 
     def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
         q, scale = inner["qdata"], inner["scale"]
         loaded = _rows_kernel("dequant") if out.dtype == torch.float32 and out.device.type == "cpu" else None
         if loaded is not None and out.is_contiguous() and out.ndim == 2:
@@ -255,10 +271,12 @@ class Int8Rowwise(QuantFormat):
         """``aten._weight_int8pack_mm`` (per-row scale, bf16 activations): CPU; CUDA if built in (untested here)."""
         q, scale = prepared
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
-        if x.dtype not in _KERNEL_DTYPES or 0 in q.shape or q.shape[1] % 8 or not _has_kernel(x.device.type):
+        if x.dtype not in _KERNEL_DTYPES or self.scale_dtype not in (None, x.dtype):
+            return None  # a scale of another dtype would be rounded to the activations' by the kernel
+        if 0 in q.shape or q.shape[1] % 8 or not _has_kernel(x.device.type):
             return None
         out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
         return out + bias if bias is not None else out
 
     def __str__(self) -> str:
-        return "Int8Rowwise()"
+        return compact_repr(self).replace("torch.", "")

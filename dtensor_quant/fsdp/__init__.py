@@ -1,10 +1,10 @@
 """FSDP2 with quantized parameters: all-gather hooks, ``fully_shard`` checks, trainable weights gathered quantized.
 
-``all_gather`` holds the hooks FSDP2 calls on a quantized local tensor,
-``fully_shard`` the up-front checks, ``padded_rows``-aware uneven shards come
-from :mod:`dtensor_quant.core.padded_rows`, ``gather_quantized`` the dense
-master weights whose all-gather is quantized, and ``reshard_after_forward``
-the scoped patch that lets FSDP2 keep a quantized post-forward shard.
+``all_gather`` holds the hooks FSDP2 calls on a quantized local tensor (an
+uneven shard's padded rows are in its notes, :mod:`dtensor_quant.core.notes`),
+``fully_shard`` the up-front checks, ``gather_quantized`` the dense master
+weights whose all-gather is quantized, and ``reshard_after_forward`` the
+scoped patch that lets FSDP2 keep a quantized post-forward shard.
 """
 
 from .all_gather import GatherMeta, dequantized_from, post_all_gather, pre_all_gather

@@ -18,9 +18,9 @@ weight.) No format writes hook code.
 Uneven shards. FSDP2 keeps a short shard as a leading-rows narrow of a
 zero-padded buffer of ``ceil(rows / world)`` rows, and every rank must send
 the same number of bytes, so a short rank pads its inner tensors to that many
-rows itself. It cannot tell the padded length from its own shape:
-``dtensor_quant.fsdp_padding`` records it (``fsdp_padded_rows``) when FSDP2
-narrows the padded buffer. With the 5-argument hook, torch 2.13 asserts -- on
+rows itself. It cannot tell the padded length from its own shape: the
+narrow FSDP2 takes of the padded buffer records it in the shard's notes
+(``Notes.narrowed_from``, :mod:`dtensor_quant.core.notes`). With the 5-argument hook, torch 2.13 asserts -- on
 the short rank only, so the others hang -- that every all-gather input has the
 padded *logical* shard shape, which compact quantized bytes never have; torch
 skips that assertion for the 1-argument form ``fsdp_pre_all_gather(mesh)``.
@@ -33,7 +33,7 @@ An integer ``reshard_after_forward=k`` keeps, after the forward, this rank's
 1/k of the gathered bytes (still quantized) for the backward's all-gather over
 k ranks: torch's FSDP2 cannot do that for parameters with all-gather hooks, and
 :func:`fully_shard` installs the fix
-(:func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard`). The post
+(:func:`dtensor_quant.fsdp.install_fsdp_post_forward_reshard`). The post
 hook then leaves FSDP2's buffers for the reshard to cut and free
 (``GatherMeta.keep``) instead of freeing them once dequantized.
 
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +59,25 @@ from torch.distributed.tensor import DTensor
 
 from ..core.dispatch import implements_method
 from ..core.layout import LayoutError, dim_factor
-from ..core.padded_rows import padded_rows
+from ..core.notes import padded_rows, refilled
 from ..core.tensor import QuantizedTensor
 from ..dist import agree
 from ..dist.codec import pack, unpack, varies
 from ..ops.layout_ops import canonical_dims, cat_dim, describe, pad_end, slice_dim
-from ..ops.matmul import invalidate, never_cache
+from ..ops.matmul import invalidate
 from ..ops.unpack import unpack_into
-from .reshard_after_forward import fsdp_keeps_all_gather_outputs
+
+KEEPING_OUTPUTS: ContextVar[bool] = ContextVar("dtensor_quant_fsdp_keeping_outputs", default=False)
+
+
+def fsdp_keeps_all_gather_outputs() -> bool:
+    """Whether the FSDP2 all-gather being prepared must leave its outputs allocated until the reshard.
+
+    True while FSDP2 calls ``fsdp_pre_all_gather`` for a parameter that reshards to a smaller mesh
+    after the forward: its post-forward shard is cut from the all-gather outputs, so a post hook
+    that frees them early (dtensor_quant's dequantizing one does) must not.
+    """
+    return KEEPING_OUTPUTS.get()
 
 
 @dataclass(frozen=True)
@@ -192,8 +204,6 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     if world == 1:
         like = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(meta.shapes, meta.dtypes)]
         outputs = unpack(buffers[0].view(-1), like) if meta.sent else []
-    for buf in buffers:
-        never_cache(buf)  # FSDP2 frees and refills it: no kernel may cache a copy
     joined = {  # [world * rows, ...] in each inner tensor's own trailing shape (N-D expert stacks)
         n: buf.view(dtype).view(-1, *shape[1:])
         for n, dtype, buf, shape in zip(meta.sent, meta.dtypes, outputs, meta.shapes)
@@ -202,10 +212,10 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     pieces = []
     for r in range(world):
         inner = {n: joined[n].narrow(0, r * rows[n], rows[n]) if n in joined else meta.kept[n] for n in names}
-        pieces.append(
-            QuantizedTensor(inner, meta.fmt, meta.rels, canonical_dims(len(meta.shape)), meta.shape, param_dtype)
-        )
+        dims = canonical_dims(len(meta.shape))
+        pieces.append(QuantizedTensor(inner, meta.fmt, meta.rels, dims, meta.shape, param_dtype, notes=refilled()))
     full = cat_dim(pieces, 0, joined=joined)  # DTensor's rule, on views of FSDP2's buffers
+    full.notes = refilled()  # FSDP2 frees and refills the buffers: no kernel may cache a copy
     if meta.dense:
         return _dequantize_gathered(full, [] if meta.keep else buffers, out)
     if out is None:

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from ..core import notes as rules
 from ..core.dispatch import flat_args
 from ..core.format import QuantFormat, Reducer
-from ..core.padded_rows import copy_padded_rows, keep_padded_rows, note_narrow
 from ..core.tensor import QuantizedTensor
 from ..dist.shard_quant import MeshReducer, agree_before_reducing, quantize_local
 from .all_gather import hook_for, post_all_gather
@@ -93,6 +93,8 @@ class GatherQuantized(torch.Tensor):
         # (logical dim, process group name) per tensor-parallel mesh dim sharding this weight, set by
         # dtensor_quant.fsdp.fully_shard: statistics are all-reduced over those groups too.
         self.tp_axes = tuple(tp_axes)
+        # FSDP2's padded rows, as a quantized shard records them (dtensor_quant.core.notes).
+        self.notes = rules.Notes(None)
 
     def __repr__(self, *, tensor_contents=None):
         return f"GatherQuantized({self.fmt}, {self._data!r})"
@@ -126,10 +128,11 @@ class GatherQuantized(torch.Tensor):
             return raw
         w = next(a for a in flat_args(args, kwargs) if isinstance(a, GatherQuantized))
         out = _rewrap(w, raw)
-        if name == "aten::slice":
-            note_narrow(w, out, *_narrow_of(w, *args[1:], **kwargs))  # FSDP2's padded shard
+        if name == "aten::slice":  # FSDP2 narrows its padded shard: the same rules as a quantized slice
+            dim, start, stop = _narrow_of(w, *args[1:], **kwargs)
+            out.notes = rules.sliced(w.notes, (), w.shape[dim], dim, start, stop)
         elif name in _ALIASES and isinstance(out, GatherQuantized):
-            keep_padded_rows(w, out)
+            out.notes = rules.alias(w.notes) if out.shape == w.shape else rules.Notes(None)
         return out
 
     # -- quantizing ----------------------------------------------------------
@@ -152,7 +155,7 @@ class GatherQuantized(torch.Tensor):
         reduce = MeshReducer.for_mesh(self.fmt, self.full_shape, mesh, [Shard(0)])
         reduce.axes += list(self.tp_axes)  # a tensor-parallel shard: its statistics span the TP group too
         q = self.quantized(reduce)
-        copy_padded_rows(self, q)
+        q.notes = rules.stands_for(self.notes, q.notes)
         return q
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -177,10 +180,17 @@ def _rewrap(w: GatherQuantized, raw):
     return raw
 
 
-def _narrow_of(w: GatherQuantized, dim=0, start=None, end=None, step=1) -> tuple[int, int]:
-    """``(dim, start)`` of an ``aten::slice`` of ``w``, the start resolved as ``w[start:]`` would."""
-    start, length = start or 0, w.shape[dim % w.ndim]
-    return dim % w.ndim, min(max(start + length if start < 0 else start, 0), length)
+def _narrow_of(w: GatherQuantized, dim=0, start=None, end=None, step=1) -> tuple[int, int, int]:
+    """``(dim, start, stop)`` of an ``aten::slice`` of ``w``, resolved as ``w[start:end]`` would."""
+    dim %= w.ndim
+    length = w.shape[dim]
+
+    def resolve(i, default):
+        i = default if i is None else i
+        return min(max(i + length if i < 0 else i, 0), length)
+
+    start = resolve(start, 0)
+    return dim, start, max(resolve(end, length), start)
 
 
 def gather_quantized_(

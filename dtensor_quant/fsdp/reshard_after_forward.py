@@ -11,10 +11,14 @@ quantized chunk instead; every other parameter runs torch's own code.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
+
+from ..core.tensor import QuantizedTensor
+from ..core.torch_patches import TorchPatchError, replace
+from .all_gather import KEEPING_OUTPUTS
+from .gather_quantized import GatherQuantized
 
 # -- FSDP2: integer reshard_after_forward for parameters with all-gather hooks ------------------
 #
@@ -31,9 +35,10 @@ import torch
 # contiguous chunks, chunk ``j`` (``world/k`` whole rank inputs) going to the group's rank ``j``.
 # Keeping chunk ``j`` of every output and all-gathering those chunks over the group refills every
 # output with the same bytes, so ``fsdp_post_all_gather`` -- called with the forward's metadata --
-# rebuilds the same parameter bit for bit, from bytes that stayed quantized. The two replacements
-# below do exactly that for parameters with all-gather hooks sharded along dim 0 that are not
-# DTensors (torch refuses those for every parameter), and call torch's own code for everything else.
+# rebuilds the same parameter bit for bit, from bytes that stayed quantized. The replacements below
+# do exactly that for this library's parameters (QuantizedTensor, GatherQuantized) sharded along dim 0
+# that are not DTensors (torch refuses those for every parameter), and call torch's own code for
+# everything else, torchao's tensors with all-gather hooks included.
 
 
 class _PostForwardShard(NamedTuple):
@@ -44,20 +49,13 @@ class _PostForwardShard(NamedTuple):
     input_sizes: tuple  # one rank's all-gather input sizes then, to unflatten the outputs again
 
 
-_KEEPING_OUTPUTS: ContextVar[bool] = ContextVar("dtensor_quant_fsdp_keeping_outputs", default=False)
-
-
-def fsdp_keeps_all_gather_outputs() -> bool:
-    """Whether the FSDP2 all-gather being prepared must leave its outputs allocated until the reshard.
-
-    True while FSDP2 calls ``fsdp_pre_all_gather`` for a parameter that reshards to a smaller mesh
-    after the forward: its post-forward shard is cut from the all-gather outputs, so a post hook
-    that frees them early (dtensor_quant's dequantizing one does) must not.
-    """
-    return _KEEPING_OUTPUTS.get()
-
-
-_FSDP_PARAM_NEEDS = ("to_sharded_post_forward", "all_gather_inputs", "free_unsharded_param", "_setattr_on_modules")
+#: torch 2.13.0's sources of the three members the patch replaces (core.torch_patches.fingerprint).
+TORCH_2_13 = {
+    "FSDPParam.to_sharded_post_forward": "f94c718551a43084",
+    "FSDPParam.all_gather_inputs": "8f5e2c41a746e987",
+    "FSDPParamGroup.reshard": "f8de8fedc4e3b5e1",
+}
+# What the replacements read on FSDPParam and its group besides the replaced members.
 _FSDP_PARAM_FIELDS = (
     "all_gather_outputs",
     "post_forward_mesh_info",
@@ -70,48 +68,59 @@ _FSDP_PARAM_FIELDS = (
 )
 
 
-def install_fsdp_post_forward_reshard() -> None:
-    """Let FSDP2 reshard parameters with all-gather hooks to a smaller mesh after the forward.
+def handles(fsdp_param) -> bool:
+    """Whether the patch handles ``fsdp_param`` (an ``FSDPParam``), else torch's own code does.
 
-    Needed for an integer ``reshard_after_forward`` (other than 1 and the shard world size, which
-    torch maps to False and True); :func:`dtensor_quant.fsdp.fully_shard` calls it. Groups with such
-    parameters also reshard fully after a forward without grad (no backward will use that shard). Call it yourself
-    before using torch's own ``fully_shard`` that way. Raises ``RuntimeError`` if this torch lacks
-    the FSDP2 internals it replaces (written against torch 2.13).
+    Only this library's tensors (not torchao's, not dense ones), sharded on dim 0 and not DTensors.
+    """
+    if not isinstance(fsdp_param.sharded_param._local_tensor, (QuantizedTensor, GatherQuantized)):
+        return False
+    lacking = [n for n in _FSDP_PARAM_FIELDS if not hasattr(fsdp_param, n)]
+    if lacking:
+        raise TorchPatchError(f"torch {torch.__version__}'s FSDPParam has no {', '.join(lacking)}: see {__name__}")
+    return not fsdp_param.is_dtensor and fsdp_param.fsdp_placement.dim == 0
+
+
+def install_fsdp_post_forward_reshard():
+    """Let FSDP2 reshard this library's parameters to a smaller mesh after the forward.
+
+    Needed for an integer ``reshard_after_forward`` (other than 1 and the
+    shard world size, which torch maps to False and True);
+    :func:`dtensor_quant.fsdp.fully_shard` calls it. Groups with such
+    parameters also reshard fully after a forward without grad (no backward
+    will use that shard). Call it yourself before using torch's own
+    ``fully_shard`` that way. Every other parameter (dense, torchao's) runs
+    torch's own code. Raises :class:`~dtensor_quant.core.torch_patches.TorchPatchError`
+    on a torch whose FSDP2 members differ from the 2.13 ones the patch was
+    written for. Returns the installed :class:`~dtensor_quant.core.torch_patches.Patch`.
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-    cls = getattr(_fsdp_param, "FSDPParam", None)
-    state = getattr(_fsdp_param, "ShardedState", None)
-    missing = [f"FSDPParam.{n}" for n in _FSDP_PARAM_NEEDS if cls is None or not hasattr(cls, n)]
-    missing += [] if hasattr(state, "SHARDED_POST_FORWARD") else ["ShardedState.SHARDED_POST_FORWARD"]
-    group_cls = getattr(_fsdp_param_group, "FSDPParamGroup", None)
-    missing += [f"FSDPParamGroup.{n}" for n in ("reshard", "_to_sharded") if not hasattr(group_cls, n)]
-    missing += [] if hasattr(_fsdp_param_group, "TrainingState") else ["_fsdp_param_group.TrainingState"]
-    if not missing and not isinstance(cls.__dict__.get("all_gather_inputs"), property):
-        missing.append("FSDPParam.all_gather_inputs as a property")
-    if missing:
-        raise RuntimeError(
-            f"dtensor_quant cannot enable an integer reshard_after_forward for quantized parameters on "
-            f"torch {torch.__version__}: its FSDP2 lacks {', '.join(missing)} (the fix is written against "
-            "torch 2.13's torch/distributed/fsdp/_fully_shard/_fsdp_param.py). Use reshard_after_forward=True "
-            "or False."
-        )
-    if getattr(cls.to_sharded_post_forward, "keeps_extension_chunks", False):
-        return  # already installed
-    torch_to_sharded_post_forward = cls.to_sharded_post_forward
-    torch_all_gather_inputs = cls.__dict__["all_gather_inputs"].fget
+    param_cls, group_cls = _fsdp_param.FSDPParam, _fsdp_param_group.FSDPParamGroup
+    state = _fsdp_param.ShardedState
+    return replace(
+        "fsdp_post_forward_reshard",
+        "FSDP2 integer reshard_after_forward for parameters with all-gather hooks",
+        {
+            (param_cls, "to_sharded_post_forward"): (
+                TORCH_2_13["FSDPParam.to_sharded_post_forward"],
+                lambda torch_fn: _to_sharded_post_forward(torch_fn, state),
+            ),
+            (param_cls, "all_gather_inputs"): (
+                TORCH_2_13["FSDPParam.all_gather_inputs"],
+                lambda torch_fn: _all_gather_inputs(torch_fn, state),
+            ),
+            (group_cls, "reshard"): (
+                TORCH_2_13["FSDPParamGroup.reshard"],
+                lambda torch_fn: _reshard(torch_fn, _fsdp_param_group.TrainingState),
+            ),
+        },
+    )
 
-    def extension_on_dim0(self) -> bool:
-        if not hasattr(self.sharded_param._local_tensor, "fsdp_pre_all_gather"):
-            return False
-        lacking = [n for n in _FSDP_PARAM_FIELDS if not hasattr(self, n)]
-        if lacking:
-            raise RuntimeError(f"torch {torch.__version__}'s FSDPParam has no {', '.join(lacking)}: see {__name__}")
-        return not self.is_dtensor and self.fsdp_placement.dim == 0
 
+def _to_sharded_post_forward(torch_to_sharded_post_forward, state):
     def to_sharded_post_forward(self) -> None:
-        if not extension_on_dim0(self):
+        if not handles(self):
             return torch_to_sharded_post_forward(self)
         self._assert_in_states(state.UNSHARDED)
         if not hasattr(self, "_dq_forward_all_gather"):
@@ -141,8 +150,12 @@ def install_fsdp_post_forward_reshard() -> None:
         self.free_unsharded_param()
         self.sharded_state = state.SHARDED_POST_FORWARD
 
+    return to_sharded_post_forward
+
+
+def _all_gather_inputs(torch_all_gather_inputs, state):
     def all_gather_inputs(self) -> list[torch.Tensor]:
-        if not extension_on_dim0(self):
+        if not handles(self):
             return torch_all_gather_inputs(self)
         if self.sharded_state == state.SHARDED_POST_FORWARD:
             shard = self._sharded_post_forward_param_data
@@ -152,34 +165,30 @@ def install_fsdp_post_forward_reshard() -> None:
         # (FSDPParam's own setting: set_reshard_after_forward changes only its group's, and then the
         # outputs are merely kept until the group's full reshard after the forward, which frees them.)
         group = self.post_forward_mesh_info
-        token = _KEEPING_OUTPUTS.set(group is not None and group != self.mesh_info)
+        token = KEEPING_OUTPUTS.set(group is not None and group != self.mesh_info)
         try:
             inputs = torch_all_gather_inputs(self)
         finally:
-            _KEEPING_OUTPUTS.reset(token)
+            KEEPING_OUTPUTS.reset(token)
         data = self._extensions_data
         self._dq_forward_all_gather = (data.all_gather_metadata, tuple(data.all_gather_input_sizes))
         return inputs
 
+    return all_gather_inputs
+
+
+def _reshard(torch_reshard, training_state):
     # A forward without grad has no backward to serve, yet torch keeps its post-forward shard: a
     # no_grad eval between a backward and optimizer.step() leaves the pre-step values there, and the
     # next forward is gathered from them (the step silently missing from that forward). Groups with
     # all-gather hooks reshard fully after such a forward, as with reshard_after_forward=True.
-    group_cls = _fsdp_param_group.FSDPParamGroup
-    torch_reshard = group_cls.reshard
-
     def reshard(self) -> None:
         if (
             not torch.is_grad_enabled()
-            and self._training_state == _fsdp_param_group.TrainingState.FORWARD
-            and any(extension_on_dim0(p) for p in self.fsdp_params)
+            and self._training_state == training_state.FORWARD
+            and any(handles(p) for p in self.fsdp_params)
         ):
             return self._to_sharded()
         return torch_reshard(self)
 
-    to_sharded_post_forward.keeps_extension_chunks = True
-    to_sharded_post_forward.__doc__ = torch_to_sharded_post_forward.__doc__
-    cls.to_sharded_post_forward = to_sharded_post_forward
-    cls.all_gather_inputs = property(all_gather_inputs, doc=cls.__dict__["all_gather_inputs"].__doc__)
-    reshard.__doc__ = torch_reshard.__doc__
-    group_cls.reshard = reshard
+    return reshard

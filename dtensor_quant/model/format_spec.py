@@ -1,9 +1,9 @@
-"""Formats from short command-line strings: ``int8``, ``int4``, ``int4:64``, ``Int4Groupwise(64)``.
+"""Formats from short command-line strings: ``int8``, ``int4:64``, ``Int4Groupwise(64)``, ``int4:128,float16``.
 
 The name matches a :class:`~dtensor_quant.QuantFormat` subclass by its class
 name or by a unique prefix of it (case-insensitive), so formats added later
 are found without a table; arguments after ``:`` (or in parentheses) are
-passed positionally.
+passed positionally (a dtype by its name: ``float16``, ``bfloat16``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def parse_format(spec: str) -> QuantFormat:
     found = [c for n, c in classes.items() if n.lower() == name] or [
         c for n, c in classes.items() if n.lower().startswith(name)
     ]
+    # "int4" names Int4Groupwise, not also Int4GroupwiseIntZero: a match that is a prefix of every other wins.
+    shortest = min(found, key=lambda c: len(c.__name__), default=None)
+    if len(found) > 1 and all(c.__name__.lower().startswith(shortest.__name__.lower()) for c in found):
+        found = [shortest]
     if not match or len(found) != 1:
         known = ", ".join(sorted(classes))
         raise ValueError(f"unknown format {spec!r}: expected one of {known} (or a prefix, e.g. int4:64)")

@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+# MLP_NAMES, the (gate, up, down) child names of the SwiGLU MLPs of HF transformers and of gpt-fast/torchtitan,
+# and PADDING_BUFFER, the buffer that records the padding, live with dq.hf (it saves and loads padded MLPs unpadded).
+from ..checkpoint.hf.tensors import MLP_NAMES, PADDING_BUFFER
 from ..core.format import QuantFormat, check_shape
 from ..core.layout import LayoutError
 from ..core.tensor import QuantizedTensor
@@ -44,9 +47,6 @@ from ..dist.placements import dim_alignment, first_bad_cut
 from ..dist.quantize import quantize
 from ..ops.layout_ops import cat_dim
 
-# (gate, up, down) child names of the SwiGLU MLPs of HF transformers and of gpt-fast/torchtitan.
-MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-PADDING_BUFFER = "tp_padding"
 # How far past the original length the search for a legal one goes (in units of the degree).
 SEARCH_STEPS = 4096
 

@@ -38,6 +38,7 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     left_dense: list[tuple[str, str]] | None = None,
+    transposed: Callable[[str], bool] | None = None,
     trainable: bool = False,
     seed: int = 0,
 ) -> nn.Module:
@@ -67,6 +68,11 @@ def quantize_(
     updates in place, requantizing with stochastic rounding keyed by
     ``seed``, each weight's name and its update count
     (:mod:`dtensor_quant.model.trainable`; docs/training.md).
+
+    ``transposed(name)``: True for a parameter the model holds as ``[..., in,
+    out]`` and multiplies as ``x @ W`` (gpt-oss's fused experts in
+    transformers): it is quantized as ``[..., out, in]`` (blocks along its
+    inputs) and the parameter is the transposed view.
     """
     if trainable and not _trainable_weights.supports_training(fmt):
         raise ValueError(
@@ -87,7 +93,10 @@ def quantize_(
             if trainable and param.ndim != 2:
                 raise ValueError(f"{full}: trainable quantized weights are 2-D [out, in]; this one is {param.ndim}-D")
             try:
-                weight = quantize(param.detach(), fmt)
+                if transposed is not None and transposed(full):
+                    weight = quantize(param.detach().transpose(-2, -1), fmt).transpose(-2, -1)
+                else:
+                    weight = quantize(param.detach(), fmt)
             except ValueError as e:
                 raise type(e)(f"{full}: {e}") from None
             setattr(module, name, nn.Parameter(weight, requires_grad=trainable))

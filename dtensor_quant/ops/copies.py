@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core import notes as rules
 from ..core.dispatch import implements
 from ..core.layout import LayoutError
-from ..core.padded_rows import keep_padded_rows
 from ..core.tensor import QuantizedTensor, contiguous_strides
 from . import writes
 from .layout_ops import describe, map_inner, rebuild
@@ -29,7 +29,9 @@ def _to_copy(func, q, dtype=None, layout=None, device=None, pin_memory=None, non
         out = t.to(device=device, non_blocking=non_blocking, copy=True)
         return out.pin_memory() if pin_memory else out
 
-    return keep_padded_rows(q, rebuild(q, map_inner(q, move), q.shape, dtype=dtype, stride=q.stride()))
+    inner = map_inner(q, move)
+    notes = rules.moved(q.notes, list(inner.values()))
+    return rebuild(q, inner, q.shape, dtype=dtype, stride=q.stride(), notes=notes)
 
 
 @implements("aten::copy_")
@@ -51,7 +53,7 @@ def _copy_(func, dst, src, non_blocking=False):
             )
     keep = writes.check_copy(dst, src, describe)  # every check before the first byte moves
     pairs = [(getattr(dst, n), getattr(src, n)) for n in dst.fmt.inner_names if n not in keep]
-    writes.write_inner(pairs, non_blocking=non_blocking)  # other views of these bytes keep their own versions
+    writes.write_inner(dst, pairs, non_blocking=non_blocking)
     return dst
 
 
@@ -62,7 +64,8 @@ def _is_pinned(func, q, device=None):
 
 @implements("aten::_pin_memory")
 def _pin_memory(func, q, device=None):
-    return keep_padded_rows(q, rebuild(q, map_inner(q, lambda t: t.pin_memory()), q.shape, stride=q.stride()))
+    inner = map_inner(q, lambda t: t.pin_memory())
+    return rebuild(q, inner, q.shape, stride=q.stride(), notes=rules.moved(q.notes, list(inner.values())))
 
 
 @implements("aten::record_stream")

@@ -14,11 +14,14 @@ legal shard counts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import torch
+from torch.utils import _python_dispatch
 
+from ..core import notes as rules
 from ..core.bits import is_tracing, same_bits
 from ..core.dispatch import UnsupportedOpError
 from ..core.format import weight_layout
@@ -37,18 +40,19 @@ from ..core.layout import (
     inner_slice,
     legal_chunk_counts,
 )
-from ..core.padded_rows import keep_padded_rows, note_narrow
+from ..core.memo import layout_key, lookup, memo, remember
 from ..core.tensor import QuantizedTensor, contiguous_strides
-from . import writes
 
 # -- orientation and construction ---------------------------------------------
 
 
+@functools.cache
 def canonical_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
-    """``dims`` of a weight as quantized: logical dim i is the format's dim i."""
+    """``dims`` of a weight as quantized: logical dim i is the format's dim i (one tuple object per ndim)."""
     return tuple((i,) for i in range(ndim))
 
 
+@functools.cache
 def transposed_dims(ndim: int) -> tuple[tuple[int, ...], ...]:
     """``dims`` of a weight ``[..., out, in]`` after ``transpose(-2, -1)``: ``[..., in, out]``."""
     return canonical_dims(ndim - 2) + ((ndim - 1,), (ndim - 2,))
@@ -80,25 +84,13 @@ def matrix_dims(q: QuantizedTensor) -> int:
     return k
 
 
-# "_dtensor_quant_view_of": the tensor an inner view was taken from. Views made inside
-# __torch_dispatch__ have no ``_base`` (autograd's view tracking is below us), and a kernel
-# caches its prepared weight on the viewed tensor (dtensor_quant.matmul), so the experts
-# selected from a stack record the stack's inner tensor here.
-VIEW_OF = "_dtensor_quant_view_of"
-
-
-def view_of(view: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Record on inner ``view`` the tensor it views (``t``'s owner, its base, or ``t``); returns ``view``."""
-    owner = t.__dict__.get(VIEW_OF)
-    view.__dict__[VIEW_OF] = owner if owner is not None else (t._base if t._base is not None else t)
-    return view
-
-
-def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None):
+def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=None, stride=None, notes=None):
     """A QuantizedTensor of ``q``'s format over ``inner``; what is not given is ``q``'s.
 
     The logical strides default to contiguous, or to a transposed view's when
-    ``q`` is one and the result keeps its orientation.
+    ``q`` is one and the result keeps its orientation. ``notes`` default to
+    new bytes (:func:`dtensor_quant.core.notes.new_bytes`): pass the rule's
+    notes for a view.
     """
     dims = q.dims if dims is None else dims
     return QuantizedTensor(
@@ -109,6 +101,7 @@ def rebuild(q: QuantizedTensor, inner, shape, *, rels=None, dims=None, dtype=Non
         tuple(shape),
         q.dtype if dtype is None else dtype,
         stride if stride is not None else _strides(q, shape, dims),
+        notes=notes,
     )
 
 
@@ -127,10 +120,63 @@ def describe(q: QuantizedTensor) -> str:
 
 
 def alias(q: QuantizedTensor) -> QuantizedTensor:
-    """A new wrapper over the same inner tensors (``detach``, same-shape ``view``)."""
-    out = rebuild(q, map_inner(q, lambda t: t.detach()), q.shape, stride=q.stride())
-    writes.keep_shared(q, out)
-    return keep_padded_rows(q, out)
+    """A new wrapper over the same inner tensors (``detach``, same-shape ``view``).
+
+    The very same inner tensor objects (they carry no autograd history to
+    drop): the state dict's ``param.detach()`` then hands a checkpoint loader
+    the weight's own inner tensors, whose versions its kernel caches watch,
+    and the compiled kernel op finds the weight's bytes record through them.
+    """
+    inner = [t if not t.requires_grad else t.detach() for t in (getattr(q, n) for n in q.fmt.inner_names)]
+    return QuantizedTensor.make(
+        inner, q.fmt, q.rels, q.dims, q.shape, q.stride(), q.dtype, rules.alias(q.notes), q.device
+    )
+
+
+def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
+    """``q.transpose(dim0, dim1)`` (``F.linear``'s ``w.t()``): a view with swapped relations and orientation.
+
+    The inner transposes of a plain weight are made when first read
+    (``Notes.pending``): the ``mm`` that follows ``t()`` in every ``F.linear``
+    reads the weight's own inner tensors (``Notes.weight``), so they are
+    mostly never made. Formats with an inner name that is also a Tensor
+    attribute (NF4's ``mean``) get them at once.
+    """
+    nd = q.ndim
+    dim0, dim1 = dim0 % nd, dim1 % nd
+    if dim0 == dim1:
+        return alias(q)
+    # (memo.memo inlined: this runs for every F.linear)
+    key = ("transpose", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride(), dim0, dim1)
+    decision = lookup(key)
+    if decision is None:
+        decision = remember(key, _transposed_layout(q, dim0, dim1), q.rels, q.dims, q.fmt)
+    rels, dims, shape, stride, deferrable = decision
+    first = getattr(q, q.fmt.inner_names[0])
+    if deferrable and type(first) is torch.Tensor and not first.is_meta:
+        notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
+        return QuantizedTensor.make((), q.fmt, rels, dims, shape, stride, q.dtype, notes, q.device)
+    inner = [getattr(q, name).transpose(dim0, dim1) for name in q.fmt.inner_names]
+    return QuantizedTensor.make(
+        inner, q.fmt, rels, dims, shape, stride, q.dtype, rules.transposed(q.notes, q), q.device
+    )
+
+
+def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
+    def swap(seq):
+        seq = list(seq)
+        seq[dim0], seq[dim1] = seq[dim1], seq[dim0]
+        return tuple(seq)
+
+    deferrable = not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)
+    return tuple(swap(r) for r in q.rels), swap(q.dims), torch.Size(swap(q.shape)), swap(q.stride()), deferrable
+
+
+def _make_transposes(out: QuantizedTensor, q: QuantizedTensor, dim0: int, dim1: int) -> None:
+    """Set ``out``'s deferred inner tensors: ``q``'s, transposed, made below autograd and any mode as in dispatch."""
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _python_dispatch._disable_current_modes():
+        for name in q.fmt.inner_names:
+            setattr(out, name, getattr(q, name).transpose(dim0, dim1))
 
 
 # -- slicing, splitting, concatenation, padding -----------------------------
@@ -138,9 +184,25 @@ def alias(q: QuantizedTensor) -> QuantizedTensor:
 
 def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedTensor:
     """``q[..., start:stop, ...]`` along ``dim``; the inner tensors are views."""
+    factory = q.notes.from_factory
+    cuts, rels, shape, stride, outside = memo(
+        ("slice", *layout_key(q), dim, start, stop, factory),
+        lambda: _sliced_layout(q, dim, start, stop, factory),
+        q.rels,
+        q.dims,
+        q.fmt,
+    )
+    inner = [getattr(q, name).narrow(dim, i0, n) for name, (i0, n) in zip(q.fmt.inner_names, cuts)]
+    notes = rules.sliced(q.notes, outside, q.shape[dim], dim, start, stop)
+    return QuantizedTensor.make(inner, q.fmt, rels, q.dims, shape, stride, q.dtype, notes, q.device)
+
+
+def _sliced_layout(q: QuantizedTensor, dim: int, start: int, stop: int, factory: bool):
+    """Per inner ``(start, length)`` of its narrow, the result's relations, shape and strides, and which inner
+    tensors reach outside the range (:func:`dtensor_quant.core.notes.outside_cuts`)."""
     length = q.shape[dim]
-    inner, rels = {}, []
-    for (name, t), rel_row in zip(q.inner.items(), q.rels):
+    cuts, rels = [], []
+    for name, rel_row in zip(q.fmt.inner_names, q.rels):
         try:
             i0, i1, rel = inner_slice(rel_row[dim], start, stop, length)
         except LayoutError as e:
@@ -149,14 +211,67 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
                 f"{rel_row[dim]} along it ({e}). dtensor_quant.check_placements() lists the mesh sizes "
                 "whose shard boundaries are legal."
             ) from None
-        inner[name] = t.narrow(dim, i0, i1 - i0)
+        cuts.append((i0, i1 - i0))
         rels.append(_with_rel(rel_row, dim, rel))
     shape = list(q.shape)
     shape[dim] = stop - start
-    out = rebuild(q, inner, shape, rels=tuple(rels))
-    writes.note_slice(q, out, dim, start, stop)
-    note_narrow(q, out, dim, start)  # FSDP2's padded shard (dtensor_quant.fsdp_padding)
+    outside = rules.outside_cuts(q.rels, length, dim, start, stop, factory)
+    return tuple(cuts), tuple(rels), torch.Size(shape), _strides(q, shape, q.dims), outside
+
+
+def split_dim(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> list[QuantizedTensor]:
+    """``torch.split(q, sizes, dim)``: views, one per piece; a cut through a pack or block raises.
+
+    Decided once per (layout, sizes): each piece's layout and, per inner
+    tensor, its cuts -- one ``split_with_sizes`` where they tile it.
+    """
+    sizes = tuple(sizes)
+    factory = q.notes.from_factory
+    pieces, per_inner = memo(
+        ("split", *layout_key(q), dim, sizes, factory),
+        lambda: _split_layout(q, dim, sizes, factory),
+        q.rels,
+        q.dims,
+        q.fmt,
+    )
+    columns = []  # per inner tensor, its piece of every output
+    for name, (tiling, cuts) in zip(q.fmt.inner_names, per_inner):
+        t = getattr(q, name)
+        if tiling is not None and t.shape[dim] == tiling[1]:
+            columns.append(t.split_with_sizes(tiling[0], dim))
+        else:
+            columns.append([t.narrow(dim, i0, n) for i0, n in cuts])
+    out, start, length = [], 0, q.shape[dim]
+    for i, (rels, shape, stride, outside) in enumerate(pieces):
+        stop = start + sizes[i]
+        notes = rules.sliced(q.notes, outside, length, dim, start, stop)
+        out.append(
+            QuantizedTensor.make([c[i] for c in columns], q.fmt, rels, q.dims, shape, stride, q.dtype, notes, q.device)
+        )
+        start = stop
     return out
+
+
+def _split_layout(q: QuantizedTensor, dim: int, sizes: tuple, factory: bool):
+    """Per piece ``(relations, shape, strides, outside cuts)``; per inner ``(tiling or None, its narrows)``.
+
+    A tiling is ``(sizes, total)`` when an inner tensor's pieces follow one another from 0 to
+    ``total`` (one ``split_with_sizes``); a constant inner is not cut, so every piece narrows all of it.
+    """
+    check_cuts(q, dim, sizes)
+    pieces, narrows, start = [], [[] for _ in q.rels], 0
+    for size in sizes:
+        cuts, rels, shape, stride, outside = _sliced_layout(q, dim, start, start + size, factory)
+        for mine, cut in zip(narrows, cuts):
+            mine.append(cut)
+        pieces.append((rels, shape, stride, outside))
+        start += size
+    per_inner = []
+    for cuts in narrows:
+        ends = [i0 + n for i0, n in cuts]
+        tiles = bool(cuts) and cuts[0][0] == 0 and all(i0 == end for (i0, _), end in zip(cuts[1:], ends))
+        per_inner.append(((tuple(n for _, n in cuts), ends[-1]) if tiles else None, tuple(cuts)))
+    return tuple(pieces), tuple(per_inner)
 
 
 def check_cuts(q: QuantizedTensor, dim: int, sizes: Sequence[int]) -> None:
@@ -219,7 +334,9 @@ def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = N
         rels.append(_with_rel(rel_rows[0], dim, rel))
     shape = list(first.shape)
     shape[dim] = sum(p.shape[dim] for p in pieces)
-    return rebuild(first, inner, shape, rels=tuple(rels))
+    # One piece is the piece itself (its bytes); joined pieces are new bytes.
+    notes = rules.same_bytes(first.notes) if len(pieces) == 1 else None
+    return rebuild(first, inner, shape, rels=tuple(rels), notes=notes)
 
 
 def _cat_relation(name, dim, pieces, rels, joined):
@@ -274,7 +391,8 @@ def pad_end(q: QuantizedTensor, dim: int, amount: int) -> QuantizedTensor:
         inner[name] = t
     shape = list(q.shape)
     shape[dim] = length + amount
-    return rebuild(q, inner, shape)
+    # The inner tensors not padded are q's own: writes through the result reach q's record too.
+    return rebuild(q, inner, shape, notes=rules.same_bytes(q.notes))
 
 
 def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
@@ -297,12 +415,12 @@ def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
     for name, row in zip(q.fmt.inner_names, q.rels):
         if not isinstance(row[dim], OneToOne):
             raise LayoutError(f"{describe(q)}: inner '{name}' is {row[dim]} along leading dim {dim}, not one-to-one")
-    inner = map_inner(q, lambda t: view_of(t.select(dim, index), t))
+    inner = map_inner(q, lambda t: t.select(dim, index))
     rels = tuple(row[:dim] + row[dim + 1 :] for row in q.rels)
     shape = tuple(q.shape[:dim]) + tuple(q.shape[dim + 1 :])
     dims = (canonical_dims if q.dims == canonical_dims(q.ndim) else transposed_dims)(q.ndim - 1)
     stride = tuple(q.stride()[:dim]) + tuple(q.stride()[dim + 1 :])
-    return rebuild(q, inner, shape, rels=rels, dims=dims, stride=stride)
+    return rebuild(q, inner, shape, rels=rels, dims=dims, stride=stride, notes=rules.same_bytes(q.notes))
 
 
 # -- flat views --------------------------------------------------------------
@@ -318,9 +436,21 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
             rel, length = rel or Opaque(), length * q.shape[dim]
         return (rel,)
 
-    rels = tuple(flat(r) for r in q.rels)
-    inner = map_inner(q, lambda t: t.reshape(-1))
-    return rebuild(q, inner, (q.numel(),), rels=rels, dims=(tuple(range(q.ndim)),), stride=(1,))
+    def decide():
+        rels = tuple(flat(r) for r in q.rels)
+        opaque = any(isinstance(row[0], Opaque) for row in rels)
+        return rels, (tuple(range(q.ndim)),), torch.Size((q.numel(),)), opaque
+
+    key = ("flatten", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
+    decision = lookup(key)
+    if decision is None:
+        decision = remember(key, decide(), q.rels, q.dims, q.fmt)
+    rels, dims, shape, opaque = decision
+    if opaque:
+        # An Opaque equals only itself: a fresh one per result, so two results never look like one grid.
+        rels = tuple((Opaque(),) if isinstance(row[0], Opaque) else row for row in rels)
+    inner = [getattr(q, name).reshape(-1) for name in q.fmt.inner_names]
+    return QuantizedTensor.make(inner, q.fmt, rels, dims, shape, (1,), q.dtype, rules.same_bytes(q.notes), q.device)
 
 
 def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
@@ -332,7 +462,8 @@ def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
         if t.numel() != torch.Size(shape).numel():
             raise UnsupportedOpError(f"{describe(q)}: cannot view as {size}: inner '{name}' does not match")
         inner[name] = t.reshape(shape)
-    return rebuild(q, inner, size, rels=rows, dims=canonical_dims(len(size)), stride=contiguous_strides(size))
+    dims, stride = canonical_dims(len(size)), contiguous_strides(size)
+    return rebuild(q, inner, size, rels=rows, dims=dims, stride=stride, notes=rules.same_bytes(q.notes))
 
 
 # -- a weight broadcast over a batch (torch.matmul of a batched activation) ---
@@ -344,7 +475,8 @@ def broadcast_batch(q: QuantizedTensor, batch: tuple[int, ...]) -> QuantizedTens
     inner = {n: t.reshape((1,) * k + tuple(t.shape)) for n, t in q.inner.items()}
     rels = tuple((Constant(),) * k + row for row in q.rels)
     dims = ((),) * k + q.dims
-    return QuantizedTensor(inner, q.fmt, rels, dims, batch + tuple(q.shape), q.dtype, (0,) * k + q.stride())
+    shape, stride = batch + tuple(q.shape), (0,) * k + q.stride()
+    return QuantizedTensor(inner, q.fmt, rels, dims, shape, q.dtype, stride, notes=rules.broadcast(q.notes))
 
 
 def is_broadcast_batch(q: QuantizedTensor) -> bool:
@@ -358,23 +490,15 @@ def unbroadcast(q: QuantizedTensor) -> QuantizedTensor:
     k = q.ndim - 2
     inner = {n: t.reshape(tuple(t.shape[k:])) for n, t in q.inner.items()}
     rels = tuple(row[k:] for row in q.rels)
-    return same_owner(
-        q, QuantizedTensor(inner, q.fmt, rels, q.dims[k:], tuple(q.shape[k:]), q.dtype, tuple(q.stride()[k:]))
-    )
+    shape, stride = tuple(q.shape[k:]), tuple(q.stride()[k:])
+    return QuantizedTensor(inner, q.fmt, rels, q.dims[k:], shape, q.dtype, stride, notes=rules.broadcast(q.notes))
 
 
 def rebatch(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor | None:
     """``view``/``reshape`` of a broadcast weight that only regroups its batch dims, else None."""
     if not is_broadcast_batch(q) or len(size) < 3 or tuple(size[-2:]) != tuple(q.shape[-2:]):
         return None
-    return same_owner(q, broadcast_batch(unbroadcast(q), tuple(size[:-2])))
-
-
-def same_owner(q: QuantizedTensor, out: QuantizedTensor) -> QuantizedTensor:
-    """``out`` remembers the weight ``q.t()`` came from, so the kernel still finds its prepared copy."""
-    if "_transposed_from" in q.__dict__:
-        out.__dict__["_transposed_from"] = q.__dict__["_transposed_from"]
-    return out
+    return broadcast_batch(unbroadcast(q), tuple(size[:-2]))
 
 
 # -- new tensors -------------------------------------------------------------
@@ -411,9 +535,8 @@ def factory(q: QuantizedTensor, size, fill, dtype=None, device=None):
             inner[name] = t.clone().to(device or t.device)
         else:
             inner[name] = fill(shape, dtype=t.dtype, device=device or t.device)
-    out = rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size))
-    out.__dict__[writes.FACTORY] = True
-    return out
+    notes = rules.factory(list(inner.values()))
+    return rebuild(q, inner, size, dtype=dtype, stride=contiguous_strides(size), notes=notes)
 
 
 # -- what a format's math receives -------------------------------------------
@@ -468,5 +591,5 @@ def canonical_inner(q: QuantizedTensor) -> dict[str, torch.Tensor] | None:
     if q.ndim >= 2 and q.dims == canonical_dims(q.ndim):
         return q.inner
     if is_transposed(q):
-        return map_inner(q, lambda t: view_of(t.transpose(-2, -1), t))
+        return map_inner(q, lambda t: t.transpose(-2, -1))
     return None

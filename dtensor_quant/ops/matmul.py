@@ -16,20 +16,26 @@ definition.
 
 Kernels often want the weight in a layout of their own (torch's CPU int4 mm
 repacks it, 86 ms for 4096x4096). ``QuantFormat.prepare`` builds that once per
-weight; the result is cached on the weight's first inner tensor (its base,
-for a view; one entry per view, so every expert of a stack keeps its own)
-keyed by every inner tensor's address, shape and strides and checked
-against their versions, so an in-place update (``copy_``, a checkpoint
-load) rebuilds it -- also one through another view of the same bytes,
-whose inner tensors have version counters of their own
-(:data:`~dtensor_quant.writes.GENERATION`). Inference tensors (made under
+weight; the result is cached in the record of the bytes the weight and all
+its views share (:class:`dtensor_quant.core.notes.Bytes`; one entry per
+view, so every expert of a stack keeps its own), keyed by every inner
+tensor's address, shape and strides, and stamped with the record's write
+count and the inner tensors' versions: a write through any view of the
+weight (``copy_``, a collective into it) or into its inner tensors from
+outside (a checkpoint load) rebuilds it. Inference tensors (made under
 ``torch.inference_mode``) have no version counter: their weights are
 prepared on every call.
 Under ``torch.compile`` the kernel call is one opaque custom op,
 ``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
-the compiled graph then finds the same cache at run time instead of
-repacking the weight on every call, and inductor never lowers the kernel
-itself.
+at run time it finds the same record through them
+(:func:`dtensor_quant.core.notes.bytes_of`) instead of repacking the weight
+on every call, and inductor never lowers the kernel itself.
+
+:func:`linear` is the one entry point: the ``mm``/``addmm``/``bmm``/
+``_grouped_mm`` handlers and the ``dtensor_quant::linear`` custom op all
+end there. What it decides from the weight's layout (which inner tensors the
+kernel reads, its block sizes) is memoised per layout
+(:mod:`dtensor_quant.core.memo`).
 """
 
 from __future__ import annotations
@@ -43,11 +49,13 @@ from ..core.bits import is_tracing
 from ..core.dispatch import UnsupportedOpError, implements
 from ..core.format import QuantFormat
 from ..core.format_ids import format_from_id, format_id
+from ..core.memo import layout_key, memo
+from ..core.notes import Bytes, bytes_of
 from ..core.tensor import QuantizedTensor
-from . import unpack, writes
+from . import unpack
 from .dequant import dequantize
 from .layout_ops import (
-    VIEW_OF,
+    alias,
     block_sizes,
     broadcast_batch,
     broadcastable,
@@ -57,67 +65,49 @@ from .layout_ops import (
     is_broadcast_batch,
     is_transposed,
     matrix_dims,
-    rebuild,
-    same_owner,
     select_dim,
     unbroadcast,
 )
 
-_CACHE_ATTR = "_dtensor_quant_prepared"
-_NO_CACHE_ATTR = "_dtensor_quant_never_cache"
-
 log = logging.getLogger(__name__)
 
 
-def _anchor(t: torch.Tensor) -> torch.Tensor:
-    owner = t.__dict__.get(VIEW_OF)  # an expert selected from a stack: the stack's tensor
-    if owner is not None:
-        return owner
-    return t._base if t._base is not None else t
-
-
 def invalidate(q: QuantizedTensor) -> None:
-    """Forget the prepared kernel weight of ``q`` (not needed after in-place ops: they bump versions)."""
-    for t in q.inner.values():
-        _anchor(t).__dict__.pop(_CACHE_ATTR, None)
+    """Forget what kernels prepared from ``q``'s bytes (writes do this themselves; see the module docstring)."""
+    if q.notes.bytes is not None:
+        q.notes.bytes.prepared.clear()
 
 
-def never_cache(buffer: torch.Tensor) -> None:
-    """Prepare weights viewing ``buffer`` on every call: its owner frees and refills it in place.
+def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor], record: Bytes | None):
+    """``fmt.prepare(inner)``, cached in the bytes' ``record`` while neither it nor an inner version changes.
 
-    FSDP2's all-gather buffers: a cached prepared copy would outlive each
-    gather (an extra weight per layer) and go stale when the buffer is
-    refilled without a version bump.
+    Traced inner tensors, inference tensors (no version counter: a write could not be seen) and bytes
+    their owner refills (``cache_kernels`` False) are prepared on every call.
     """
-    _anchor(buffer).__dict__[_NO_CACHE_ATTR] = True
-
-
-def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor]):
-    """``fmt.prepare(inner)``, cached on the first inner tensor while no inner tensor changes."""
-    tensors = list(inner.values())
-    if any(is_tracing(t) for t in tensors):
+    if record is None or not record.cache_kernels:
         return fmt.prepare(inner)
-    anchor = _anchor(tensors[0])
-    if anchor.__dict__.get(_NO_CACHE_ATTR) or any(t.is_inference() for t in tensors):
-        return fmt.prepare(inner)  # inference tensors have no version counter: a write could not be seen
-    # One entry per view of the anchor: the experts of a stack are views of one base tensor.
-    cache = anchor.__dict__.setdefault(_CACHE_ATTR, {})
-    where = (fmt, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
-    versions = (writes.GENERATION[0], *(t._version for t in tensors))  # a write through another view too
-    hit = cache.get(where)
+    where, versions = [fmt], [record.stamp()]
+    for t in inner.values():
+        if type(t) is not torch.Tensor or t.is_meta or t.is_inference():
+            return fmt.prepare(inner)
+        where.append((t.data_ptr(), t.shape, t.stride()))
+        versions.append(t._version)
+    where, versions = tuple(where), tuple(versions)
+    hit = record.prepared.get(where)
     if hit is not None and hit[0] == versions:
         return hit[1]
     result = fmt.prepare(inner)
-    cache[where] = (versions, result)
+    record.prepared[where] = (versions, result)
     return result
 
 
 def kernel_linear_impl(
-    x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks
+    x: torch.Tensor, fmt: QuantFormat, inner: dict[str, torch.Tensor], out_features: int, bias, blocks, record=None
 ):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
-    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations.
+    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations, ``record``
+    the :class:`~dtensor_quant.core.notes.Bytes` of the weight (found from the inner tensors if None).
     """
     shape = (out_features, x.shape[-1])
     whole = not fmt.kernel_needs_whole_blocks or unpack.fresh_inner(
@@ -125,7 +115,9 @@ def kernel_linear_impl(
     )
     if not whole:
         _say_no_kernel(fmt, shape)
-    out = fmt.linear(x, prepared(fmt, inner), bias) if whole else None
+    if whole and record is None:
+        record = bytes_of(next(iter(inner.values())))
+    out = fmt.linear(x, prepared(fmt, inner, record), bias) if whole else None
     if out is not None:
         return out
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
@@ -165,48 +157,47 @@ def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _kernel_inner(w_t: QuantizedTensor) -> dict[str, torch.Tensor] | None:
-    """Canonical inner tensors of a transposed weight: the persistent ones when ``w_t = w.t()``."""
-    if not is_transposed(w_t):
-        return None
-    owner = w_t.__dict__.get("_transposed_from")
-    if owner is not None and owner.dims == canonical_dims(2) and canonical_inner(owner) is not None:
-        return owner.inner
-    return canonical_inner(w_t)
-
-
 def plan_linear(w_t: QuantizedTensor):
-    """``(canonical inner tensors or None, block sizes)`` for ``w_t``, decided once per persistent weight.
+    """``(the weight whose inner tensors the kernel reads, or None; block sizes; whether that weight is canonical)``.
 
-    Both depend only on the weight's relations and orientation, which never
-    change for a tensor object: a ``w.t()`` made per call (DTensor's linear)
-    finds them on the weight it came from instead of re-deriving them.
+    ``w_t`` is a transposed weight ``[in, out]``. The kernel reads canonical
+    inner tensors: those of the weight ``w_t`` was made from (``Notes.weight``,
+    no inner transposes made), else ``w_t``'s own made canonical. Decided once
+    per layout (both depend only on relations and orientation).
     """
-    owner = w_t.__dict__.get("_transposed_from")
-    if owner is not None and is_transposed(w_t):  # w_t is owner.t() (or a broadcast of it, unbroadcast)
-        plan = owner.__dict__.get(_PLAN_ATTR)
-        if plan is None:
-            plan = owner.__dict__[_PLAN_ATTR] = (_kernel_inner(w_t) is not None, block_sizes(owner.rels))
-        if plan[0] and owner.dims == ((0,), (1,)):
-            return owner.inner, plan[1]
-    inner = _kernel_inner(w_t)
-    return inner, (block_sizes(row[::-1] for row in w_t.rels) if inner is not None else None)
+    owner = w_t.notes.weight
+    if owner is not None:
+        plan = memo(
+            ("linear-owner", *layout_key(owner)), lambda: _kernel_plan(owner), owner.rels, owner.dims, owner.fmt
+        )
+        if plan[1]:  # the owner is a canonical weight: its own inner tensors
+            return (owner, *plan)
+    return (w_t, *memo(("linear", *layout_key(w_t)), lambda: _kernel_plan(w_t), w_t.rels, w_t.dims, w_t.fmt))
 
 
-_PLAN_ATTR = "_dtensor_quant_linear_plan"
+def _kernel_plan(q: QuantizedTensor):
+    """``(block sizes of q's canonical relations or None, whether q is canonical)`` for a 2-D ``q``."""
+    if q.ndim != 2 or canonical_inner(q) is None:
+        return None, False
+    if q.dims == canonical_dims(2):
+        return block_sizes(q.rels), True
+    if is_transposed(q):
+        return block_sizes(row[::-1] for row in q.rels), False
+    return None, False
 
 
 def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
-    inner, blocks = plan_linear(w_t)
-    if inner is None:
+    source, blocks, canonical = plan_linear(w_t)
+    if blocks is None or not is_transposed(w_t):
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
+    inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
     if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
     else:
-        out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks)
+        out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks, source.notes.bytes)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -248,8 +239,8 @@ def _expand(func, q, size, implicit=False):
             "over new leading (batch) dims is supported"
         )
     if extra == 0:
-        return rebuild(q, q.inner, q.shape, stride=q.stride())
-    return same_owner(q, broadcast_batch(q, size[:extra]))
+        return alias(q)
+    return broadcast_batch(q, size[:extra])
 
 
 def _batched(func, a, b):

@@ -16,13 +16,13 @@ from ..core.tensor import QuantizedTensor
 from .layout_ops import (
     canonical_dims,
     cat_dim,
-    check_cuts,
     describe,
     matrix_dims,
     pad_end,
     rebuild,
     select_dim,
     slice_dim,
+    split_dim,
     transposed_dims,
 )
 
@@ -54,13 +54,7 @@ def _split(func, q, split_size, dim=0):
 
 @implements("aten::split_with_sizes")
 def _split_sizes(func, q, split_sizes, dim=0):
-    dim %= q.ndim
-    check_cuts(q, dim, split_sizes)
-    out, start = [], 0
-    for size in split_sizes:
-        out.append(slice_dim(q, dim, start, start + size))
-        start += size
-    return out
+    return split_dim(q, dim % q.ndim, split_sizes)
 
 
 @implements("aten::cat")

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 from ..core.dispatch import UnsupportedOpError, implements
 from ..core.tensor import contiguous_strides
-from . import writes
 from .layout_ops import (
     alias,
     canonical_dims,
     cat_dim,
     describe,
     flatten,
-    map_inner,
     rebatch,
-    rebuild,
     slice_dim,
+    transpose,
     unflatten,
-    view_of,
 )
 
 
@@ -33,6 +30,8 @@ def _alias(func, q, *args, **kwargs):
 
 @implements("aten::view", "aten::_unsafe_view")
 def _view(func, q, size):
+    if len(size) == 1 and q.ndim >= 2 and size[0] in (-1, q.numel()) and q.dims == canonical_dims(q.ndim):
+        return flatten(q)  # FSDP2's view(-1) of every sharded parameter, first
     size = list(size)
     if -1 in size:
         known = 1
@@ -101,27 +100,12 @@ def _as_strided(func, q, size, stride, storage_offset=None):
 
 @implements("aten::t")
 def _t(func, q):
-    return _transpose(func, q, 0, 1) if q.ndim == 2 else _alias(func, q)
+    return transpose(q, 0, 1) if q.ndim == 2 else alias(q)
 
 
 @implements("aten::transpose")
 def _transpose(func, q, dim0, dim1):
-    dim0, dim1 = dim0 % q.ndim, dim1 % q.ndim
-    if dim0 == dim1:
-        return _alias(func, q)
-
-    def swap(seq):
-        seq = list(seq)
-        seq[dim0], seq[dim1] = seq[dim1], seq[dim0]
-        return tuple(seq)
-
-    inner = map_inner(q, lambda t: view_of(t.transpose(dim0, dim1), t))
-    rels = tuple(swap(r) for r in q.rels)
-    out = rebuild(q, inner, swap(q.shape), rels=rels, dims=swap(q.dims), stride=swap(q.stride()))
-    writes.keep_shared(q, out)
-    # Kernels cache their prepared weight on the persistent tensor, not on this view.
-    out.__dict__["_transposed_from"] = q.__dict__.get("_transposed_from", q)
-    return out
+    return transpose(q, dim0, dim1)
 
 
 @implements("aten::permute")

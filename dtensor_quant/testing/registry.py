@@ -11,21 +11,34 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..core.format import QuantFormat
-from ..formats import NF4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Int4Groupwise, Int8Rowwise
+from ..formats import (
+    MXFP4,
+    NF4,
+    BnbNF4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+)
 
 FORMATS: dict[str, QuantFormat] = {
     "int8": Int8Rowwise(),
     "int4g32": Int4Groupwise(32),
     "int4g64": Int4Groupwise(64),
     "int4g128": Int4Groupwise(128),
+    "int4z128": Int4GroupwiseIntZero(128),  # integer zero points: AWQ, GPTQ, compressed-tensors asymmetric
     "nf4": NF4(),  # QLoRA's blocks: 64 values, 256 block scales per scaler factor
     "nf4b64s8": NF4(64, 8),  # on 512 columns: one scaler factor per row
     "nf4b32s16": NF4(32, 16),  # on 256 columns: a scaler factor spans 2 rows
     "nf4b32s4": NF4(32, 4),  # on 256 columns: 2 scaler factors per row
+    "bnbnf4": BnbNF4(),  # bitsandbytes' NF4 arithmetic on the same blocks (8-bit dynamic absmax codes)
     "f8row": Float8Rowwise(),
     "f8tensor": Float8Tensorwise(),
     "f8block32": Float8Blockwise(32),
     "f8block128": Float8Blockwise(128),
+    "mxfp4": MXFP4(),  # OCP microscaling: e2m1 codes, an e8m0 scale per 32 (compressed-tensors, gpt-oss)
 }
 
 

@@ -281,3 +281,45 @@ def test_missing_checkpoint_names_the_partial_save(tmp_path):
     (ckpt.staging_path(path) / "__0_0.distcp").write_bytes(b"half")
     with pytest.raises(FileNotFoundError, match=r"ckpt.partial holds the files of a save that did not complete"):
         ckpt.load(cc.reference(SEED, "int8"), str(path))
+
+
+def test_plain_dcp_load_of_another_format_says_the_bytes_were_written(tmp_path):
+    """Int8Rowwise and Float8Rowwise entries have the same names and shapes: DCP's planning lets them through and
+    copies int8 codes into the float8 qdata (DCP converts dtypes). dq.checkpoint.load refuses before reading;
+    plain dcp.load cannot be stopped before it writes (DCP has no hook between reading its metadata and writing
+    the tensors), so load_state_dict's refusal says that the parameter already holds the checkpoint's bytes."""
+    path = str(tmp_path / "ckpt")
+    ckpt.save(cc.reference(SEED, "int8"), path)
+    net = cc.reference(OTHER, "f8row")
+    before = {k: v.clone() for k, v in net.a.weight.inner.items()}
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"Int8Rowwise.*Float8Rowwise"):
+        ckpt.load(net, path)
+    assert all(torch.equal(net.a.weight.inner[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
+    sd = net.state_dict()
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"already written the checkpoint's bytes"):
+        net.load_state_dict(sd)
+
+
+def save_with_partial_on_rank1(path):
+    """Rank 1 alone holds a weight with no checkpoint form (Partial): rank 0 must not wait in DCP's collectives."""
+    from torch.distributed.tensor import Partial
+
+    net = cc.placed(SEED, "int8", "s0_2")
+    if rank() == 1:
+        w = net.a.weight
+        partial = DTensor.from_local(w.to_local(), w.device_mesh, [Partial()], run_check=False)
+        net.a.weight = torch.nn.Parameter(partial, requires_grad=False)
+    start = time.monotonic()
+    try:
+        ckpt.save(net, path)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "saved", "", time.monotonic() - start
+
+
+def test_a_save_refused_on_one_rank_raises_on_every_rank(ranks, tmp_path):
+    results = ranks(2).run(save_with_partial_on_rank1, str(tmp_path / "ckpt"), timeout=60)
+    for kind, msg, seconds in results:
+        assert kind == results[1][0] != "saved" and "Partial" in msg and seconds < 30, (kind, msg, seconds)
+    assert "rank 1 failed" in results[0][1]

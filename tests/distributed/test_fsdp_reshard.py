@@ -223,6 +223,33 @@ def test_plain_torch_fully_shard_after_install(ranks):
         assert gathers == [(torch.uint8, 2 * one_shard)], (gathers, one_shard)
 
 
+def torch_own_integer_reshard():
+    """With the patch removed (torch's own FSDP2 members back), an integer reshard of a quantized weight."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from dtensor_quant.fsdp import install_fsdp_post_forward_reshard
+
+    patch = install_fsdp_post_forward_reshard()
+    model, _ = quantized_model("int4g32", (16, 1536))
+    with patch.removed():
+        torch_fully_shard(model, mesh=mesh(4), reshard_after_forward=2)
+        x = weight((3, 1536), seed=2, dtype=torch.float32).requires_grad_()
+        try:
+            model(x).sum().backward()
+        except (AssertionError, NotImplementedError, RuntimeError) as e:
+            return type(e).__name__
+    return "no error"
+
+
+def test_torch_still_needs_the_reshard_patch(ranks):
+    """torch 2.13's own FSDP2 cannot keep a post-forward shard of a parameter with all-gather hooks.
+
+    The day torch can, this fails and fsdp/reshard_after_forward.py can go.
+    """
+    outcomes = ranks(4).run(torch_own_integer_reshard, timeout=120)
+    assert outcomes == ["AssertionError"] * 4, outcomes  # torch asserts one dense all-gather output
+
+
 # -- usage patterns: forward twice, no_grad forwards, accumulation, toggling ------------------------------
 
 

@@ -10,16 +10,24 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, nf4
+from dtensor_quant.formats import float8, int4_zero, nf4
 from dtensor_quant.testing import FORMATS, has_kernel, weight, where
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
 # dtensor_quant.native's one-token kernels (tests/test_fused_kernels.py): 1-4 bf16 tokens, AVX-512, a C++ compiler.
-FUSED = (dq.NF4, dq.Float8Rowwise, dq.Float8Tensorwise, dq.Float8Blockwise)
+FUSED = (
+    dq.NF4,
+    dq.BnbNF4,
+    dq.MXFP4,
+    dq.Int4GroupwiseIntZero,
+    dq.Float8Rowwise,
+    dq.Float8Tensorwise,
+    dq.Float8Blockwise,
+)
 
 
 def fused_kernels_here():
-    return nf4.kernel() is not None and float8.kernel() is not None
+    return all(k.kernel() is not None for k in (nf4, float8, int4_zero))
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -119,7 +119,7 @@ def test_parse_format():
     assert parse_format("int8") == dq.Int8Rowwise()
     assert parse_format("int4:64") == dq.Int4Groupwise(64)
     assert parse_format("Int4Groupwise(32)") == dq.Int4Groupwise(32)
-    with pytest.raises(ValueError, match="Int4Groupwise, Int8Rowwise"):
+    with pytest.raises(ValueError, match="Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise, MXFP4, NF4"):
         parse_format("int3")
 
 

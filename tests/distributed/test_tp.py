@@ -315,18 +315,26 @@ def cache_keys():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+    from dtensor_quant.dist.compile_key import PATCH
+
+    torch_key = PATCH.original(DTensor, "_stable_hash_for_caching")
     m, w = mesh(1), weight((256, 256), seed=3).to(torch.bfloat16)
-    out = []
+    ours, torchs = [], []
     for local in (w, dq.quantize(w, dq.Int8Rowwise()), dq.quantize(w, dq.Int4Groupwise(128))):
         spec = DTensorSpec(m, (Replicate(),), tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype))
-        out.append(DTensor(local, spec, requires_grad=False)._stable_hash_for_caching())
-    return out
+        dt = DTensor(local, spec, requires_grad=False)
+        ours.append(dt._stable_hash_for_caching())
+        torchs.append(torch_key(dt))
+    return ours, torchs
 
 
 def test_dtensor_cache_key_names_the_quantized_local(ranks):
-    """dtensor_quant.torch_fixes changes the key of a DTensor holding a QuantizedTensor, and only that key."""
-    from torch.distributed.tensor import DTensor as TorchDTensor
+    """dist/compile_key changes the key of a DTensor holding a QuantizedTensor, and only that key.
 
-    dense, int8, int4 = ranks(1).run(cache_keys)[0]
+    torch's own key (the patch's original) still ignores the local tensor: the day it does not, this
+    fails, and the patch can go.
+    """
+    (dense, int8, int4), (torch_dense, torch_int8, torch_int4) = ranks(1).run(cache_keys)[0]
     assert len({dense, int8, int4}) == 3, "two formats of the same weight share a compile-cache key"
-    assert TorchDTensor._stable_hash_for_caching.keys_quantized_local
+    assert dense == torch_dense, "a dense DTensor's key must stay torch's"
+    assert torch_dense == torch_int8 == torch_int4, "torch now keys a DTensor by its local tensor: drop the patch"

@@ -8,18 +8,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ...core.format import Reducer, weight_layout
 from ...core.layout import Blocked, OneToOne, Packed, inner_slice
+from ...core.notes import wrote
 from ...core.tensor import contiguous_strides
+from ...dist.agree import raise_together
 from ...dist.quantize import quantize
 from ...dist.shard_quant import MeshReducer, quantize_local
-from ...ops.writes import note_write
-from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
-from .match import plan
+from .match import Padded, plan
+from .prequantized import read as read_stored
 from .safetensors_io import Checkpoint
-from .tensors import local_slice, local_tensor
+from .tensors import agreement_scope, local_slice, local_tensor
 
 
 @dataclass
@@ -52,22 +52,70 @@ def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 <<
     when the format's statistics never span rows (its layout is not constant
     along dim 0); so a rank holds its shards plus one such run at a time.
     """
-    with Checkpoint(path) as ckpt:
-        tasks, missing, unexpected = plan(model, ckpt, strict)
+    what = f"dq.hf.load from {path}"
+    # Every check runs before the first write, and the ranks agree on its outcome: a checkpoint or a model
+    # that one rank finds wrong raises on every rank, and no rank waits in a collective of the load.
+    scope, _ = agreement_scope(model)  # the ranks that hold the model
+    ckpt = raise_together(lambda: Checkpoint(path), what=what, **scope)
+    with ckpt:
+        tasks, missing, unexpected = raise_together(lambda: plan(model, ckpt, strict), what=what, **scope)
         result = LoadResult(0, ckpt.header_bytes, ckpt.file_bytes, missing=missing, unexpected=unexpected)
+        reader = _Reader(ckpt)
         with torch.no_grad():
             for kind, key, src, t in tasks:
-                if kind == "prequantized":
-                    t.copy_(_read_prequantized(ckpt, key, src, t))
+                if kind == "prequantized":  # src: the StoredLayout
+                    t.copy_(read_stored(src, reader, key, t))
                     result.prequantized.append(key)
                 elif kind == "quantized":
-                    _load_quantized(ckpt, key, src, t, chunk_bytes)
+                    _load_quantized(reader, key, src, t, chunk_bytes)
                     result.quantized.append(key)
                 else:
-                    _load_dense(ckpt, src, t, chunk_bytes)
+                    _load_dense(reader, src, t, chunk_bytes)
                     result.dense.append(key)
+        raise_together(reader.raise_first, what=what, **scope)
         result.bytes_read = ckpt.bytes_read
     return result
+
+
+class _Reader:
+    """``Checkpoint``'s reads, where a failed read (a file changed after its headers were checked) gives zeros.
+
+    The loop above runs collectives (statistics shared by shards): a rank
+    that stopped at its first failed read would leave the others waiting in
+    them. It goes on with zeros instead, and every rank raises the first
+    error at the end. The headers were checked up front, so this takes a file
+    that is cut short or replaced while the load runs.
+    """
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.error = ckpt, None
+
+    def info(self, src):
+        return src if isinstance(src, Padded) else self.ckpt.info(src)
+
+    def read(self, key, offsets=None, lengths=None) -> torch.Tensor:
+        try:
+            if isinstance(key, Padded):
+                return self._read_padded(key, offsets, lengths)
+            return self.ckpt.read(key, offsets, lengths)
+        except (OSError, ValueError) as e:
+            self.error = self.error or e
+            info = self.info(key)
+            return torch.zeros(tuple(lengths) if lengths is not None else info.shape, dtype=info.dtype)
+
+    def _read_padded(self, src: Padded, offsets, lengths) -> torch.Tensor:
+        """The slice of the padded tensor: the checkpoint's part of it, zeros past the original size."""
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(src.shape)
+        lengths = tuple(lengths) if lengths is not None else src.shape
+        out = torch.zeros(lengths, dtype=src.dtype)
+        inside = [max(0, min(o + n, s) - o) for o, n, s in zip(offsets, lengths, src.stored)]
+        if all(inside):
+            out[tuple(slice(0, n) for n in inside)] = self.ckpt.read(src.key, offsets, inside)
+        return out
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def _row_runs(rows: int, row_bytes: int, align: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -76,7 +124,7 @@ def _row_runs(rows: int, row_bytes: int, align: int, chunk_bytes: int) -> list[t
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
-def _load_dense(ckpt: Checkpoint, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
+def _load_dense(ckpt: _Reader, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
     shape, offset = local_slice(t)
     local = local_tensor(t)
     if local.ndim == 0:
@@ -87,7 +135,7 @@ def _load_dense(ckpt: Checkpoint, src: str, t: torch.Tensor, chunk_bytes: int) -
         local[r0:r1].copy_(ckpt.read(src, (offset[0] + r0, *offset[1:]), (r1 - r0, *shape[1:])))
 
 
-def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
+def _load_quantized(ckpt: _Reader, key: str, src: str, t: torch.Tensor, chunk_bytes: int) -> None:
     """Quantize this rank's slice of ``src`` into ``t``: in runs of dim-0 indices, or whole.
 
     Runs along dim 0 (rows of a matrix, experts of a fused ``[E, out, in]``
@@ -120,23 +168,7 @@ def _load_quantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor, chunk
         for name, rels in layout.items():
             i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
             q.inner[name][i0:i1].copy_(part.inner[name])
-        note_write()  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
-
-
-def _read_prequantized(ckpt: Checkpoint, key: str, src: str, t: torch.Tensor) -> torch.Tensor:
-    """The stored inner tensors of ``src``, this rank's chunks, placed like ``t`` (no dequantization)."""
-    q, _, to_canonical, shape = canonical_view(t, key)
-    suffixes, entries = q.fmt.checkpoint_suffixes, {}
-    for name, rels in q.fmt.layout_for(shape).items():
-        k, g_shape = src + suffixes[name], entry_shape(rels, shape)
-        if isinstance(t, DTensor):
-            placements = entry_placements(t.placements, rels, to_canonical)
-            mesh = t.device_mesh
-            l_shape, l_off = compute_local_shape_and_global_offset(g_shape, mesh, placements)
-            entries[name] = _dtensor_like(ckpt.read(k, l_off, l_shape), t, placements, g_shape)
-        else:
-            entries[name] = ckpt.read(k)
-    return from_entries(entries, t, key)
+        wrote(q.notes)  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
 
 
 def _dtensor_like(local: torch.Tensor, like: DTensor, placements=None, shape=None) -> DTensor:

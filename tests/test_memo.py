@@ -1,12 +1,12 @@
-"""The fast path (dtensor_quant.fastpath) gives what the ordinary handlers give.
+"""Memoised decisions (dtensor_quant.core.memo) give what deciding on every call gives.
 
-Bit for bit and annotation for annotation.
+Bit for bit and note for note.
 
-Plans are keyed by layout; these tests interleave many layouts, shapes,
-strides and annotations of the same ops (so a stale or shared plan would
-show) and compare every result with the same op run with the fast path off:
-inner bytes, inner views (storage, offset, strides), relations, orientation,
-logical shape and strides, and the annotations later ops read.
+Decisions are keyed by layout; these tests interleave many layouts, shapes,
+strides and notes of the same ops (so a stale or shared decision would show)
+and compare every result with the same op run with the memo off: inner
+bytes, inner views (storage, offset, strides), relations, orientation,
+logical shape and strides, and the notes later ops read.
 """
 
 import random
@@ -15,16 +15,12 @@ import pytest
 import torch
 
 import dtensor_quant as dq
+from dtensor_quant.core import memo
 from dtensor_quant.core.layout import LayoutError, Opaque
-from dtensor_quant.core.padded_rows import PADDED_ROWS
 from dtensor_quant.core.tensor import QuantizedTensor
-from dtensor_quant.dist import fastpath
-from dtensor_quant.ops import writes
-from dtensor_quant.ops.layout_ops import VIEW_OF
 from dtensor_quant.testing import pick
 
 FORMATS = list(pick("int8", "int4g32", "int4g64", "nf4b32s4", "f8row", "f8tensor").values())
-ANNOTATIONS = (writes.SHARED, writes.FACTORY, PADDED_ROWS, "_transposed_from")
 
 
 def _weight(shape, seed):
@@ -62,14 +58,14 @@ def _same_tensor(a, b, what, same_objects=True):
         assert a.device == b.device and a.requires_grad == b.requires_grad, what
         for name in a.fmt.inner_names:
             _same_tensor(getattr(a, name), getattr(b, name), f"{what}.{name}", same_objects)
-        for k in ANNOTATIONS:
-            va, vb = a.__dict__.get(k, "absent"), b.__dict__.get(k, "absent")
-            if isinstance(va, torch.Tensor) and not same_objects:
-                assert isinstance(vb, torch.Tensor) and va.data_ptr() == vb.data_ptr(), f"{what}: annotation {k}"
-            else:
-                assert (va is vb) if isinstance(va, torch.Tensor) else (va == vb), (
-                    f"{what}: annotation {k}: {va!r} vs {vb!r}"
-                )
+        na, nb = a.notes, b.notes
+        assert na.shared_outside == nb.shared_outside, f"{what}: notes.shared_outside"
+        assert (na.narrowed_from, na.from_factory) == (nb.narrowed_from, nb.from_factory), f"{what}: notes"
+        if same_objects:  # results of the same input: views of the same bytes, made from the same weight
+            assert (na.bytes is nb.bytes) or (na.bytes is not None and nb.bytes is not None), f"{what}: bytes"
+            assert na.weight is nb.weight, f"{what}: notes.weight"
+        else:
+            assert (na.weight is None) == (nb.weight is None), f"{what}: notes.weight"
         return
     assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), what
     assert a.data_ptr() == b.data_ptr() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), what
@@ -77,11 +73,6 @@ def _same_tensor(a, b, what, same_objects=True):
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), what
     else:
         assert a.storage_offset() == b.storage_offset(), what
-    oa, ob = a.__dict__.get(VIEW_OF), b.__dict__.get(VIEW_OF)
-    if same_objects:
-        assert oa is ob, f"{what}: view owner"
-    else:  # results of separately made intermediates: owners of the same bytes
-        assert (oa is None) == (ob is None) and (oa is None or oa.data_ptr() == ob.data_ptr()), f"{what}: view owner"
 
 
 def _ops(q):
@@ -129,23 +120,23 @@ def _real_width_inputs():
     return out
 
 
-def test_fast_path_equals_the_handlers_across_interleaved_layouts():
+def test_memoised_decisions_equal_fresh_ones_across_interleaved_layouts():
     _check_interleaved(_inputs())
 
 
-def test_fast_path_equals_the_handlers_at_real_widths():
+def test_memoised_decisions_equal_fresh_ones_at_real_widths():
     _check_interleaved(_real_width_inputs())
 
 
 def _check_interleaved(inputs):
-    fastpath.clear()
+    memo.clear()
     cases = [(q, name, fn) for q in inputs for name, fn in _ops(q)]
     random.Random(0).shuffle(cases)
-    assert fastpath.ENABLED
-    hits_before = None
-    for rnd in range(3):  # the first round makes the plans, the later ones replay them
+    assert memo.ENABLED
+    decided = None
+    for rnd in range(3):  # the first round decides, the later ones look the decisions up
         for q, name, fn in cases:
-            with fastpath.disabled():
+            with memo.disabled():
                 want, want_err = _outcome(fn, q)
             got, got_err = _outcome(fn, q)
             what = f"round {rnd}, {name} of {q!r}"
@@ -158,18 +149,18 @@ def _check_interleaved(inputs):
                 else:
                     _same_tensor(got, want, what)
         if rnd == 0:
-            hits_before = len(fastpath.plans())
-    assert hits_before and len(fastpath.plans()) == hits_before  # replays made no new plans
+            decided = len(memo.keys())
+    assert decided and len(memo.keys()) == decided  # the later rounds decided nothing anew
 
 
-def test_fast_path_results_chain_like_the_handlers():
-    """Results of fast ops fed to further ops (t of a t, split of a gathered alias, mm after t) stay exact."""
-    fastpath.clear()
+def test_memoised_results_chain_like_fresh_ones():
+    """Results fed to further ops (t of a t, split of an alias, mm after t) stay exact."""
+    memo.clear()
     x = _weight((3, 256), 9)
     for fmt in FORMATS:
         q = dq.quantize(_weight((64, 256), 1), fmt)
         for _ in range(3):
-            with fastpath.disabled():
+            with memo.disabled():
                 want = [q.t().t().detach(), q.detach().split(16, 0)[1].t(), torch.nn.functional.linear(x, q)]
             got = [q.t().t().detach(), q.detach().split(16, 0)[1].t(), torch.nn.functional.linear(x, q)]
             _same_tensor(got[0], want[0], f"{fmt} t.t.detach", same_objects=False)
@@ -177,8 +168,8 @@ def test_fast_path_results_chain_like_the_handlers():
             assert torch.equal(got[2], want[2]), f"{fmt} linear"
 
 
-def test_in_place_writes_reach_fast_views_and_kernels():
-    """A copy_ into a weight changes what its fast views and linear see (no result is cached, only decisions)."""
+def test_in_place_writes_reach_views_and_kernels():
+    """A copy_ into a weight changes what its views and linear see (no result is memoised, only decisions)."""
     x = _weight((2, 256), 3)
     for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(32)):
         a, b = dq.quantize(_weight((64, 256), 4), fmt), dq.quantize(_weight((64, 256), 5), fmt)
@@ -193,29 +184,30 @@ def test_in_place_writes_reach_fast_views_and_kernels():
 def test_flattened_views_stay_distinct_grids():
     """Two view(-1) results whose flatten does not follow the flat index never compare as one grid.
 
-    The handler makes them that way.
+    Each result gets an Opaque of its own, memoised or not.
     """
     q = dq.quantize(_weight((64, 256), 6), dq.NF4(32, 4))[:, :64]  # its factors then do not follow the flat index
     for _ in range(3):
         a, b = q.view(-1), q.view(-1)
         opaque = [i for i, row in enumerate(a.rels) if isinstance(row[0], Opaque)]
         assert opaque and all(a.rels[i][0] is not b.rels[i][0] for i in opaque)
-        with fastpath.disabled(), pytest.raises(LayoutError) as slow:
+        with memo.disabled(), pytest.raises(LayoutError) as fresh:
             a.copy_(b)
-        with pytest.raises(LayoutError) as fast:
+        with pytest.raises(LayoutError) as memoised:
             a.copy_(b)
-        assert str(fast.value) == str(slow.value)
+        assert str(memoised.value) == str(fresh.value)
 
 
 def test_switch_off():
-    assert fastpath.ENABLED
-    with fastpath.disabled():
-        assert not fastpath.ENABLED
-        assert (
-            fastpath.run(torch.ops.aten.t.default, (dq.quantize(_weight((16, 64), 0), dq.Int8Rowwise()),), {})
-            is NotImplemented
-        )
-    assert fastpath.ENABLED
+    q = dq.quantize(_weight((16, 64), 0), dq.Int8Rowwise())
+    memo.clear()
+    with memo.disabled():
+        assert not memo.ENABLED
+        q.t()
+        assert memo.keys() == []
+    assert memo.ENABLED
+    q.t()
+    assert [k[0] for k in memo.keys()] == ["transpose"]
 
 
 @pytest.mark.parametrize("fmt", [dq.Int4Groupwise(64), dq.NF4(64, 4)])
@@ -226,31 +218,28 @@ def test_misaligned_split_raises_on_every_call(fmt):
             q.split(100, 1)
 
 
-def test_deferred_transposes_are_the_handlers_wherever_first_read():
-    """A fast ``t()`` makes its inner transposes on first read (tensor.PENDING): read after the
-    weight's bytes change, under a dispatch mode or with grad on, they are still the handler's views.
+def test_deferred_transposes_are_the_same_views_wherever_first_read():
+    """``t()`` makes its inner transposes on first read (``Notes.pending``): read after the weight's
+    bytes change, under a dispatch mode or with grad on, they are still the views made at once.
     Not deferred where an inner name is also a Tensor attribute (NF4's ``mean``): it would read as
     the method."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dtensor_quant.core.tensor import PENDING
 
     x = _weight((2, 256), 3)
     for fmt in FORMATS:
         q, other = dq.quantize(_weight((64, 256), 1), fmt), dq.quantize(_weight((64, 256), 2), fmt)
         deferred = not any(hasattr(torch.Tensor, n) for n in fmt.inner_names)
-        q.t()  # makes the plan
-        with fastpath.disabled():
-            want = q.t()
+        want = q.t()
+        want.inner  # noqa: B018  (made now)
         torch.nn.functional.linear(x, q)
         views = [q.t() for _ in range(3)]
-        assert all((PENDING in v.__dict__) == deferred for v in views), fmt
+        assert all((v.notes.pending is not None) == deferred for v in views), fmt
         with FakeTensorMode():
             first = getattr(views[0], fmt.inner_names[-1])
         with torch.enable_grad():
             second = getattr(views[1], fmt.inner_names[-1])
         assert type(first) is torch.Tensor and type(second) is torch.Tensor, fmt
-        assert not any(PENDING in v.__dict__ for v in views[:2]), fmt
+        assert not any(v.notes.pending is not None for v in views[:2]), fmt
         for v in views:
             _same_tensor(v, want, f"{fmt} deferred t()")
             assert all(getattr(v, n)._base is None for n in fmt.inner_names), fmt  # as made inside dispatch
@@ -265,7 +254,6 @@ def test_deferred_transpose_read_from_several_threads():
     import threading
 
     q = dq.quantize(_weight((64, 256), 1), dq.Int8Rowwise())
-    q.t()  # makes the plan
     want = q.dequantize().t()
     errors, wrong = [], []
 
