@@ -136,7 +136,7 @@ class ShardLink:
                     f"the weight holds {tuple(dst.shape)}:{dst.dtype}"
                 )
             pairs.append((dst, src))
-        writes.write_inner(pairs)
+        writes.write_inner(q, pairs)
         self.state.step += 1
 
 

@@ -187,7 +187,7 @@ class AdamW(torch.optim.Optimizer):
         else:  # a stack of matrices (experts): the library's per-matrix math
             fresh = quantize_local(fmt, values, reduce, tuple(state.shape))
             pairs = [(getattr(local, n), getattr(fresh, n)) for n in local.fmt.inner_names]
-        writes.write_inner(pairs)
+        writes.write_inner(local, pairs)
 
     def moment_seeds(self, index: int) -> tuple[int, int]:
         """The stochastic-rounding seeds of the two moments of the ``index``-th parameter (in param_groups order)."""
