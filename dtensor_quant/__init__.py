@@ -6,7 +6,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 import sys as _sys
 
-from . import checkpoint, dist, fsdp, model, ops  # noqa: F401  (ops and dist register their handlers)
+from . import checkpoint, dist, fsdp, model, ops, optim  # noqa: F401  (ops and dist register their handlers)
 from ._compat import install as _install_old_paths
 from ._compat import old_attribute as __getattr__  # noqa: F401  (dq.<moved module>, deprecated)
 from .checkpoint import hf, state_dict
@@ -22,6 +22,8 @@ from .dist.quantize import quantize
 from .formats import (
     MXFP4,
     NF4,
+    BlockFloat8,
+    BlockLog4,
     BnbNF4,
     Float8Blockwise,
     Float8Rowwise,
@@ -31,7 +33,7 @@ from .formats import (
     Int8Rowwise,
 )
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
-from .model import interop, lora
+from .model import interop, lora, trainable
 from .model.padding import pad_for_tp
 from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
 from .model.quantize_model import quantize_
@@ -46,6 +48,7 @@ _PUBLIC_MODULES = {
     "wire": wire,
     "interop": interop,
     "lora": lora,
+    "trainable": trainable,
 }
 for _name, _module in _PUBLIC_MODULES.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
@@ -56,6 +59,8 @@ _install_old_paths()
 __all__ = [
     "MXFP4",
     "NF4",
+    "BlockFloat8",
+    "BlockLog4",
     "Blocked",
     "BnbNF4",
     "Constant",
@@ -88,9 +93,11 @@ __all__ = [
     "legal_mesh_sizes",
     "lora",
     "model",
+    "optim",
     "pad_for_tp",
     "quantize",
     "quantize_",
     "state_dict",
+    "trainable",
     "wire",
 ]

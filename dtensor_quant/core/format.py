@@ -40,6 +40,7 @@ import functools
 import torch
 
 from .layout import Blocked, OneToOne, Relation
+from .stochastic import Noise
 
 
 class Reducer:
@@ -117,6 +118,25 @@ class QuantFormat:
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def quantize_stochastic(
+        self, weight: torch.Tensor, reduce: Reducer, noise: Noise, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor] | None:
+        """``quantize`` with stochastic rounding of the codes; None (the default): the format has none.
+
+        What a trainable weight (``quantize_(..., trainable=True)``) needs to
+        be updated in place. ``weight`` holds float32 values of a weight of
+        logical dtype ``dtype`` (statistics and scales are computed and stored
+        as ``quantize`` does for a ``dtype`` weight). ``noise.uniform()`` is
+        float32 of the same shape, uniform in ``[0, 1)`` (a
+        :class:`~dtensor_quant.core.stochastic.Noise`: a kernel may draw the same
+        numbers itself): a value a fraction ``f`` of the way from one code to
+        the next rounds to the farther one with probability ``f``, chosen by its
+        noise alone (``floor(x + noise)`` on an integer grid), so the rounding
+        is unbiased and a value on a code stays there. Statistics go through
+        ``reduce`` as in ``quantize``.
+        """
+        return None
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Dense values from the inner tensors of a canonical ``[out, in]`` weight or shard.

@@ -172,6 +172,8 @@ def scaled_into(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     if out.dtype == scale.dtype and out.dtype in _EXACT_PRODUCT_DTYPES:
         out.copy_(qdata)
         out.mul_(scale)
+    elif out.dtype == torch.float32 and not qdata.dtype.is_floating_point:
+        torch.mul(qdata, scale.float(), out=out)  # the same float32 product, in one pass
     else:
         out.copy_(qdata.float() * scale.float())
 

@@ -36,6 +36,39 @@ def _quantize(weight: torch.Tensor, amax: torch.Tensor, scale_dtype=None) -> dic
     return {"qdata": q, "scale": scale}
 
 
+def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise, dtype) -> dict:
+    """``_quantize`` with each code rounded at random between its two e4m3 neighbours (scale in ``dtype``).
+
+    The nearest code decides which neighbours bracket the value (e4m3fn magnitudes
+    are ordered like their 7 low bits); the value rounds to the upper one with
+    probability its distance from the lower one over the gap.
+    """
+    scale = safe_scale(amax, _E4M3_MAX, dtype)
+    x = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX)
+    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    sign, mag = bits & 0x80, (bits & 0x7F).long()
+    table = _magnitudes(x.device)
+    ax, av = x.abs(), table[mag]
+    lo = torch.where(av > ax, (mag - 1).clamp_(min=0), mag)  # the code at or below |x|
+    hi = torch.where(av < ax, (mag + 1).clamp_(max=0x7E), mag)  # the code at or above |x|
+    lo_v, hi_v = table[lo], table[hi]
+    up = noise.uniform() < (ax - lo_v) / (hi_v - lo_v)  # False where |x| is on a code (0 / 0 is NaN)
+    out = (torch.where(up, hi, lo).to(torch.uint8) | sign).view(torch.float8_e4m3fn)
+    out = torch.where(x.isnan(), x.to(torch.float8_e4m3fn), out)  # NaN stays NaN
+    return {"qdata": out, "scale": scale}
+
+
+_MAGNITUDES: dict[str, torch.Tensor] = {}
+
+
+def _magnitudes(device) -> torch.Tensor:
+    """float32 value of each e4m3fn magnitude code 0..127 (127 is NaN)."""
+    key = str(device)
+    if key not in _MAGNITUDES:
+        _MAGNITUDES[key] = torch.arange(128, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+    return _MAGNITUDES[key]
+
+
 def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype, scale_dtype=None) -> torch.Tensor:
     values = inner["qdata"].float() * inner["scale"].float()
     return (values.to(scale_dtype) if scale_dtype else values).to(dtype)
@@ -194,6 +227,10 @@ class Float8Rowwise(QuantFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"), self.scale_dtype)
 
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
+        return _quantize_stochastic(weight, amax, noise, self.scale_dtype or dtype)
+
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype, self.scale_dtype)
 
@@ -233,6 +270,10 @@ class Float8Tensorwise(QuantFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
         return _quantize(weight, reduce(amax, "max", "scale"), self.scale_dtype)
+
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
+        return _quantize_stochastic(weight, reduce(amax, "max", "scale"), noise, self.scale_dtype or dtype)
 
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype, self.scale_dtype)

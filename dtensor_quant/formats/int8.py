@@ -22,7 +22,8 @@ import torch
 from ..core import native
 from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
-from ..core.reductions import block_reduce, safe_scale, scaled_into
+from ..core.reductions import block_reduce, canonical_nan, safe_scale, scaled_into
+from ..core.stochastic import NOISE_SOURCE, Noise
 
 _QMAX = 127
 # torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower
@@ -35,6 +36,185 @@ def _has_kernel(device_type: str) -> bool:
         return True
     key = {"cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
+
+
+# floor(u + w / s) clamped to +-127 (NaN to 0) with u the hash noise of each element's global index:
+# the torch expression of quantize_stochastic in one pass, the same bits (addcdiv divides, then adds).
+_SR_SOURCE = r"""
+static inline int8_t dq_sr_code(float w, float s, float u) {
+    float v = std::floor(u + w / s);
+    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+    return v == v ? int8_t(v) : 0;
+}
+
+// 8 codes a step: the same divide, add, floor and clamp in vector lanes.
+__attribute__((target("avx2")))
+static void dq_sr_row_avx2(const float* w, float s, int8_t* o, int64_t n, uint32_t key, uint64_t first, bool wide) {
+    const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 u = dq_noise8(key, first + uint64_t(c), wide);
+        __m256 v = _mm256_floor_ps(_mm256_add_ps(u, _mm256_div_ps(_mm256_loadu_ps(w + c), sv)));
+        const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+        v = _mm256_blendv_ps(v, _mm256_setzero_ps(), nan);
+        const __m256i q = _mm256_cvttps_epi32(v);
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), _mm_packs_epi16(q16, q16));
+    }
+    for (; c < n; ++c) o[c] = dq_sr_code(w[c], s, dq_noise(key, first + uint64_t(c), wide));
+}
+
+void kernel(const float* w, const float* scale, int8_t* out, int64_t rows, int64_t cols, int64_t key,
+            int64_t row0, int64_t col0, int64_t gcols, int64_t wide, int64_t* level) {
+    const bool avx2 = __builtin_cpu_supports("avx2");
+    *level = 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float s = scale[r];
+        const uint64_t first = uint64_t(row0 + r) * uint64_t(gcols) + uint64_t(col0);
+        const float* wr = w + r * cols;
+        int8_t* o = out + r * cols;
+        if (avx2) {
+            dq_sr_row_avx2(wr, s, o, cols, uint32_t(key), first, wide != 0);
+        } else {
+            for (int64_t c = 0; c < cols; ++c) {
+                o[c] = dq_sr_code(wr[c], s, dq_noise(uint32_t(key), first + uint64_t(c), wide != 0));
+            }
+        }
+    }
+}
+"""
+_SR_ARGTYPES = ["const float*", "const float*", "int8_t*"] + ["int64_t"] * 7 + ["int64_t*"]
+
+
+def _sr_probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, torch.empty(0, dtype=torch.int8), 0, 0, 0, 0, 0, 1, 0, level)
+    return int(level)
+
+
+def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.Tensor | None:
+    """The stochastically rounded int8 codes of float32 ``weight`` ``[rows, cols]`` with float32 row ``scale``
+    from the C++ kernel, or None where it cannot run (given noise values, not the CPU, no compiler)."""
+    if noise.values is not None or weight.device.type != "cpu" or weight.ndim != 2 or len(noise.offsets) != 2:
+        return None
+    loaded = native.load("int8_stochastic", NOISE_SOURCE + _SR_SOURCE, _SR_ARGTYPES, _sr_probe)
+    if loaded is None:
+        return None
+    run, _ = loaded
+    w, s = weight.contiguous(), scale.reshape(-1).contiguous()
+    out = torch.empty(w.shape, dtype=torch.int8)
+    row0, col0 = noise.offsets
+    run(
+        w,
+        s,
+        out,
+        w.shape[0],
+        w.shape[1],
+        noise.key,
+        row0,
+        col0,
+        noise.global_shape[1],
+        int(noise.wide),
+        native.level_out(),
+    )
+    return out
+
+
+# Two one-pass helpers of the training path, the bits of their torch expressions: each row's largest |w| (NaN
+# if any; ``block_reduce(w.abs(), 1, None, "max")``) and float32 values ``float(q) * s`` (``unpack`` into float32).
+_ROWS_SOURCE = r"""
+__attribute__((target("avx2")))
+static float dq_row_absmax_avx2(const float* x, int64_t n) {
+    __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        acc = _mm256_max_ps(acc, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float m = j > 0 ? 0.0f : -INFINITY;
+    for (int l = 0; l < 8 && j > 0; ++l) m = lanes[l] > m ? lanes[l] : m;
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; j < n; ++j) {
+        const float t = std::fabs(x[j]);
+        if (t != t) any_nan = true;
+        else if (t > m) m = t;
+    }
+    return any_nan ? NAN : m;
+}
+
+void row_absmax(const float* x, float* out, int64_t rows, int64_t cols, int64_t* level) {
+    const bool avx2 = __builtin_cpu_supports("avx2");
+    *level = 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * cols;
+        if (avx2) {
+            out[r] = dq_row_absmax_avx2(xr, cols);
+            continue;
+        }
+        float m = -INFINITY;
+        bool nan = false;
+        for (int64_t j = 0; j < cols; ++j) {
+            const float t = std::fabs(xr[j]);
+            if (t != t) nan = true;
+            else if (t > m) m = t;
+        }
+        out[r] = nan ? NAN : m;
+    }
+}
+
+void dequant(const int8_t* q, const float* scale, float* out, int64_t rows, int64_t cols, int64_t* level) {
+    *level = 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float s = scale[r];
+        for (int64_t j = 0; j < cols; ++j) out[r * cols + j] = float(q[r * cols + j]) * s;
+    }
+}
+"""
+
+
+def _rows_kernel(name: str):
+    if name == "row_absmax":
+        signature, call, args = "(const float* x, float* o, int64_t r, int64_t c, int64_t* l)", "(x, o, r, c, l)", [
+            "const float*", "float*", "int64_t", "int64_t", "int64_t*"]  # fmt: skip
+    else:
+        signature, call, args = (
+            "(const int8_t* q, const float* s, float* o, int64_t r, int64_t c, int64_t* l)",
+            "(q, s, o, r, c, l)",
+            ["const int8_t*", "const float*", "float*", "int64_t", "int64_t", "int64_t*"],
+        )
+    source = _ROWS_SOURCE + f"\nvoid kernel{signature} {{ {name}{call}; }}\n"
+
+    def probe(kernel) -> int:
+        level = native.level_out()
+        empty = torch.empty(0)
+        if name == "row_absmax":
+            kernel(empty, empty, 0, 0, level)
+        else:
+            kernel(torch.empty(0, dtype=torch.int8), empty, empty, 0, 0, level)
+        return int(level)
+
+    return native.load(f"int8_{name}", source, args, probe)
+
+
+def _row_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """Each row's largest ``|w|`` as float32 ``[rows, 1]``, NaN where the row has one."""
+    loaded = _rows_kernel("row_absmax") if weight.device.type == "cpu" and weight.ndim == 2 else None
+    if loaded is None:
+        return block_reduce(weight.abs(), 1, None, "max")
+    w = weight.float().contiguous()
+    out = torch.empty((w.shape[0], 1), dtype=torch.float32)
+    loaded[0](w, out, w.shape[0], w.shape[1], native.level_out())
+    return canonical_nan(out)
+
+
+def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's ``amax / 127`` in ``dtype`` (rows cut into column shards reduce their maxima)."""
+    return safe_scale(reduce(_row_absmax(weight), "max", "scale"), _QMAX, dtype)
 
 
 @dataclass(frozen=True)
@@ -54,9 +234,20 @@ class Int8Rowwise(QuantFormat):
     __repr__ = compact_repr
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
-        scale = safe_scale(amax, _QMAX, self.scale_dtype or weight.dtype)
+        scale = _scale(weight, reduce, self.scale_dtype or weight.dtype)
         q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
+        return {"qdata": q, "scale": scale}
+
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        """``floor(noise + w / scale)``: the scale of ``quantize``, the codes rounded at random.
+
+        On the CPU a kernel draws the noise and rounds in one pass (:func:`sr_codes`); the same bits.
+        """
+        scale = _scale(weight, reduce, self.scale_dtype or dtype)
+        q = sr_codes(weight.float(), scale.float(), noise)
+        if q is None:
+            q = torch.addcdiv(noise.uniform(), weight.float(), scale.float()).floor_().clamp_(-_QMAX, _QMAX)
+            q = q.nan_to_num_(0.0).to(torch.int8)
         return {"qdata": q, "scale": scale}
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -66,7 +257,13 @@ class Int8Rowwise(QuantFormat):
     def unpack(self, inner, out):
         if self.scale_dtype is not None and out.dtype != self.scale_dtype:
             return unpack_through(self, inner, out, self.scale_dtype)
-        scaled_into(inner["qdata"], inner["scale"], out)
+        q, scale = inner["qdata"], inner["scale"]
+        loaded = _rows_kernel("dequant") if out.dtype == torch.float32 and out.device.type == "cpu" else None
+        if loaded is not None and out.is_contiguous() and out.ndim == 2:
+            q, s = q.contiguous(), scale.float().reshape(-1).contiguous()
+            loaded[0](q, s, out, out.shape[0], out.shape[1], native.level_out())
+            return True
+        scaled_into(q, scale, out)
         return True
 
     def prepare(self, inner):
