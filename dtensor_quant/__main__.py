@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.planner)."""
+"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.model.planner)."""
 
 from __future__ import annotations
 
