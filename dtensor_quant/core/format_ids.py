@@ -41,5 +41,6 @@ def format_from_id(fid: int) -> QuantFormat:
     except KeyError:
         raise ValueError(
             f"dtensor_quant: unknown format id {fid}. Ids are registered by "
-            "dtensor_quant.core.format_ids.format_id(fmt) (every quantize and every op on a quantized tensor calls it); register the format first."
+            "dtensor_quant.core.format_ids.format_id(fmt) (every quantize and every op on a quantized tensor "
+            "calls it); register the format first."
         ) from None
