@@ -15,6 +15,7 @@ rows), with few rows.
 
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,6 +239,30 @@ def test_kernel_sources_ship_with_the_package():
         assert module.KERNEL_SOURCE.is_file() and module.KERNEL_SOURCE.suffix == ".cpp"
         text = native.source(module.KERNEL_SOURCE)
         assert "dq_bf16_rne" in text and '#include "native_prelude.h"' not in text
+
+
+def test_every_kernel_source_resolves_and_the_training_kernels_build():
+    """Every .cpp in the package inlines all its headers (beside it, then beside core/native.py), and the training
+    paths' kernels build and run here: a build failure there only warns and takes the torch expressions (the same
+    bits), so nothing else would notice that the kernels stopped running."""
+    from dtensor_quant.core import stochastic
+    from dtensor_quant.formats import block_states, int8
+
+    package = Path(dq.__file__).parent
+    sources = sorted(package.rglob("*.cpp"))
+    assert len(sources) >= 10, sources
+    for path in sources:
+        text = native.source(path)
+        assert '#include "' not in text, f"{path.name}: a header was not found"
+        assert "void kernel(" in text, f"{path.name}: no entry point"
+    if not native.enabled():
+        pytest.skip("DTENSOR_QUANT_NATIVE=0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", native.KernelUnavailableWarning)
+        assert stochastic._kernel() is not None
+        assert native.load("int8_stochastic", int8.SR_KERNEL_SOURCE, int8._SR_ARGTYPES, int8._sr_probe) is not None
+        assert int8._rows_kernel("row_absmax") is not None and int8._rows_kernel("values") is not None
+        assert block_states._bf8_kernel("quantize") is not None and block_states._bf8_kernel("unpack") is not None
 
 
 def test_kernel_inputs_are_built_by_the_first_call_that_runs_a_kernel(monkeypatch):
