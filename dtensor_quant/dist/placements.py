@@ -11,6 +11,7 @@ others in their next collective.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 
@@ -113,6 +114,8 @@ def bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
         end = -(-first // cuts[0][1])
         if end < first and end % factor:
             return end
+    if len(cuts) == 2 and isinstance(cuts[0][0], _StridedShard) and type(cuts[1][0]) is Shard:
+        return _strided_bad_cut(length, cuts[0][0].split_factor, cuts[0][1], cuts[1][1], factor)
     for piece in shard_pieces(length, cuts):
         prev = None
         for s, e in piece:
@@ -120,6 +123,46 @@ def bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
                 return s
             prev = e
     return None
+
+
+def _strided_bad_cut(length: int, split: int, dp: int, tp: int, factor: int) -> int | None:
+    """:func:`bad_cut` for FSDP2 + TP's ``(_StridedShard(split_factor=split), dp), (Shard, tp)`` on one dim.
+
+    The uneven case (``length`` not a multiple of ``tp``) that ``_contiguous``
+    cannot give as one range per shard, without listing every shard's
+    ranges: dp shard ``i`` holds piece ``i`` of each of the ``split`` chunks
+    (at most ``split`` ranges); its tp chunks start at positions of that
+    concatenation, each mapped back to a global index by a prefix sum. A run
+    starts at each tp chunk's first index and wherever a range does not
+    continue the one before it. ``O(dp * (split + tp))`` instead of the
+    ``O(dp * tp * split)`` lists of :func:`shard_pieces` (a 70B model's
+    planner meets this for every uneven tp at dp up to 512).
+    """
+    firsts = _chunks(length, split)
+    for i in range(dp):
+        ranges = []
+        for fa, fb in firsts:
+            a, b = _chunks(fb - fa, dp)[i]
+            if a < b:
+                ranges.append((fa + a, fa + b))
+        starts, total = [], 0
+        for s, e in ranges:
+            starts.append(total)
+            total += e - s
+        candidates = [(starts[r], s) for r, (s, _) in enumerate(ranges) if r == 0 or s != ranges[r - 1][1]]
+        for a, b in _chunks(total, tp):
+            if a < b:
+                r = bisect.bisect_right(starts, a) - 1
+                candidates.append((a, ranges[r][0] + a - starts[r]))
+        bad = [g for _, g in sorted(candidates) if g % factor]
+        if bad:
+            return bad[0]
+    return None
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunks(length: int, pieces: int) -> tuple[tuple[int, int], ...]:
+    return tuple(chunk_boundaries(length, pieces))
 
 
 def check_placements(
