@@ -34,6 +34,7 @@ from .model import interop, lora
 from .model.padding import pad_for_tp
 from .model.quantize_model import quantize_
 from .model.tp_plan import adapt_tp_plan
+from .model.vocab_padding import pad_vocab_for_tp
 
 # The public modules that live in a layer folder keep their documented names: ``import
 # dtensor_quant.hf``, ``from dtensor_quant.lora import add_lora_`` and ``dq.wire.record()``.
@@ -84,6 +85,7 @@ __all__ = [
     "lora",
     "model",
     "pad_for_tp",
+    "pad_vocab_for_tp",
     "quantize",
     "quantize_",
     "state_dict",

@@ -154,7 +154,7 @@ def pad_for_tp(
             plans.append((fqn, module, gate, up, down, inter, padded))
     new = {}
     for fqn, _module, gate, up, down, _inter, padded in plans:  # compute every new weight before changing any
-        new[fqn] = [_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
+        new[fqn] = [zero_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
     done = {}
     for fqn, module, gate, up, down, inter, padded in plans:
         for lin, w in zip((gate, up, down), new[fqn]):
@@ -171,8 +171,12 @@ def pad_for_tp(
     return done
 
 
-def _padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Tensor:
-    """``w`` with zeros appended along ``dim`` up to ``length``: dense by F.pad, quantized by whole new blocks."""
+def zero_padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Tensor:
+    """``w`` with zeros appended along ``dim`` up to ``length``: dense by F.pad, quantized by whole new blocks.
+
+    Raises ``ValueError`` (``where`` names the weight) when a quantized
+    weight cannot be padded without changing its original blocks.
+    """
     w = w.detach()
     amount = length - w.shape[dim]
     if not isinstance(w, QuantizedTensor):

@@ -131,7 +131,8 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
         if suffixes is not None and not dense_float:
             kind = "prequantized"
             if key in unpadded:
-                errors.append(f"{key}: a weight padded by pad_for_tp is not read as stored ({describe(t)})")
+                errors.append(f"{key}: a weight padded by pad_for_tp or pad_vocab_for_tp is not read as stored "
+                              f"({describe(t)}); load a dense checkpoint into it")  # fmt: skip
             errors += _check_prequantized(key, t, src, ckpt, suffixes)
             used.update(src + s for s in suffixes.values())
         elif (is_quantized(t) and not dense_float) or (companions and not dense_float):
