@@ -6,7 +6,7 @@ logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
 
 import sys as _sys
 
-from . import checkpoint, dist, fsdp, model, ops  # noqa: F401  (ops and dist register their handlers)
+from . import checkpoint, dist, fsdp, model, ops, optim  # noqa: F401  (ops and dist register their handlers)
 from ._compat import install as _install_old_paths
 from ._compat import old_attribute as __getattr__  # noqa: F401  (dq.<moved module>, deprecated)
 from .checkpoint import hf, state_dict
@@ -15,12 +15,15 @@ from .core.format import QuantFormat
 from .core.layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
 from .core.tensor import QuantizedTensor
 from .dist import custom_ops, wire
+from .dist.collectives import check_consistent
 from .dist.custom_ops import dequantize
 from .dist.placements import check_placements, legal_mesh_sizes
 from .dist.quantize import quantize
 from .formats import (
     MXFP4,
     NF4,
+    BlockFloat8,
+    BlockLog4,
     BnbNF4,
     Float8Blockwise,
     Float8Rowwise,
@@ -30,8 +33,9 @@ from .formats import (
     Int8Rowwise,
 )
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
-from .model import interop, lora
+from .model import interop, lora, trainable
 from .model.padding import pad_for_tp
+from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
 from .model.quantize_model import quantize_
 from .model.tp_plan import adapt_tp_plan
 from .model.vocab_padding import pad_vocab_for_tp
@@ -45,14 +49,19 @@ _PUBLIC_MODULES = {
     "wire": wire,
     "interop": interop,
     "lora": lora,
+    "trainable": trainable,
 }
 for _name, _module in _PUBLIC_MODULES.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
+# dq.hf's entry point that quantizes a model (the model layer, above checkpoint/) joins the others there.
+hf.quantize_like_checkpoint = _quantize_like_checkpoint
 _install_old_paths()
 
 __all__ = [
     "MXFP4",
     "NF4",
+    "BlockFloat8",
+    "BlockLog4",
     "Blocked",
     "BnbNF4",
     "Constant",
@@ -72,6 +81,7 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedOpError",
     "adapt_tp_plan",
+    "check_consistent",
     "check_placements",
     "checkpoint",
     "custom_ops",
@@ -84,10 +94,12 @@ __all__ = [
     "legal_mesh_sizes",
     "lora",
     "model",
+    "optim",
     "pad_for_tp",
     "pad_vocab_for_tp",
     "quantize",
     "quantize_",
     "state_dict",
+    "trainable",
     "wire",
 ]

@@ -30,7 +30,9 @@ library's weight-only kernels on the selected quantized expert. The origin
 adds the weighted expert outputs in ascending expert order, as the model's own
 eager loop does, so with expert parallelism alone the logits are
 bit-identical to one process. Tensor parallelism sums partial products in
-another order; its tokens are checked to be equal, its logits to be close.
+another order (which the CPU's GEMM also picks), so its logits are checked to
+be close and its tokens to be equal -- or, where one differs, to be a near-tie
+of the one-process logits that their measured difference explains.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def run(args) -> dict:
     local = [p.to_local() for p in model.parameters() if isinstance(p, DTensor)]
     return {
         "tokens_equal": torch.equal(tokens, expected),
+        "near_tie": near_tie(model, reference, tokens, expected),  # every rank has the same tokens: all run it
         "logits_equal": torch.equal(logits, expected_logits),
         "max_logit_diff": (logits.float() - expected_logits.float()).abs().max().item(),
         "tokens": tokens[0, args.prompt_len :].tolist(),
@@ -189,6 +192,21 @@ def run(args) -> dict:
     }
 
 
+@torch.no_grad()
+def near_tie(model, reference, tokens, expected) -> bool | None:
+    """At the first differing token (None: none): were the one-process logits' top two within twice the
+    largest difference between the two models' logits there -- a tie that rounding flipped?"""
+    diff = (tokens != expected).nonzero()
+    if diff.numel() == 0:
+        return None
+    pos = int(diff[:, 1].min())
+    row = int(diff[diff[:, 1] == pos][0, 0])
+    prefix = expected[:, :pos]
+    ref, got = reference(prefix).logits[:, -1].float(), model(prefix).logits[:, -1].float()
+    gap = (ref[row, expected[row, pos]] - ref[row, tokens[row, pos]]).item()
+    return gap <= 2 * (ref - got).abs().max().item()
+
+
 def report(args, results: list[dict]) -> bool:
     r = results[0]
     mode = f"EP {len(results) // args.tp}" + (f" x TP {args.tp}" if args.tp > 1 else "")
@@ -197,6 +215,10 @@ def report(args, results: list[dict]) -> bool:
     tokens_ok = all(x["tokens_equal"] for x in results)
     logits_ok = all(x["logits_equal"] for x in results)
     print(f"tokens equal to one process on every rank: {tokens_ok}")
+    if not tokens_ok:
+        tie = all(x["near_tie"] for x in results)
+        print("  the first difference is " + ("a near-tie flipped by rounding" if tie else "NOT a near-tie"))
+        tokens_ok = tie and args.tp > 1  # expert parallelism alone is bit-identical: no tie excuses it
     print(
         f"logits bit-identical to one process: {logits_ok} "
         f"(max difference {max(x['max_logit_diff'] for x in results):.3g})"

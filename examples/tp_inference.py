@@ -44,6 +44,7 @@ import llama
 import dtensor_quant as dq
 from dtensor_quant.model import quantized_fqns, weight_bytes
 from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.ops.matmul import record_paths
 from dtensor_quant.testing import rank_pool as launch
 
 
@@ -138,7 +139,8 @@ def run(args) -> dict:
     dense = build_tp(cfg, None, mesh, **kwargs)
     if args.compile != "none":  # both, so that tokens/s compare like with like
         model, dense = (torch.compile(m, backend=args.compile) for m in (model, dense))
-    tokens, tp_s = timed_generate(model, prompt, args.tokens, pad)
+    with record_paths() as paths:  # which path each quantized matmul took: the format's kernel, or dequantize + mm
+        tokens, tp_s = timed_generate(model, prompt, args.tokens, pad)
     _, dense_s = timed_generate(dense, prompt, args.tokens, pad)
     n = args.tokens * args.batch
     return {
@@ -148,6 +150,8 @@ def run(args) -> dict:
         "tok_s": {"tp_quantized": n / tp_s, "tp_dense": n / dense_s, "one_process_quantized": n / ref_s},
         "bytes": linear_bytes(model),
         "switched": model.tp_switched,
+        "paths": dict(paths),
+        "rows_per_matmul": args.batch * pad,
     }
 
 
@@ -227,6 +231,7 @@ def report(args, results: list[dict]) -> bool:
         f"{t['tp_quantized']:.1f}, TP {args.dtype} {t['tp_dense']:.1f} (quantized {speedup:.2f}x as fast), "
         f"one-process quantized {t['one_process_quantized']:.1f}"
     )
+    print(describe_paths(r["paths"], r["rows_per_matmul"], slow=speedup < 1))
     for rank, x in enumerate(results):
         b = x["bytes"]
         print(
@@ -235,6 +240,31 @@ def report(args, results: list[dict]) -> bool:
             f"(embedding and norms stay {args.dtype})"
         )
     return ok
+
+
+def describe_paths(paths: dict, rows: int, slow: bool) -> str:
+    """Rank 0's quantized matmuls by path, and, where quantized is slower than dense, what that path costs."""
+    kernel = sum(n for (_, path), n in paths.items() if path == "kernel")
+    dequant = {fmt: n for (fmt, path), n in paths.items() if path == "dequantize"}
+    line = f"quantized matmuls on rank 0 ({rows} rows each): {kernel} through the format's kernel, " + (
+        f"{sum(dequant.values())} dequantized ({', '.join(f'{f}: {n}' for f, n in dequant.items())})"
+        if dequant
+        else "none dequantized"
+    )
+    if not slow:
+        return line
+    if dequant:
+        why = (
+            "each dequantized matmul decodes the whole weight every step (no kernel for this format, dtype, "
+            "orientation or layout: see docs/performance.md); that, not the kernels, is what is slow"
+        )
+    else:
+        why = (
+            "every matmul ran a kernel, yet dense is faster: each rank's weights of this small model stay in "
+            "cache, so bf16 is not waiting on memory, and a kernel's own cost (decoding every weight it uses, "
+            "dispatch) shows; at real widths (bench/prefill.py, docs/performance.md) the kernels match bf16"
+        )
+    return f"{line}\n  quantized slower than dense: {why}"
 
 
 def parse_args(argv=None):

@@ -4,9 +4,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_matmul import assert_kernel_close  # tests/distributed, on sys.path (tests/conftest.py)
 
 import dtensor_quant as dq
 from dtensor_quant.core.reductions import block_reduce, expand_blocks
+from dtensor_quant.testing import assert_within, linear_error_bound
 
 NF4_LEVELS_REFERENCE = [
     -1.0,
@@ -152,11 +154,12 @@ def test_quantized_linear_matches_dequantized(fmt):
     x = torch.randn(4, 7, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).requires_grad_()
     q = dq.quantize(w, fmt)
     out = torch.nn.functional.linear(x, q)
-    ref = torch.nn.functional.linear(x.float(), q.dequantize().float())
-    assert (out.float() - ref).norm() / ref.norm() < 1e-2  # bf16 kernels round differently, not worse
+    # bf16 kernels sum (and may scale) in orders of their own: within the summation's bound, elementwise
+    assert_kernel_close(out, x, q)
     out.float().sum().backward()
-    grad_ref = q.dequantize().float().sum(0).expand(4, 7, 128)
-    assert (x.grad.float() - grad_ref).norm() / grad_ref.norm() < 1e-2
+    ones, dense = torch.ones(4, 7, 32, dtype=torch.bfloat16), q.dequantize()
+    exact = ones.double() @ dense.double()  # grad @ W: 32-term sums, rounded to bf16
+    assert_within(x.grad, exact, linear_error_bound(ones, dense.t(), out_dtype=torch.bfloat16), "input gradient")
 
 
 def test_unsupported_op_names_op_and_format():
@@ -243,7 +246,8 @@ def test_linear_fallback_takes_its_width_from_the_weight_not_the_first_inner_ten
     w = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(6))
     q = dq.quantize(w, _ScaleFirstRowBlockInt8())
-    torch.testing.assert_close(torch.nn.functional.linear(x, q), x @ q.dequantize().t())
+    # the fallback's matmul against the test's: within the fp32 summation bound (another order may apply)
+    assert_within(torch.nn.functional.linear(x, q), x @ q.dequantize().t(), 2 * linear_error_bound(x, q.dequantize()))
 
 
 def test_slicing_a_flattened_view_that_does_not_follow_the_flat_index_is_a_layout_error():
@@ -327,7 +331,8 @@ def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
         expected = reference_dequantize(piece, torch.float32)
         assert same_bits(piece.dequantize(), expected)
         x = torch.randn(3, piece.shape[1], generator=torch.Generator().manual_seed(1))
-        assert torch.allclose(torch.nn.functional.linear(x, piece), x @ expected.t(), atol=1e-5)
+        # q[:32] is laid out as a fresh weight: NF4's kernel runs and sums in its own order
+        assert_within(torch.nn.functional.linear(x, piece), x @ expected.t(), 2 * linear_error_bound(x, expected))
     assert unpack.dense(q[:, :1024], torch.float32) is None  # per-row factors cut short: not a fresh layout
     assert unpack.dense(q[:32], torch.float32) is not None  # whole row blocks: the fast path
 
@@ -363,15 +368,24 @@ def _hostile_weights():
     ids=str,
 )
 def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
-    """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite."""
+    """FSDP2's fast path (unpack) and dequantize agree bit for bit where values are extreme or non-finite.
+
+    Every value that is not NaN bit for bit, and the NaNs in the same places; not a NaN's payload, which
+    depends on which of torch's conversion kernels the CPU runs (float8 NaN to fp32 keeps its mantissa
+    bits in ATen's scalar kernel, ATEN_CPU_CAPABILITY=default, and not in its vectorized ones).
+    """
     from dtensor_quant.ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
+
+    def same_values(a, b):
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and same_bits(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
     w = _hostile_weights()[name]
     q = dq.quantize(w, fmt)
     for dtype in (torch.bfloat16, torch.float32, w.dtype):
         got = unpack.dense(q, dtype)
-        assert got is not None and same_bits(got, reference_dequantize(q, dtype))
+        assert got is not None and same_values(got, reference_dequantize(q, dtype)), dtype
 
 
 def test_top_level_dequantize_is_the_inverse_of_quantize():

@@ -1,15 +1,21 @@
-"""The fused one-token kernels of NF4 and float8 (dtensor_quant.native): exact weights, dense results.
+"""The one-token kernels of NF4 and float8 (dtensor_quant.core.native): exact weights, dense results.
+
+tests/test_tiled_kernels.py checks the multi-token (tiled) kernels the same way.
 
 A one-hot activation row ``e_k`` makes the kernel return column ``k`` of the
 weight it used, rounded once to bf16 -- which the weight already is -- so
 comparing those columns with ``dequantize`` checks the kernel's weights bit
-for bit. Random activations then check the sum against dequantize + mm at the
-tolerance every kernel path has (tests/distributed/test_matmul.py: the fp32
-sum's order and the bf16 output). Widths are TinyLlama's (2048 and 5632
-columns, where NF4's scale factors run across rows), with few rows.
+for bit. Random activations then check the sum against the exact product of
+the dequantized weights, within the bound of an fp32 sum in any order rounded
+to bf16 (:func:`dtensor_quant.testing.linear_error_bound`): the kernel's order
+is its own, and differs between its AVX2 and AVX-512 paths. Widths are
+TinyLlama's (2048 and 5632 columns, where NF4's scale factors run across
+rows), with few rows.
 """
 
 import logging
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +24,12 @@ import torch.nn.functional as F
 import dtensor_quant as dq
 from dtensor_quant.core import native
 from dtensor_quant.formats import float8, int4_zero, nf4
-from dtensor_quant.testing import weight
+from dtensor_quant.testing import assert_within, linear_error_bound, unit_roundoff, weight
 
 pytestmark = pytest.mark.skipif(
     nf4.kernel() is None or float8.kernel() is None,
     reason="no fused kernels here (no C++ compiler for inductor, or no AVX-512)",
 )
-
-TOL = 2e-2  # bf16, relative to the largest output: test_matmul.py's bound for every kernel
 
 
 def one_hot_columns(q, cols):
@@ -41,10 +45,15 @@ def columns(k, block):
     return sorted(picked)
 
 
-def assert_close(out, x, dense):
-    expected = x.float() @ dense.float().t()
-    err = (out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-30)
-    assert err <= TOL, f"relative error {err:.2e} > {TOL}"
+def assert_close(out, x, dense, bias=None):
+    """``out`` is ``x @ dense.T`` summed in fp32 in some order and rounded to bf16 (then ``+ bias``, rounded
+    again): within that bound of the exact value."""
+    exact = x.double() @ dense.double().t()
+    bound = linear_error_bound(x, dense, out_dtype=torch.bfloat16)
+    if bias is not None:
+        exact = exact + bias.double()
+        bound = bound + unit_roundoff(torch.bfloat16) * (exact.abs() + bound)
+    assert_within(out, exact, bound, "kernel vs exact")
 
 
 @pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4(), dq.MXFP4()], ids=str)  # the same kernel, their tables
@@ -154,28 +163,33 @@ def test_float8_nan_codes_take_the_plain_path():
     ],
     ids=str,
 )
-def test_decode_linear_takes_the_kernel_and_prefill_dequantizes(monkeypatch, fmt):
-    """F.linear: 1-4 bf16 tokens run the kernel (bias added); more, or fp32 activations, dequantize + mm."""
+def test_linear_picks_the_kernel_by_token_count(monkeypatch, fmt):
+    """F.linear: 1 bf16 token runs the one-token kernel, more (and fp32 activations) the tiled kernel, each with
+    its bias; past native.TILES_MAX_TOKENS (made 8 here), and for fp16 activations, dequantize + mm."""
+    module = int4_zero if isinstance(fmt, dq.Int4GroupwiseIntZero) else float8
+    module = nf4 if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.MXFP4)) else module
     q = dq.quantize(weight((64, 2048), seed=1), fmt)
     bias = weight((64,), seed=3)
-    ran, original = [], type(fmt).linear
-
-    def spy(f, x, prepared, b):
-        out = original(f, x, prepared, b)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(type(fmt), "linear", spy)
+    ran = []
+    for name in ("fused_linear", "tiled_linear"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: ran.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(native, "TILES_MAX_TOKENS", 8)
     dense = q.dequantize(torch.bfloat16)
-    for tokens in (1, 4, 5):
+    for tokens, path in ((1, "fused_linear"), (2, "tiled_linear"), (3, "tiled_linear"), (8, "tiled_linear")):
         x = weight((tokens, 2048), seed=2)
         out = F.linear(x, q, bias)
-        assert ran.pop() == (tokens <= 4)
-        assert_close(out - bias, x, dense)
-        if tokens > 4:
-            assert torch.equal(out, x @ dense.t() + bias)
+        assert ran == [path], (tokens, ran)
+        ran.clear()
+        assert_close(out, x, dense, bias)
+    x = weight((9, 2048), seed=2)
+    assert torch.equal(F.linear(x, q, bias), x @ dense.t() + bias) and not ran
     x = weight((1, 2048), seed=2, dtype=torch.float32)
-    assert torch.equal(F.linear(x, q), x @ q.dequantize(torch.float32).t()) and not ran.pop()
+    out = F.linear(x, q)
+    assert ran == ["tiled_linear"] and out.dtype == torch.float32
+    ran.clear()
+    x = weight((1, 2048), seed=2, dtype=torch.float16)
+    assert torch.equal(F.linear(x, q), x @ q.dequantize(torch.float16).t()) and not ran
 
 
 def test_nf4_slice_whose_blocks_differ_from_a_fresh_weight_dequantizes(monkeypatch):
@@ -190,29 +204,80 @@ def test_nf4_slice_whose_blocks_differ_from_a_fresh_weight_dequantizes(monkeypat
     assert not prepare_calls
 
 
-def test_unavailable_compiler_falls_back(monkeypatch, caplog):
-    """A source that does not compile (as with no C++ compiler) gives None, logged; DTENSOR_QUANT_NATIVE=0 too."""
-    with caplog.at_level(logging.INFO, logger="dtensor_quant.core.native"):
-        assert native.load("broken", "this is not C++", ["int64_t*"], lambda k: 1) is None
-    assert "broken kernel unavailable" in caplog.text
-    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
-    assert nf4.kernel() is None
+def test_a_failed_build_warns_once_and_dequantizes(monkeypatch, tmp_path):
+    """NF4's kernel source replaced by one that does not compile (as with no C++ compiler): the first linear warns,
+    once, naming the dequantize + mm path it takes instead; every later one is silent and gives that path's result."""
+    broken = tmp_path / "nf4.cpp"
+    broken.write_text('#include "native_prelude.h"\nthis is not C++\n')
+    monkeypatch.setattr(nf4, "KERNEL_SOURCE", broken)
     q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
-    assert q.fmt.prepare(q.inner).get() is None
     x = weight((1, 2048), seed=2)
-    assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+    said = [w for w in said if issubclass(w.category, native.KernelUnavailableWarning)]
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert "nf4 C++ kernel" in str(said[0].message) and "dequantize + mm" in str(said[0].message)
 
 
-def test_kernel_inputs_are_built_by_the_first_decode_call_only(monkeypatch):
-    """Prefill and fp32 calls never build NF4's block scales; the first decode call does, once per weight."""
+def test_native_off_falls_back_silently(monkeypatch):
+    """DTENSOR_QUANT_NATIVE=0: no kernel, no warning, the dequantize + mm result."""
+    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert nf4.kernel() is None
+        q = dq.quantize(weight((16, 2048), seed=1), dq.NF4())
+        assert q.fmt.prepare(q.inner).get() is None
+        x = weight((1, 2048), seed=2)
+        assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+
+
+def test_kernel_sources_ship_with_the_package():
+    """Every format's kernel is a .cpp file beside its module (package data), with the shared header it includes."""
+    for module in (nf4, float8):
+        assert module.KERNEL_SOURCE.is_file() and module.KERNEL_SOURCE.suffix == ".cpp"
+        text = native.source(module.KERNEL_SOURCE)
+        assert "dq_bf16_rne" in text and '#include "native_prelude.h"' not in text
+
+
+def test_every_kernel_source_resolves_and_the_training_kernels_build():
+    """Every .cpp in the package inlines all its headers (beside it, then beside core/native.py), and the training
+    paths' kernels build and run here: a build failure there only warns and takes the torch expressions (the same
+    bits), so nothing else would notice that the kernels stopped running."""
+    from dtensor_quant.core import stochastic
+    from dtensor_quant.formats import block_states, int8
+
+    package = Path(dq.__file__).parent
+    sources = sorted(package.rglob("*.cpp"))
+    assert len(sources) >= 10, sources
+    for path in sources:
+        text = native.source(path)
+        assert '#include "' not in text, f"{path.name}: a header was not found"
+        assert "void kernel(" in text, f"{path.name}: no entry point"
+    if not native.enabled():
+        pytest.skip("DTENSOR_QUANT_NATIVE=0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", native.KernelUnavailableWarning)
+        assert stochastic._kernel() is not None
+        assert native.load("int8_stochastic", int8.SR_KERNEL_SOURCE, int8._SR_ARGTYPES, int8._sr_probe) is not None
+        assert int8._rows_kernel("row_absmax") is not None and int8._rows_kernel("values") is not None
+        assert block_states._bf8_kernel("quantize") is not None and block_states._bf8_kernel("unpack") is not None
+
+
+def test_kernel_inputs_are_built_by_the_first_call_that_runs_a_kernel(monkeypatch):
+    """Calls that dequantize (fp16 activations, more than native.TILES_MAX_TOKENS tokens) never build NF4's block
+    scales; the first call that runs a kernel does, once per weight."""
     built, original = [], dq.NF4.kernel_inputs
     monkeypatch.setattr(dq.NF4, "kernel_inputs", lambda f, inner: built.append(1) or original(f, inner))
+    monkeypatch.setattr(native, "TILES_MAX_TOKENS", 8)
     q = dq.quantize(weight((64, 2048), seed=1), dq.NF4())
     F.linear(weight((16, 2048), seed=2), q)
-    F.linear(weight((1, 2048), seed=2, dtype=torch.float32), q)
+    F.linear(weight((1, 2048), seed=2, dtype=torch.float16), q)
     assert not built
     F.linear(weight((1, 2048), seed=2), q)
-    F.linear(weight((2, 2048), seed=3), q)
+    F.linear(weight((5, 2048), seed=3), q)
+    F.linear(weight((2, 2048), seed=3, dtype=torch.float32), q)
     assert len(built) == 1
 
 

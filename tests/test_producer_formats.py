@@ -11,6 +11,7 @@ tests with the reason; CI installs them (pyproject's ``test`` extra, ``.ci/run``
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,8 +159,15 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble k of a word holds colum
 
 def _awq_packing():
     """AutoAWQ's packing_utils (torch only), loaded from the installed package without its heavy __init__."""
-    spec = importlib.util.find_spec("awq")
-    path = Path(spec.origin).parent / "utils" / "packing_utils.py" if spec and spec.origin else None
+    # tests/distributed/producers.py may already have put a bare namespace for "awq" in sys.modules
+    # (its __spec__ is None, which find_spec refuses): its __path__ names the same folder.
+    top = sys.modules.get("awq")
+    if top is not None and getattr(top, "__path__", None):
+        folder = Path(next(iter(top.__path__)))
+    else:
+        spec = importlib.util.find_spec("awq")
+        folder = Path(spec.origin).parent if spec and spec.origin else None
+    path = folder / "utils" / "packing_utils.py" if folder is not None else None
     if path is None or not path.exists():
         pytest.skip("autoawq is not installed (pip install --no-deps autoawq==0.2.9; only packing_utils is used)")
     module_spec = importlib.util.spec_from_file_location("awq_packing_utils", path)

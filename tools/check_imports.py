@@ -42,6 +42,7 @@ LAYERS = [
     ("fsdp", "FSDP2: all-gather hooks, fully_shard checks, GatherQuantized, the post-forward reshard"),
     ("checkpoint", "DCP entries and save/load; Hugging Face directories (dq.hf)"),
     ("model", "whole models: quantize_, LoRA, TP plans and padding, the mesh planner"),
+    ("optim", "optimizers whose states are quantized tensors (AdamW8bit, AdamW4bit)"),
     ("", "the public API: __init__, __main__ (the CLI), _compat (old import paths)"),
     ("testing", "the conformance kit and the rank pool"),
 ]

@@ -2,8 +2,8 @@
 
 ``QuantizedTensor.__torch_dispatch__`` calls :func:`dispatch` for every aten
 and c10d op. Handlers register by schema name (``"aten::slice"``) from the
-modules that define them -- :mod:`dtensor_quant.aten` (layout ops by kind),
-:mod:`dtensor_quant.collectives`, :mod:`dtensor_quant.matmul`,
+modules that define them -- :mod:`dtensor_quant.ops` (layout ops by kind),
+:mod:`dtensor_quant.dist.collectives`, :mod:`dtensor_quant.ops.matmul`,
 :mod:`dtensor_quant.custom_ops` -- which the package imports for exactly that.
 Keying by name matches ops torch registers lazily (such as
 ``_c10d_functional::_wrap_tensor_autograd``) when they first arrive, not at
@@ -39,11 +39,29 @@ def implements(*names: str):
 
 _BY_OP: dict = {}  # OpOverload -> handler, filled on first use (schema names cost a lookup)
 
+# (predicate, handler) pairs for ops that have no handler of their own, asked in order: a handler
+# for a whole kind of op (every pointwise op, say) registers with ``fallback``.
+FALLBACKS: list[tuple[Callable, Callable]] = []
+
+
+def fallback(predicate: Callable):
+    """Register a handler for every op without one of its own for which ``predicate(op)`` is true."""
+
+    def register(fn):
+        FALLBACKS.append((predicate, fn))
+        _BY_OP.clear()
+        return fn
+
+    return register
+
 
 def dispatch(func, args, kwargs):
     handler = _BY_OP.get(func)
     if handler is None:
-        handler = _BY_OP[func] = HANDLERS.get(func._schema.name)
+        handler = HANDLERS.get(func._schema.name)
+        if handler is None:
+            handler = next((fn for pred, fn in FALLBACKS if pred(func)), None)
+        _BY_OP[func] = handler
     if handler is None and _composite(func):
         # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
         # under inference mode or from inside another subclass's dispatch (a redistribute
@@ -52,13 +70,18 @@ def dispatch(func, args, kwargs):
         if out is not NotImplemented:
             return out
     if handler is None:
-        # The quantized argument (the only kind of tensor dispatched here that has a format).
-        q = next(a for a in flat_args(args, kwargs) if isinstance(a, torch.Tensor) and hasattr(a, "fmt"))
-        raise UnsupportedOpError(
-            f"dtensor_quant: {func} is not defined on {q.fmt} quantized tensors: it would "
-            "need dense values. Call .dequantize() first to work on a dense copy."
-        )
+        raise refusal(func, args, kwargs)
     return handler(func, *args, **kwargs)
+
+
+def refusal(func, args, kwargs, hint: str = "") -> UnsupportedOpError:
+    """The error for an op the quantized layout does not define, naming the op and the format."""
+    # The quantized argument (the only kind of tensor dispatched here that has a format).
+    q = next(a for a in flat_args(args, kwargs) if isinstance(a, torch.Tensor) and hasattr(a, "fmt"))
+    return UnsupportedOpError(
+        f"dtensor_quant: {func} is not defined on {q.fmt} quantized tensors: it would "
+        f"need dense values. Call .dequantize() first to work on a dense copy.{hint}"
+    )
 
 
 # -- methods of the tensor implemented above it --------------------------------

@@ -2,8 +2,10 @@
 
 torch 2.13 has weight-only CPU kernels for int8 and int4 only. A format with
 another layout (NF4's 16-level table, float8's bits) that wants a one-token
-``x @ W.T`` at memory speed keeps the C++ source of its kernel in its own
-file and loads it here. The source is compiled with the compiler and the
+``x @ W.T`` at memory speed keeps the C++ source of its kernel in a ``.cpp``
+file beside its module (``formats/nf4.cpp``), which includes the shared
+helpers of ``native_prelude.h`` beside this one, and loads it here. The
+source is compiled with the compiler and the
 loader inductor uses for its own CPU kernels
 (``torch._inductor.codecache.CppPythonBindingsCodeCache``): a disk cache
 keyed by the source and flags, so a machine compiles each source once (a
@@ -16,9 +18,9 @@ kernel's entry point ``kernel(..., max_level, threads, level)`` writes the
 vector level it ran (0: none here) into ``level``; called with no rows it
 only reports it. :func:`load` returns None when anything is missing -- no
 C++ compiler, a torch whose loader moved, a CPU without the vector ISA --
-and the format's ``linear`` then returns None: the library dequantizes and
-multiplies, the plain path. ``DTENSOR_QUANT_NATIVE=0`` turns these kernels
-off.
+and warns once (:class:`KernelUnavailableWarning`); the format's ``linear``
+then returns None: the library dequantizes and multiplies, the plain path.
+``DTENSOR_QUANT_NATIVE=0`` turns these kernels off (without a warning).
 
 The kernels read the format's stored bytes and compute each weight exactly
 as the format's ``dequantize`` does (the same products, rounded the same way
@@ -28,115 +30,136 @@ dequantize + mm, as in torch's int4/int8 kernels.
 
 from __future__ import annotations
 
-import logging
 import os
+import re
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-
-# What every kernel source starts with: bf16 helpers that round as c10::BFloat16 does.
-PRELUDE = r"""
-#include <immintrin.h>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-
-// c10::BFloat16(float): round to nearest even, any NaN to the canonical quiet NaN.
-static inline uint16_t dq_bf16_rne(float f) {
-    if (std::isnan(f)) return 0x7FC0;
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float dq_bf16_float(uint16_t h) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-// Flush-to-zero or denormals-are-zero (torch.set_flush_denormal(True)) would change tiny weights: no kernel then.
-static inline bool dq_exact_fp() { return (_mm_getcsr() & 0x8040) == 0; }
-static inline bool dq_avx2() {
-    return dq_exact_fp() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-static inline bool dq_avx512() {
-    return dq_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-}
-static inline bool dq_avx512_bf16() { return dq_avx512() && __builtin_cpu_supports("avx512bf16"); }
-
-// dq_bf16_rne on 8 lanes for values that cannot be NaN, the result widened back to fp32 (exact for
-// denormals; Inf stays Inf; overflow rounds to it as in RNE).
-__attribute__((target("avx2,fma")))
-static inline __m256 dq_round_bf16_256_finite(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// The same for any value: NaN lanes become the canonical quiet NaN, as dq_bf16_rne makes them.
-__attribute__((target("avx2,fma")))
-static inline __m256 dq_round_bf16_256(__m256 v) {
-    return _mm256_blendv_ps(dq_round_bf16_256_finite(v), _mm256_set1_ps(NAN), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
-
-__attribute__((target("avx2,fma")))
-static inline float dq_sum_256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// The two on 16 lanes.
-__attribute__((target("avx512f,avx512bw")))
-static inline __m512 dq_round_bf16_512_finite(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static inline __m512 dq_round_bf16_512(__m512 v) {
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_blend_ps(nan, dq_round_bf16_512_finite(v), _mm512_set1_ps(NAN));
-}
-"""
-
-_KERNELS: dict[str, tuple[Callable, int] | None] = {}
+_KERNELS: dict[tuple[str, str], tuple[Callable, int] | None] = {}  # by name and source file
 
 
 def enabled() -> bool:
     return os.environ.get("DTENSOR_QUANT_NATIVE", "1") != "0"
 
 
-def load(name: str, source: str, argtypes: list[str], probe: Callable[[Callable], int]) -> tuple[Callable, int] | None:
-    """``(kernel, level)`` for ``PRELUDE + source``, built once per machine; None where it cannot run.
+def source(path: Path, _seen: set[Path] | None = None) -> str:
+    """The text of the kernel source ``path``, each ``#include "x.h"`` inlined once.
+
+    A header is looked up beside the including file first (a format's own
+    ``formats/block_float8.h``), then beside this module (``native_prelude.h``).
+
+    The inlined text is what the disk cache keys on, so an edit to a header
+    rebuilds every kernel that includes it. Other includes (``<immintrin.h>``)
+    are left to the compiler; a header's ``#pragma once`` becomes this
+    once-only inlining.
+    """
+    seen = set() if _seen is None else _seen
+
+    def inline(match: re.Match) -> str:
+        header = path.parent / match.group(1)  # a header beside the source, else one beside this module
+        if not header.is_file():
+            header = _HERE / match.group(1)
+        if not header.is_file():
+            return match.group(0)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _PRAGMA_ONCE.sub("", source(header, seen))
+
+    return _INCLUDE.sub(inline, path.read_text())
+
+
+_HERE = Path(__file__).resolve().parent
+_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
+_PRAGMA_ONCE = re.compile(r"^#pragma once$", re.MULTILINE)
+
+
+def load(name: str, path: Path, argtypes: list[str], probe: Callable[[Callable], int]) -> tuple[Callable, int] | None:
+    """``(kernel, level)`` for the C++ source file ``path``, built once per machine; None where it cannot run.
 
     ``probe(kernel)`` calls the kernel on no rows and returns the vector
     level it reports; level 0 (no vector path on this CPU) counts as
-    unavailable. Failures are logged once per kernel, at INFO.
+    unavailable. Where the kernel cannot run, a warning says so once per
+    process and source, naming the slower path every matmul then takes.
     """
     if not enabled():
         return None
-    if name not in _KERNELS:
-        _KERNELS[name] = None
+    key = (name, str(path))
+    if key not in _KERNELS:
+        _KERNELS[key] = None
         try:
             from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-            kernel = CppPythonBindingsCodeCache.load_pybinding(argtypes, PRELUDE + source, needs_vec_isa=False)
+            kernel = CppPythonBindingsCodeCache.load_pybinding(argtypes, source(path), needs_vec_isa=False)
             level = probe(kernel)
             if level > 0:
-                _KERNELS[name] = (kernel, level)
+                _KERNELS[key] = (kernel, level)
             else:
-                log.info("dtensor_quant: %s kernel: no vector path on this CPU; dequantizing instead", name)
+                _say_unavailable(name, "this CPU has neither AVX2 with FMA nor AVX-512, or flushes denormals to zero")
         except Exception as e:  # no compiler, no inductor, a changed loader: the plain path
-            log.info("dtensor_quant: %s kernel unavailable (%s: %s); dequantizing instead", name, type(e).__name__, e)
-    return _KERNELS[name]
+            text = str(e)  # a compile error: the compiler's output says why, the command line before it does not
+            text = text[text.find("Output:") :] if "Output:" in text else text
+            _say_unavailable(name, f"it did not build: {type(e).__name__}: {text[:800]}")
+    return _KERNELS[key]
+
+
+def _say_unavailable(name: str, why: str) -> None:
+    warnings.warn(
+        f"dtensor_quant: the {name} C++ kernel cannot run here ({why}); matmuls with {name} weights dequantize "
+        "the weight and multiply densely instead (dequantize + mm: several times slower for few tokens). "
+        "DTENSOR_QUANT_NATIVE=0 turns the kernels off without this warning.",
+        KernelUnavailableWarning,
+        stacklevel=3,
+    )
+
+
+class KernelUnavailableWarning(RuntimeWarning):
+    """A format's C++ kernel could not be built or cannot run on this CPU: its matmuls take dequantize + mm."""
+
+
+# The flags every kernel's entry point takes: x and out are fp32 (else bf16); several tokens through the tiled
+# matmul of native_tiles.h (else the one-token kernel); every weight rounded to bf16 (the tiles).
+F32, TILES, ROUND = 1, 2, 4
+# The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
+TILE_DTYPES = (torch.bfloat16, torch.float32)
+# Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which
+# dequantize the weight once per 128 tokens.
+TILES_MAX_TOKENS = 1024
+
+
+def matmul(
+    kernel: tuple[Callable, int] | None,
+    inputs: tuple,
+    x: torch.Tensor,
+    out_features: int,
+    params: tuple,
+    *,
+    tiles: bool,
+    round_weights: bool = False,
+    max_level: int | None = None,
+) -> torch.Tensor | None:
+    """``x @ W.T`` (``[tokens, out_features]``, ``x``'s dtype) through a loaded kernel; None if it refused.
+
+    Every kernel's entry point is ``kernel(*inputs, x, out, M, N, K, *params,
+    flags, max_level, threads, level)``: the weight's prepared tensors, then
+    the format's own integers (a block size). ``max_level`` caps the vector
+    path (default: the best here). A kernel refuses (reports level 0) where
+    flush-to-zero was turned on since its probe, or for a path it lacks; no
+    kernel (``DTENSOR_QUANT_NATIVE=0`` since the inputs were made) is None too.
+    """
+    if kernel is None:  # DTENSOR_QUANT_NATIVE=0 set after the weight's kernel inputs were made
+        return None
+    run, best = kernel
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0], out_features))
+    flags = (F32 if x.dtype == torch.float32 else 0) | (TILES if tiles else 0) | (ROUND if round_weights else 0)
+    level = best if max_level is None else min(best, max_level)
+    ran = level_out()
+    run(*inputs, x, out, x.shape[0], out_features, x.shape[1], *params, flags, level, torch.get_num_threads(), ran)
+    return out if int(ran) else None
 
 
 def level_out() -> torch.Tensor:

@@ -57,7 +57,8 @@ class Bytes:
 
     def __init__(self, watched=(), cache_kernels: bool = True):
         self.writes = 0
-        self.watched = [t for t in watched if type(t) is torch.Tensor]  # not fake or traced ones
+        # not fake or traced ones, nor inference tensors (they have no version to watch)
+        self.watched = [t for t in watched if type(t) is torch.Tensor and not t.is_inference()]
         self.cache_kernels = cache_kernels
         self.prepared: dict = {}
 
@@ -112,7 +113,7 @@ def watch(notes: Notes, tensors) -> None:
     watched = notes.bytes.watched
     for t in tensors:
         t = t if t._base is None else t._base  # a view made here shares its base's version counter
-        if type(t) is torch.Tensor and all(t is not w for w in watched):
+        if type(t) is torch.Tensor and not t.is_inference() and all(t is not w for w in watched):
             watched.append(t)
 
 

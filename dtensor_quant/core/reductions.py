@@ -121,7 +121,7 @@ def reduce_to(x: torch.Tensor, rels, op: str) -> torch.Tensor:
     """Reduce a logical-shaped ``x`` to one value per inner element of an inner tensor laid out by ``rels``.
 
     The statistic a format stores per block (a scale per group, a factor per
-    block of scales), for any of the relations in :mod:`dtensor_quant.layout`
+    block of scales), for any of the relations in :mod:`dtensor_quant.core.layout`
     except packing. Float32 (float64 for ``"sum"``), like :func:`block_reduce`.
     """
     x = x.double() if op == "sum" else x.float()
@@ -172,6 +172,8 @@ def scaled_into(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     if out.dtype == scale.dtype and out.dtype in _EXACT_PRODUCT_DTYPES:
         out.copy_(qdata)
         out.mul_(scale)
+    elif out.dtype == torch.float32 and not qdata.dtype.is_floating_point:
+        torch.mul(qdata, scale.float(), out=out)  # the same float32 product, in one pass
     else:
         out.copy_(qdata.float() * scale.float())
 

@@ -15,6 +15,20 @@ Cost: one all-gather of 8 bytes per rank the first time a (process group,
 layout) pair is seen; afterwards building the layout key and a set lookup,
 about 10 us (measured in ``bench/agree.py``). Under ``torch.compile`` tracing no check is made.
 
+Gathers do not send an inner tensor that is constant along the joined dims
+(a per-tensor scale, NF4's mean): every piece takes the receiver's own copy,
+which is right only if every rank's copy holds the same bytes. Shards
+quantized one by one and joined with ``DTensor.from_local`` break that (each
+rank's mean or scale is its own: the gathered weight came back 23-35 units
+off on weights of ~10). Those bytes cannot join the fingerprint: it is cached
+per layout, and a key that holds data lets one rank find it agreed while
+another does not, so one rank exchanges and the other does not (seen: gloo
+aborting on a collective mismatch). So the gathers carry each such tensor's
+few bytes beside the data instead (one more 8-byte column per rank), and every
+rank compares all the copies it received -- the same copies on every rank --
+and raises :func:`constants_differ` after the collective, on all of them.
+:func:`check_digests` does the same on request (``dq.check_consistent``).
+
 What it cannot catch: ranks that disagree on a layout which each of them
 already used successfully with the others on the same group (both layouts
 are in the agreed set) skip the exchange. With equal byte counts those still
@@ -104,6 +118,53 @@ def group_name_of(process_group) -> str:
     if isinstance(process_group, torch.ScriptObject):  # what c10d ops receive
         process_group = dist.ProcessGroup.unbox(process_group)
     return process_group.group_name
+
+
+def constants_differ(what: str, names, values: list[list[torch.Tensor]], ranks: list[int]) -> LayoutError:
+    """The error for ranks whose copies of the inner tensors ``names`` differ (``values[i]``: rank ``ranks[i]``'s)."""
+    held = "; ".join(
+        f"rank {r}: " + ", ".join(f"{n}={_preview(t)}" for n, t in zip(names, row)) for r, row in zip(ranks, values)
+    )
+    names = ", ".join(names)
+    return LayoutError(
+        f"{what}: the ranks' copies of {names} differ ({held}). Gathers do not send {names} (constant across "
+        "shards: every rank keeps its own), so these shards cannot be joined without giving every piece one "
+        "rank's value. Shards quantized one by one (DTensor.from_local of each rank's dq.quantize) have "
+        "statistics of their own; quantize the sharded dense DTensor instead "
+        "(dq.quantize(distribute_tensor(w, mesh, placements), fmt)), whose statistics span every shard."
+    )
+
+
+def _preview(t: torch.Tensor) -> str:
+    flat = t.detach().reshape(-1)
+    values = ", ".join(f"{v:.6g}" for v in flat[:4].float().tolist())
+    return f"[{values}{', ...' if flat.numel() > 4 else ''}]"
+
+
+def check_digests(group_name: str, named: dict[str, torch.Tensor], what: str) -> None:
+    """Raise :func:`constants_differ` on every rank of ``group_name`` unless every rank holds the same bytes in
+    each of ``named``'s tensors. A collective: one all-gather of 8 bytes per tensor (a digest), every call."""
+    if not named:
+        return
+    tensors = list(named.values())
+    digests = b"".join(
+        hashlib.blake2b(
+            t.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes(), digest_size=8
+        ).digest()
+        for t in tensors
+    )
+    mine = torch.frombuffer(bytearray(digests), dtype=torch.uint8).to(tensors[0].device)
+    group = _resolve_process_group(group_name)
+    wire.note("dtensor_quant::agree", mine, quantized=False)
+    c10d = torch.ops._c10d_functional
+    with _disable_current_modes():
+        got = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size(), group_name))
+    if bool((got.view(group.size(), -1) == mine).all()):
+        return
+    values: list = [None] * group.size()
+    dist.all_gather_object(values, [t.detach().reshape(-1)[:4].cpu() for t in tensors], group=group)
+    ranks = [dist.get_global_rank(group, i) for i in range(group.size())]
+    raise constants_differ(what, list(named), values, ranks)
 
 
 class RankFailure(RuntimeError):

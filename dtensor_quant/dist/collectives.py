@@ -3,11 +3,14 @@
 torch has no per-local-type redistribute hook: DTensor calls the same c10d
 ops on a quantized local tensor as on a dense one, and they arrive here.
 Each one packs the inner tensors that must travel into one ``uint8`` buffer
-(:mod:`dtensor_quant.codec`), runs the same collective on that buffer, and
+(:mod:`dtensor_quant.dist.codec`), runs the same collective on that buffer, and
 unpacks the result with the layout's concatenation rule. The gathers leave
 out an inner tensor that is constant along the joined dims (a per-tensor
-scale: :func:`~dtensor_quant.codec.varies`); ``scatter_`` and ``broadcast_``
-send every inner tensor.
+scale: :func:`~dtensor_quant.dist.codec.varies`) -- every piece takes the
+receiver's copy -- and carry only its bytes after the data, as a check: if
+the ranks' copies differ (shards quantized one by one, then
+``DTensor.from_local``), every rank raises (:func:`agree.constants_differ`).
+``scatter_`` and ``broadcast_`` send every inner tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from . import agree, wire
 from ..ops import writes
 from .codec import ALIGN, pack, packed_size, unpack, varies
+from ..core.bits import is_tracing, same_bits
 from ..core.dispatch import implements
 from ..core.layout import Constant, Stacked, partial_refused
 from ..core.memo import layout_key, lookup, remember
@@ -72,13 +76,19 @@ def all_gather_into_tensor(func, q, group_size, group_name):
         return out
     if plan is _PIECES:
         return _gather_pieces(func, q, group_size, group_name)
-    (rels, dims, shape, stride), sent, widths, agreed = plan
+    (rels, dims, shape, stride), sent, widths, agreed, checks = plan
     if agree.EVERY_CALL or agreed not in agree.AGREED:
         agree_layout(q, group_name, "all-gather")
-    buf = pack([t for t, s in zip(inner, sent) if s is not None])
+    kept = [t for t, s in zip(inner, sent) if s is None]
+    buf = pack([t for t, s in zip(inner, sent) if s is not None] + kept)  # kept: only compared
     wire.note(func._schema.name, buf)
     rows = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
     columns = rows.view(group_size, -1).split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor
+    if checks and not all(torch.equal(columns[c], columns[c][:1].expand_as(columns[c])) for c, _ in checks):
+        copies = [
+            [columns[c][r].view(t.dtype).reshape(t.shape) for (c, _), t in zip(checks, kept)] for r in range(group_size)
+        ]
+        check_kept(q, [n for _, n in checks], copies, group_name, "all-gather")  # raises, on every rank
     joined = []
     for t, s in zip(inner, sent):
         if s is None:
@@ -93,15 +103,32 @@ def _gather_pieces(func, q, group_size, group_name):
     """The all-gather as pieces: each rank's inner tensors rebuilt, joined by the layout's rule."""
     agree_layout(q, group_name, "all-gather")
     names = [n for n in q.fmt.inner_names if varies(q, n)]
-    sent = [getattr(q, n) for n in names]
-    buf = pack(sent)
+    kept = [n for n in q.fmt.inner_names if n not in names]
+    sent, checked = [getattr(q, n) for n in names], [getattr(q, n) for n in kept]
+    buf = pack(sent + checked)  # the kept tensors' bytes after the data: only to compare them
     wire.note(func._schema.name, buf)
     out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
+    rank_bufs = [unpack(rank_buf, sent + checked) for rank_buf in out.view(group_size, -1)]
+    check_kept(q, kept, [b[len(sent) :] for b in rank_bufs], group_name, "all-gather")
     pieces = []
-    for rank_buf in out.view(group_size, -1):
-        received = dict(zip(names, unpack(rank_buf, sent)))
+    for received in rank_bufs:
+        received = dict(zip(names, received))
         pieces.append(rebuild(q, {n: received.get(n, t) for n, t in q.inner.items()}, q.shape))
     return cat_dim(pieces, 0)
+
+
+def check_kept(q: QuantizedTensor, kept, copies: list[list[torch.Tensor]], group, what: str) -> None:
+    """Raise on every rank if the ranks' ``copies`` (one list per rank) of ``q``'s unsent inner tensors differ.
+
+    Every rank received the same copies, so every rank decides the same.
+    """
+    if not kept or is_tracing(copies[0][0]):  # compiled graphs read no data in dispatch
+        return
+    if all(same_bits(c, r) for row in copies[1:] for c, r in zip(row, copies[0])):
+        return
+    group = _group(group)
+    ranks = [torch.distributed.get_global_rank(group, i) for i in range(len(copies))]
+    raise agree.constants_differ(f"{what} of a {describe(q)}", kept, copies, ranks)
 
 
 _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent constants): always the pieces
@@ -109,14 +136,17 @@ _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent con
 
 def _gather_plan(q, inner, out, group_size, group_name):
     """``(result layout, per inner (its column of the buffer, gathered shape) or None if not sent,
-    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed)``, or ``_PIECES``.
+    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed, (column, name) of each
+    kept tensor's bytes)``, or ``_PIECES``.
 
-    A rank's buffer is :func:`codec.pack` of the sent tensors: each one's bytes, then padding.
+    A rank's buffer is :func:`codec.pack` of the sent tensors, then of the kept ones (not sent: each rank
+    keeps its own; their bytes travel only to be compared): each one's bytes, then padding.
     """
-    sent, widths = [], []
+    sent, widths, kept = [], [], []
     for name, t, row in zip(q.fmt.inner_names, inner, q.rels):
         if not varies(q, name):
             sent.append(None)
+            kept.append((name, t))
             continue
         if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
             return _PIECES  # whether the gathered pieces agree is read from the data; or nothing to view
@@ -125,8 +155,13 @@ def _gather_plan(q, inner, out, group_size, group_name):
         widths += [nbytes, -nbytes % ALIGN] if nbytes % ALIGN else [nbytes]
     if not widths:
         return _PIECES
+    checks = []
+    for name, t in kept:
+        nbytes = t.numel() * t.element_size()
+        checks.append((len(widths), name))
+        widths += [nbytes, -nbytes % ALIGN] if nbytes % ALIGN else [nbytes]
     layout = (out.rels, out.dims, out.shape, out.stride())
-    return layout, tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q))
+    return layout, tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q)), tuple(checks)
 
 
 @implements("c10d::scatter_")
@@ -180,7 +215,9 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
     pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
     names = [name for name in q.fmt.inner_names if varies(q, name, (gather_dim,))]
-    send = [[getattr(p, name) for name in names] for p in pieces]
+    kept = [name for name in q.fmt.inner_names if name not in names]
+    checked = [getattr(q, name) for name in kept]  # after each piece: every rank gets every rank's copy
+    send = [[getattr(p, name) for name in names] + checked for p in pieces]
     sizes = {packed_size(s) for s in send}
     if len(sizes) != 1:
         raise ValueError(f"{describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
@@ -189,11 +226,42 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     split = [sizes.pop()] * n
     out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
     mine = pieces[me]
+    rank_bufs = [unpack(rank_buf, send[me]) for rank_buf in out.view(n, -1)]
+    check_kept(q, kept, [b[len(names) :] for b in rank_bufs], group_name, "all-to-all")
     received = []
-    for rank_buf in out.view(n, -1):
-        got = dict(zip(names, unpack(rank_buf, send[me])))
+    for got in rank_bufs:
+        got = dict(zip(names, got))
         received.append(rebuild(mine, {k: got.get(k, t) for k, t in mine.inner.items()}, mine.shape))
     return cat_dim(received, gather_dim).contiguous()
+
+
+def check_consistent(dt) -> None:
+    """Raise ``LayoutError`` on every rank unless the ranks' local quantized tensors make one DTensor ``dt``.
+
+    For ``DTensor.from_local`` of quantized pieces, whose ``run_check`` compares only dtypes and shapes
+    (and broadcasts rank 0's tensor along Replicate dims): along every mesh dim the ranks must hold the
+    same layout, and along a sharded dim the same bytes in each inner tensor that is constant along it
+    (a per-tensor scale, NF4's mean, the per-row scales of a column shard), since every rank keeps its
+    own copy of those for the whole tensor; along a replicated dim, the same bytes in every inner
+    tensor. Shards quantized one by one fail this: their statistics are their own. Gathers
+    (``full_tensor``, ``redistribute``) check the kept tensors themselves, after their collective; this
+    checks before any, at one 8-byte all-gather per mesh dim and inner tensor compared. A dense ``dt``
+    passes.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(dt, DTensor) or not isinstance(dt.to_local(), QuantizedTensor):
+        return
+    local = dt.to_local()
+    for i, placement in enumerate(dt.placements):
+        if placement.is_partial():
+            raise partial_refused(f"a {describe(local)}", "Partial", "")
+        group = dt.device_mesh.get_group(i).group_name
+        what = f"check_consistent (mesh dim {i}, {placement}) of a {describe(local)}"
+        agree_layout(local, group, what, shape=False)  # the pieces' shapes may differ (uneven shards)
+        dim = getattr(placement, "dim", None)
+        names = [n for n in local.fmt.inner_names if dim is None or not varies(local, n, (dim,))]
+        agree.check_digests(group, {n: getattr(local, n) for n in names}, what)
 
 
 def agree_layout(q: QuantizedTensor, group, what: str, shape: bool = True) -> None:

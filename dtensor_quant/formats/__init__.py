@@ -1,5 +1,6 @@
 """Built-in formats. Each file holds one format's layout, math and kernel."""
 
+from .block_states import BlockFloat8, BlockLog4
 from .bnb_nf4 import BnbNF4
 from .float8 import Float8Rowwise, Float8Tensorwise
 from .float8_block import Float8Blockwise
@@ -12,6 +13,8 @@ from .nf4 import NF4
 __all__ = [
     "MXFP4",
     "NF4",
+    "BlockFloat8",
+    "BlockLog4",
     "BnbNF4",
     "Float8Blockwise",
     "Float8Rowwise",

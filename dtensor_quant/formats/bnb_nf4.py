@@ -11,7 +11,7 @@ dequantized values, so a bitsandbytes checkpoint (unsloth's ``*-bnb-4bit``
 models, ``transformers`` with ``BitsAndBytesConfig(bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True)``) needs this format to load as stored.
 
-Layout (:func:`~dtensor_quant.layout.flat_blocked`, from the weight's shape),
+Layout (:func:`~dtensor_quant.core.layout.flat_blocked`, from the weight's shape),
 and the checkpoint tensors each inner holds as stored (a loader reshapes
 them; their bytes are already in flat order):
 
@@ -48,9 +48,10 @@ A NaN or Inf weight makes its ``nested_absmax`` non-finite, and with it the
 ``block_size * nested_block_size`` values that scale covers, no others; an
 all-zero block dequantizes to zeros.
 
-Kernel: NF4's fused one-token kernel (bf16 activations, 1-4 tokens), fed
-bitsandbytes' float32 levels and block scales, so each weight it uses is
-``dequantize``'s bf16 value bit for bit (tests/test_fused_kernels.py).
+Kernels: NF4's (the one-token kernel for one bf16 token, the tiles for more
+and for fp32 activations), fed bitsandbytes' float32 levels and block
+scales, so each weight they use is ``dequantize``'s value bit for bit
+(tests/test_fused_kernels.py, tests/test_tiled_kernels.py).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ from ..core import native
 from ..core.format import QuantFormat, Reducer
 from ..core.layout import Constant, flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
-from .nf4 import fused_linear
 from .nf4 import kernel as nf4_kernel
+from .nf4 import kernel_linear
 
 # The QLoRA paper's NF4 levels in float32 (bitsandbytes' quant_map for "nf4").
 NF4_LEVELS_F32 = (
@@ -195,8 +196,8 @@ class BnbNF4(QuantFormat):
         per_block = nested.repeat_interleave(self.nested_block_size).narrow(0, 0, absmax.numel())
         return dynamic_map().to(absmax.device)[absmax.long()] * per_block + inner["offset"].reshape(())
 
-    # NF4's fused one-token kernel (dtensor_quant.formats.nf4) computes each weight as bf16(level * scale) from
-    # float32 levels and block scales: with bitsandbytes' levels and scales that is dequantize's bf16 value.
+    # NF4's kernels (dtensor_quant.formats.nf4) compute each weight as level * scale in fp32 (rounded to bf16 for
+    # bf16 activations) from float32 levels and block scales: with bitsandbytes' that is dequantize's value.
     kernel_needs_whole_blocks = True
 
     def prepare(self, inner):
@@ -204,7 +205,8 @@ class BnbNF4(QuantFormat):
         return native.Lazy(functools.partial(self.kernel_inputs, inner))
 
     def kernel_inputs(self, inner):
-        """``(codes, block scales in float32, levels in float32)`` for NF4's fused kernel, or None where it cannot run.
+        """``(codes, block scales in float32, levels in float32, rounds)`` for NF4's kernels, or None where they
+        cannot run.
 
         It needs blocks inside each row (``in % block_size == 0``, ``block_size % 32 == 0``; the library
         checks the rest: ``kernel_needs_whole_blocks``) and an x86 CPU with AVX2 or AVX-512.
@@ -219,18 +221,13 @@ class BnbNF4(QuantFormat):
         if scale is None:
             return None
         levels = torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)
-        return qdata.contiguous(), scale.reshape(rows, cols // bs).contiguous(), levels
+        # dequantize rounds the fp32 product once, to the output's dtype: only bf16 activations round to bf16
+        return qdata.contiguous(), scale.reshape(rows, cols // bs).contiguous(), levels, False
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
-            return None
-        out = fused_linear(x, prepared.get(), self.block_size)
-        return out + bias if bias is not None and out is not None else out
+        """NF4's kernels: one bf16 token through the one-token kernel, bf16 or fp32 activations up to
+        ``native.TILES_MAX_TOKENS`` through the tiles; else None (dequantize + mm)."""
+        return kernel_linear(x, prepared, bias, self.block_size)
 
     def __str__(self) -> str:
         return f"BnbNF4(block_size={self.block_size}, nested_block_size={self.nested_block_size})"
-
-
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins (as NF4).
-_KERNEL_MAX_TOKENS = 4

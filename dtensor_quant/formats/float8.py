@@ -18,6 +18,7 @@ rounds the product to it before converting: compressed-tensors'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,39 @@ def _quantize(weight: torch.Tensor, amax: torch.Tensor, scale_dtype=None) -> dic
     scale = safe_scale(amax, _E4M3_MAX, scale_dtype or weight.dtype)
     q = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return {"qdata": q, "scale": scale}
+
+
+def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise, dtype) -> dict:
+    """``_quantize`` with each code rounded at random between its two e4m3 neighbours (scale in ``dtype``).
+
+    The nearest code decides which neighbours bracket the value (e4m3fn magnitudes
+    are ordered like their 7 low bits); the value rounds to the upper one with
+    probability its distance from the lower one over the gap.
+    """
+    scale = safe_scale(amax, _E4M3_MAX, dtype)
+    x = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX)
+    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    sign, mag = bits & 0x80, (bits & 0x7F).long()
+    table = _magnitudes(x.device)
+    ax, av = x.abs(), table[mag]
+    lo = torch.where(av > ax, (mag - 1).clamp_(min=0), mag)  # the code at or below |x|
+    hi = torch.where(av < ax, (mag + 1).clamp_(max=0x7E), mag)  # the code at or above |x|
+    lo_v, hi_v = table[lo], table[hi]
+    up = noise.uniform() < (ax - lo_v) / (hi_v - lo_v)  # False where |x| is on a code (0 / 0 is NaN)
+    out = (torch.where(up, hi, lo).to(torch.uint8) | sign).view(torch.float8_e4m3fn)
+    out = torch.where(x.isnan(), x.to(torch.float8_e4m3fn), out)  # NaN stays NaN
+    return {"qdata": out, "scale": scale}
+
+
+_MAGNITUDES: dict[str, torch.Tensor] = {}
+
+
+def _magnitudes(device) -> torch.Tensor:
+    """float32 value of each e4m3fn magnitude code 0..127 (127 is NaN)."""
+    key = str(device)
+    if key not in _MAGNITUDES:
+        _MAGNITUDES[key] = torch.arange(128, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+    return _MAGNITUDES[key]
 
 
 def _dequantize(inner: dict[str, torch.Tensor], dtype: torch.dtype, scale_dtype=None) -> torch.Tensor:
@@ -86,157 +120,36 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     return True
 
 
-# -- the fused one-token kernel (dtensor_quant.native) ------------------------------------------------------
-# Each weight is bf16(float(code) * scale), as _dequantize computes it, and is multiplied by x in fp32: the codes
-# are read once, at memory speed, and no dense weight is written. NaN codes (0x7F, 0xFF) never reach it: prepare
-# sends such a weight to dequantize + mm.
+# -- the kernels (float8.cpp, loaded by dtensor_quant.core.native) ----------------------------------------------------
+# Each weight is float(code) * scale in fp32, rounded to bf16 for bf16 activations, as _dequantize computes it. One
+# bf16 token: each weight is multiplied by x as it is made (the codes read once per token, at memory speed);
+# more, or fp32 activations: the tiled matmul of native_tiles.h (each weight dequantized once into a tile in cache).
+# NaN codes (0x7F, 0xFF) never reach them: prepare sends such a weight to dequantize + mm.
 
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
-_KERNEL_MAX_TOKENS = 4
+# The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 1
 
-_KERNEL_SOURCE = r"""
-// 32 codes -> their e4m3 values times 2^-120, as fp32: the bf16 bits (sign | magnitude << 4) in each lane's upper
-// half. lo holds bytes 8l..8l+3 of every 128-bit lane l, hi bytes 8l+4..8l+7 (dq_x_order says where x goes).
-__attribute__((target("avx512f,avx512bw")))
-static inline void dq_e4m3_raw(const uint8_t* p, __m512& lo, __m512& hi) {
-    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    __m512i bits = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x7F0)),
-                                   _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(short(0x8000))));
-    lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), bits));
-    hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), bits));
-}
-
-// The same for 16 codes with AVX2: lo holds bytes 8l..8l+3 of each 128-bit lane, hi bytes 8l+4..8l+7.
-__attribute__((target("avx2,fma")))
-static inline void dq_e4m3_raw_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m256i bits = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 4), _mm256_set1_epi16(0x7F0)),
-                                   _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(short(0x8000))));
-    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), bits));
-    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), bits));
-}
-
-// Where x[j] of a chunk of 2 * half codes goes: the lo lanes, then the hi lanes (half: 16 AVX-512, 8 AVX2).
-static inline int64_t dq_x_order(int64_t j, int64_t half) { return 8 * ((j % half) / 4) + 4 * (j / half) + j % 4; }
-
-// Integer rounding, exact for any scale. kSmall: every scale of the row below 2^7 in magnitude, so s * 2^120 is
-// finite and one multiply gives the exact product, which cannot be NaN (no NaN code, finite scale).
-template <bool kSmall>
-__attribute__((target("avx2,fma")))
-static float dq_f8_row_avx2(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
-    const __m256 up = _mm256_set1_ps(0x1p120f);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), vs = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        if (k % g == 0) vs = _mm256_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
-        __m256 lo, hi;
-        dq_e4m3_raw_avx2(row + k, lo, hi);
-        if (kSmall) {
-            lo = dq_round_bf16_256_finite(_mm256_mul_ps(lo, vs));
-            hi = dq_round_bf16_256_finite(_mm256_mul_ps(hi, vs));
-        } else {
-            lo = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(lo, up), vs));
-            hi = dq_round_bf16_256(_mm256_mul_ps(_mm256_mul_ps(hi, up), vs));
-        }
-        acc0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + k), acc0);
-        acc1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + k + 8), acc1);
-    }
-    return dq_sum_256(_mm256_add_ps(acc0, acc1));
-}
-
-// The same with AVX-512 (value * 2^-120 * 2^120 is exact, subnormal codes too).
-template <bool kSmall>
-__attribute__((target("avx512f,avx512bw")))
-static float dq_f8_row(const uint8_t* row, const float* s, const float* xf, int64_t K, int64_t g) {
-    const __m512 up = _mm512_set1_ps(0x1p120f);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        if (k % g == 0) vs = _mm512_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
-        __m512 lo, hi;
-        dq_e4m3_raw(row + k, lo, hi);
-        if (kSmall) {
-            lo = dq_round_bf16_512_finite(_mm512_mul_ps(lo, vs));
-            hi = dq_round_bf16_512_finite(_mm512_mul_ps(hi, vs));
-        } else {
-            lo = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(lo, up), vs));
-            hi = dq_round_bf16_512(_mm512_mul_ps(_mm512_mul_ps(hi, up), vs));
-        }
-        acc0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xf + k), acc0);
-        acc1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xf + k + 16), acc1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-// Every scale of the row in [2^-117, 2^7): every product is 0 or a normal fp32, where vcvtne2ps2bf16 rounds to
-// nearest even exactly like dq_bf16_rne, and s * 2^120 is finite, so one multiply gives the exact product;
-// vdpbf16ps multiplies the bf16 pairs exactly and accumulates in fp32.
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-static float dq_f8_row_bf16(const uint8_t* row, const float* s, const uint16_t* xb, int64_t K, int64_t g) {
-    __m512 acc = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        if (k % g == 0) vs = _mm512_set1_ps(s[k / g] * 0x1p120f);
-        __m512 lo, hi;
-        dq_e4m3_raw(row + k, lo, hi);
-        __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, vs), _mm512_mul_ps(lo, vs));
-        acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb + k));
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-// scale: [N, K / g], one per row and group of g columns (g = K: per row). w[n, k] = bf16(float(code) * scale).
-// level 1: AVX2, 2: AVX-512, 3: AVX-512 with BF16 (the rows it is exact for).
-extern "C" void kernel(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out, int64_t M,
-                       int64_t N, int64_t K, int64_t g, int64_t max_level, int64_t threads, int64_t* level) {
-    int64_t best = K % 32 || g % 32 || K % g ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
-    level[0] = best < max_level ? best : max_level;
-    if (level[0] <= 0 || M <= 0) return;
-    const int64_t half = level[0] >= 2 ? 16 : 8;
-    uint16_t* xb = new uint16_t[K];  // x in dq_e4m3_raw's order, as bf16 and as fp32
-    float* xf = new float[K];
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t k = 0; k < K; ++k) {
-            xb[k] = x[m * K + k - k % (2 * half) + dq_x_order(k % (2 * half), half)];
-            xf[k] = dq_bf16_float(xb[k]);
-        }
-        #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
-        for (int64_t n = 0; n < N; ++n) {
-            const float* s = scale + n * (K / g);
-            bool small = true, normal = true;  // NaN and Inf scales are neither
-            for (int64_t i = 0; i < K / g; ++i) {
-                small &= std::fabs(s[i]) < 128;
-                normal &= std::fabs(s[i]) < 128 && std::fabs(s[i]) >= 0x1p-117f;
-            }
-            const uint8_t* row = codes + n * K;
-            float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K, g)
-                        : level[0] >= 2         ? (small ? dq_f8_row<true>(row, s, xf, K, g)
-                                                         : dq_f8_row<false>(row, s, xf, K, g))
-                        : small                 ? dq_f8_row_avx2<true>(row, s, xf, K, g)
-                                                : dq_f8_row_avx2<false>(row, s, xf, K, g);
-            out[m * N + n] = dq_bf16_rne(acc);
-        }
-    }
-    delete[] xb;
-    delete[] xf;
-}
-"""
+KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
-    "const uint8_t*", "const float*", "const uint16_t*", "uint16_t*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+    "const uint8_t*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
 ]  # fmt: skip
 
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 32, 32, 3, 1, level)
+    kernel(empty, empty, empty, empty, 0, 0, 32, 32, native.TILES, 3, 1, level)
     return int(level)
 
 
 def kernel():
-    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
-    return native.load("float8", _KERNEL_SOURCE, _ARGTYPES, _probe)
+    """``(the kernels' entry point, their best vector level here)``, built on first use; None where it cannot run.
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
+    return native.load("float8", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
 def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
-    """``(codes as uint8, fp32 scales [out, in / group])`` for the fused kernel, or None where it cannot run.
+    """``(codes as uint8, fp32 scales [out, in / group])`` for the kernels, or None where they cannot run.
 
     ``scale`` holds one scale per row (or one for all, broadcast) and per
     ``group`` columns. It needs an x86 CPU with AVX2 or AVX-512, ``in`` and
@@ -256,29 +169,45 @@ def _prepare(inner):
     return native.Lazy(lambda: kernel_prepare(inner["qdata"], inner["scale"], inner["qdata"].shape[-1]))
 
 
-def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel from :func:`kernel_prepare`'s result (bf16 ``x``); None if refused.
-
-    ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here).
-    """
+def _matmul(x: torch.Tensor, prepared, tiles: bool, max_level: int | None, rounds: bool) -> torch.Tensor | None:
     codes, scale = prepared
-    run, level = kernel()
-    x = x.contiguous()
     (rows, cols), group = codes.shape, codes.shape[1] // scale.shape[1]
     if x.shape[1] != cols:
         raise ValueError(f"float8 kernel: activation width {x.shape[1]} != weight width {cols}")
-    out = x.new_empty((x.shape[0], rows))
-    ran = native.level_out()
-    level = level if max_level is None else min(level, max_level)
-    run(codes, scale, x, out, x.shape[0], rows, cols, group, level, torch.get_num_threads(), ran)
-    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
+    rounds = rounds or x.dtype == torch.bfloat16
+    return native.matmul(
+        kernel(), (codes, scale), x, rows, (group,), tiles=tiles, round_weights=rounds, max_level=max_level
+    )
 
 
-def kernel_linear(x, prepared, bias):
-    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.native.Lazy` of :func:`kernel_prepare`."""
-    if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
+def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in bf16 through the one-token kernel from :func:`kernel_prepare`'s result (bf16 ``x``); None if
+    refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16; default: the best here)."""
+    return _matmul(x, prepared, False, max_level, True)
+
+
+def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from :func:`kernel_prepare`'s result;
+    None if refused. ``max_level`` as for :func:`fused_linear` (3 with bf16 ``x`` only); ``rounds``: every weight
+    is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
+    return _matmul(x, prepared, True, max_level, rounds)
+
+
+def kernel_linear(x, prepared, bias, scale_dtype: torch.dtype | None = None):
+    """``linear`` of the float8 formats, from a :class:`~dtensor_quant.core.native.Lazy` of :func:`kernel_prepare`.
+
+    ``scale_dtype``: the dtype dequantize rounds each product to before the output's (None: none); the kernels
+    round to bf16 only, so fp16 dequantizes.
+    """
+    tokens = x.shape[0]
+    if scale_dtype not in (None, torch.float32, torch.bfloat16) or x.dtype not in native.TILE_DTYPES:
         return None
-    out = fused_linear(x, prepared.get())
+    if tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
+        return None
+    if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
+        out = fused_linear(x, prepared.get())
+    else:
+        out = tiled_linear(x, prepared.get(), rounds=scale_dtype == torch.bfloat16)
     return out + bias if bias is not None and out is not None else out
 
 
@@ -298,6 +227,10 @@ class Float8Rowwise(QuantFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"), self.scale_dtype)
 
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
+        return _quantize_stochastic(weight, amax, noise, self.scale_dtype or dtype)
+
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype, self.scale_dtype)
 
@@ -310,14 +243,12 @@ class Float8Rowwise(QuantFormat):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None.
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
 
-        The kernel rounds each weight once, to bf16: with a ``scale_dtype`` other than bf16 that
-        would skip dequantize's rounding to it, so such a weight dequantizes instead.
+        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
+        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
         """
-        if self.scale_dtype not in (None, x.dtype):
-            return None
-        return kernel_linear(x, prepared, bias)
+        return kernel_linear(x, prepared, bias, self.scale_dtype)
 
     def __str__(self) -> str:
         return compact_repr(self).replace("torch.", "")
@@ -340,6 +271,10 @@ class Float8Tensorwise(QuantFormat):
         amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
         return _quantize(weight, reduce(amax, "max", "scale"), self.scale_dtype)
 
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
+        return _quantize_stochastic(weight, reduce(amax, "max", "scale"), noise, self.scale_dtype or dtype)
+
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype, self.scale_dtype)
 
@@ -352,13 +287,12 @@ class Float8Tensorwise(QuantFormat):
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None.
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
 
-        A ``scale_dtype`` other than the activations' dequantizes instead (see Float8Rowwise.linear).
+        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
+        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
         """
-        if self.scale_dtype not in (None, x.dtype):
-            return None
-        return kernel_linear(x, prepared, bias)
+        return kernel_linear(x, prepared, bias, self.scale_dtype)
 
     def __str__(self) -> str:
         return compact_repr(self).replace("torch.", "")

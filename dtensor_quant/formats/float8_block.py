@@ -112,7 +112,7 @@ class Float8Blockwise(QuantFormat):
         return True
 
     def prepare(self, inner):
-        """float8's fused one-token kernel with a scale per row and block of columns, built on first use.
+        """float8's kernels with a scale per row and block of columns, their inputs built on first use.
 
         The product ``float32(code) * scale_inv`` rounds to fp32 and then to the activation's dtype, as in
         ``dequantize``. Shards start on block boundaries, so row ``r`` of a shard has scale row ``r // b``.
@@ -129,14 +129,12 @@ class Float8Blockwise(QuantFormat):
         return kernel_prepare(inner["qdata"], scale.float().repeat_interleave(b, 0)[:rows], b)
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most a few rows (decode): the fused kernel; else None (dequantize + mm).
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
 
-        The kernel rounds each product once, to bf16: a bf16 ``scale_dtype`` rounds there too, an
-        fp16 one would round twice in dequantize, so such a weight dequantizes instead.
+        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
+        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
         """
-        if self.scale_dtype not in (None, x.dtype):
-            return None
-        return kernel_linear(x, prepared, bias)
+        return kernel_linear(x, prepared, bias, self.scale_dtype)
 
     def __str__(self) -> str:
         dtype = f", scale_dtype={str(self.scale_dtype).removeprefix('torch.')}" if self.scale_dtype else ""

@@ -21,10 +21,13 @@ does. The codes are compressed-tensors' ``weight_packed`` bytes as stored
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..core import native
 from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Blocked, OneToOne, Packed
 from ..core.reductions import block_reduce, expand_blocks, nibbles_into
@@ -147,6 +150,16 @@ class Int4Groupwise(QuantFormat):
         return True
 
     def prepare(self, inner):
+        """``(torch's int4 mm, the tiled kernel)``: each one's inputs, built by the first call that runs it.
+
+        :meth:`linear` runs torch's kernel for a few bf16 tokens (decode; any count on CUDA) and this library's
+        tiled kernel (int4.cpp) for more tokens and for fp32 activations, on CPU.
+        """
+        return native.Lazy(functools.partial(self._torch_inputs, inner)), native.Lazy(
+            functools.partial(self._tile_inputs, inner)
+        )
+
+    def _torch_inputs(self, inner):
         """Repack for torch's int4 mm on this device where its shape rules allow it, else None.
 
         Both kernels take group sizes 32, 64, 128 and 256 only.
@@ -176,21 +189,92 @@ class Int4Groupwise(QuantFormat):
         high_first = ((qdata & 0xF) << 4) | (qdata >> 4)
         return "cuda", torch.ops.aten._convert_weight_to_int4pack(high_first.contiguous(), tiles), scale_zeros
 
-    def linear(self, x, prepared, bias):
-        """torch's int4 weight-only mm, bf16 activations.
-
-        ``_weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
-
-        fp32/fp16 activations dequantize instead: torch 2.13's CPU kernel is vectorized for
-        bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in bf16). So does a
-        ``scale_dtype`` other than the activations' (the kernel would round the scales to it).
-        """
-        if prepared is None or x.dtype != torch.bfloat16 or self.scale_dtype not in (None, x.dtype):
+    def _tile_inputs(self, inner):
+        """``(codes, scales and zeros in fp32)`` for the tiled kernel (int4.cpp), or None where it cannot run:
+        ``in`` and the group size multiples of 32 and whole groups, on an x86 CPU where it was built."""
+        qdata, g = inner["qdata"], self.group_size
+        n_in = qdata.shape[-1] * 2
+        if qdata.device.type != "cpu" or qdata.ndim != 2 or n_in % 32 or g % 32 or n_in % g or kernel() is None:
             return None
-        device, packed, scale_zeros = prepared
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if device == "cpu" else torch.ops.aten._weight_int4pack_mm
-        out = mm(x.contiguous(), packed, self.group_size, scale_zeros.to(x.dtype))
-        return out + bias if bias is not None else out
+        fp32 = [inner[name].float().contiguous() for name in ("scale", "zero")]
+        if any(tuple(t.shape) != (qdata.shape[0], n_in // g) for t in fp32):
+            return None
+        return (qdata.contiguous(), *fp32)
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations of up to ``_TORCH_MAX_TOKENS`` rows (any on CUDA): torch's int4 weight-only mm
+        (``_weight_int4pack_mm_for_cpu``; CUDA: ``_weight_int4pack_mm``); more rows, or fp32 activations: the
+        tiled kernel (int4.cpp); else None (dequantize + mm).
+
+        torch 2.13's CPU kernel is vectorized for bf16 only (on an AVX2 CPU it runs 10-30x slower in fp32 than in
+        bf16), and past a few tokens it runs slower than bf16's own GEMM: each token is a pass over the weight.
+        """
+        torch_inputs, tile_inputs = prepared
+        tokens = x.shape[0]
+        # torch's kernel rounds the scales to the activations' dtype: only right when that is scale_dtype.
+        torchs_ok = self.scale_dtype in (None, x.dtype)
+        if x.dtype == torch.bfloat16 and torchs_ok and (tokens <= _TORCH_MAX_TOKENS or x.device.type != "cpu"):
+            if torch_inputs.get() is not None:
+                device, packed, scale_zeros = torch_inputs.get()
+                mm = (
+                    torch.ops.aten._weight_int4pack_mm_for_cpu
+                    if device == "cpu"
+                    else torch.ops.aten._weight_int4pack_mm
+                )
+                out = mm(x.contiguous(), packed, self.group_size, scale_zeros.to(x.dtype))
+                return out + bias if bias is not None else out
+        # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
+        # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
+        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
+            return None
+        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+            return None
+        out = tiled_linear(x, tile_inputs.get(), self.group_size, rounds=self.scale_dtype == torch.bfloat16)
+        return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
         return compact_repr(self).replace("torch.", "")
+
+
+# torch's int4 kernel reads the weight once per token: it beats bf16 for a token or two, the tiles from 3 on.
+_TORCH_MAX_TOKENS = 2
+
+KERNEL_SOURCE = Path(__file__).with_name("int4.cpp")  # loaded by dtensor_quant.core.native
+_ARGTYPES = [
+    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+]  # fmt: skip
+
+
+def _probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, native.TILES, 3, 1, level)
+    return int(level)
+
+
+def kernel():
+    """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
+    return native.load("int4", KERNEL_SOURCE, _ARGTYPES, _probe)
+
+
+def tiled_linear(
+    x: torch.Tensor, prepared, group_size: int, max_level: int | None = None, rounds: bool = False
+) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from ``Int4Groupwise._tile_inputs``;
+    None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only);
+    ``rounds``: every weight is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
+    codes, scale, zero = prepared
+    if x.shape[1] != codes.shape[1] * 2:
+        raise ValueError(f"int4 kernel: activation width {x.shape[1]} != weight width {codes.shape[1] * 2}")
+    rounds = rounds or x.dtype == torch.bfloat16
+    return native.matmul(
+        kernel(),
+        (codes, scale, zero),
+        x,
+        codes.shape[0],
+        (group_size,),
+        tiles=True,
+        round_weights=rounds,
+        max_level=max_level,
+    )

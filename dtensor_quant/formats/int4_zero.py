@@ -26,10 +26,12 @@ exact in float32, so rounding that once to the scale's dtype is bit-equal
 to computing it in the scale's dtype. A compressed-tensors code ``q_ct`` in
 ``[-8, 7]`` with zero ``z_ct`` is ``q = q_ct + 8``, ``z = z_ct + 8`` here.
 
-Kernel: a fused one-token ``x @ W.T`` (bf16 activations, 1-4 tokens; C++
-built once per machine by :mod:`~dtensor_quant.core.native`) whose every
-weight is ``dequantize``'s bf16 value bit for bit, fp16 scales rounded there
-first (tests/test_fused_kernels.py).
+Kernels (int4_zero.cpp, built once per machine by
+:mod:`~dtensor_quant.core.native`): a fused one-token ``x @ W.T`` (one bf16
+token) and the tiled matmul of ``core/native_tiles.h`` (more tokens, fp32
+activations), whose every weight is ``dequantize``'s value bit for bit, fp16
+scales rounded there first (tests/test_fused_kernels.py,
+tests/test_tiled_kernels.py).
 
 Quantize (min-max, the range widened to include 0 as compressed-tensors'
 observer does): ``scale = (max - min) / 15`` rounded up to the scale's dtype
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -147,7 +150,8 @@ class Int4GroupwiseIntZero(QuantFormat):
         return native.Lazy(functools.partial(self.kernel_inputs, inner))
 
     def kernel_inputs(self, inner):
-        """``(codes, scales and zeros in float32 [out, in/g], whether to round to fp16)``, or None where it cannot run.
+        """``(codes, scales and zeros in float32 [out, in/g], round to fp16, round to bf16)``, or None where they
+        cannot run.
 
         The kernel needs whole groups (``in % group_size == 0``), ``group_size % 32 == 0``, a
         bf16, fp16 or fp32 scale and an x86 CPU with AVX2 (and F16C) or AVX-512.
@@ -159,13 +163,19 @@ class Int4GroupwiseIntZero(QuantFormat):
         if not rows or cols % g or tuple(scale.shape) != (rows, cols // g) or kernel() is None:
             return None
         half = int(scale.dtype == torch.float16)  # bf16 and fp32 products need no rounding before bf16's
-        return qdata.contiguous(), scale.float().contiguous(), inner["zero"].float().contiguous(), half
+        rounds = scale.dtype == torch.bfloat16  # dequantize rounds to bf16 whatever the activations
+        return qdata.contiguous(), scale.float().contiguous(), inner["zero"].float().contiguous(), half, rounds
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
+        """bf16 or fp32 activations: the one-token kernel for one bf16 token, the tiles for up to
+        ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
+        tokens = x.shape[0]
+        if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
             return None
-        out = fused_linear(x, prepared.get(), self.group_size)
+        if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
+            out = fused_linear(x, prepared.get(), self.group_size)
+        else:
+            out = tiled_linear(x, prepared.get(), self.group_size)
         return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
@@ -173,123 +183,52 @@ class Int4GroupwiseIntZero(QuantFormat):
 
 
 _KERNEL_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
-_KERNEL_MAX_TOKENS = 4
+# The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 1
 
-# The fused one-token kernel (dtensor_quant.core.native). Per group: the 16 weights its codes can stand for,
-# bf16(scale_dtype((c - z) * s)) for c = 0..15 -- (c - z) * s is exact in fp32, fp16 scales round there first,
-# as dequantize does -- in one AVX-512 register (two with AVX2); each code picks its weight with a permute and an
-# FMA adds weight * x in fp32. The codes are read once, at memory speed; no dense weight is written.
-_KERNEL_SOURCE = r"""
-__attribute__((target("avx512f,avx512bw,f16c")))
-static float dq_i4z_row(const uint8_t* row, const float* scale, const float* zero, const float* xe, const float* xo,
-                        int64_t K, int64_t g, int64_t half) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i mask = _mm512_set1_epi32(15);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / g; ++b) {
-        __m512 t = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero[b])), _mm512_set1_ps(scale[b]));
-        if (half) t = _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m512 table = dq_round_bf16_512(t);
-        for (int64_t i = b * g / 2; i < (b + 1) * g / 2; i += 16) {  // 16 bytes: 32 weights
-            __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
-            __m512 low = _mm512_permutexvar_ps(_mm512_and_si512(codes, mask), table);  // weight 2j
-            __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);  // weight 2j + 1
-            acc0 = _mm512_fmadd_ps(low, _mm512_loadu_ps(xe + i), acc0);
-            acc1 = _mm512_fmadd_ps(high, _mm512_loadu_ps(xo + i), acc1);
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-// The same with AVX2: the 16 weights in two registers, a code's bit 3 picks between them.
-__attribute__((target("avx2,fma,f16c")))
-static float dq_i4z_row_avx2(const uint8_t* row, const float* scale, const float* zero, const float* xe,
-                             const float* xo, int64_t K, int64_t g, int64_t half) {
-    const __m256 iota0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
-    const __m256i mask = _mm256_set1_epi32(15);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / g; ++b) {
-        const __m256 s = _mm256_set1_ps(scale[b]), z = _mm256_set1_ps(zero[b]);
-        __m256 t0 = _mm256_mul_ps(_mm256_sub_ps(iota0, z), s), t1 = _mm256_mul_ps(_mm256_sub_ps(iota1, z), s);
-        if (half) {
-            t0 = _mm256_cvtph_ps(_mm256_cvtps_ph(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            t1 = _mm256_cvtph_ps(_mm256_cvtps_ph(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        }
-        t0 = dq_round_bf16_256(t0);
-        t1 = dq_round_bf16_256(t1);
-        for (int64_t i = b * g / 2; i < (b + 1) * g / 2; i += 8) {  // 8 bytes: 16 weights
-            __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
-            __m256i lo = _mm256_and_si256(codes, mask), hi = _mm256_srli_epi32(codes, 4);
-            __m256 low = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo), _mm256_permutevar8x32_ps(t1, lo),
-                                          _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
-            __m256 high = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi), _mm256_permutevar8x32_ps(t1, hi),
-                                           _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
-            acc0 = _mm256_fmadd_ps(low, _mm256_loadu_ps(xe + i), acc0);
-            acc1 = _mm256_fmadd_ps(high, _mm256_loadu_ps(xo + i), acc1);
-        }
-    }
-    return dq_sum_256(_mm256_add_ps(acc0, acc1));
-}
-
-// level 1: AVX2, 2: AVX-512. scale, zero: [N, K / g] in fp32; half: round each product to fp16 first.
-extern "C" void kernel(const uint8_t* codes, const float* scale, const float* zero, const uint16_t* x, uint16_t* out,
-                       int64_t M, int64_t N, int64_t K, int64_t g, int64_t half, int64_t max_level, int64_t threads,
-                       int64_t* level) {
-    bool f16c = __builtin_cpu_supports("f16c");
-    int64_t best = g % 32 || !f16c ? 0 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
-    level[0] = best < max_level ? best : max_level;
-    if (level[0] <= 0 || M <= 0) return;
-    float* xs = new float[K];  // x's even elements (the low nibbles'), then its odd ones
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t i = 0; i < K / 2; ++i) {
-            xs[i] = dq_bf16_float(x[m * K + 2 * i]);
-            xs[K / 2 + i] = dq_bf16_float(x[m * K + 2 * i + 1]);
-        }
-        #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
-        for (int64_t n = 0; n < N; ++n) {
-            const uint8_t* row = codes + n * (K / 2);
-            const float* s = scale + n * (K / g);
-            const float* z = zero + n * (K / g);
-            float acc = level[0] >= 2 ? dq_i4z_row(row, s, z, xs, xs + K / 2, K, g, half)
-                                      : dq_i4z_row_avx2(row, s, z, xs, xs + K / 2, K, g, half);
-            out[m * N + n] = dq_bf16_rne(acc);
-        }
-    }
-    delete[] xs;
-}
-"""
+# The kernels (int4_zero.cpp). Per group: the 16 weights its codes can stand for, scale_dtype((c - z) * s) for
+# c = 0..15 -- (c - z) * s is exact in fp32, fp16 scales round there first, as dequantize does -- in one AVX-512
+# register (two with AVX2), each code picking its weight with a permute: multiplied by x as they are made (one
+# token) or written into the tiles of core/native_tiles.h (more tokens). No dense weight is written.
+KERNEL_SOURCE = Path(__file__).with_name("int4_zero.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
-    "const uint8_t*", "const float*", "const float*", "const uint16_t*", "uint16_t*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
 ]  # fmt: skip
 
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, 0, 2, 1, level)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, 0, native.TILES, 3, 1, level)
     return int(level)
 
 
 def kernel():
-    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
-    return native.load("int4_zero", _KERNEL_SOURCE, _ARGTYPES, _probe)
+    """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
+    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16 (the one-token kernel stops at 2)."""
+    return native.load("int4_zero", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
-def fused_linear(x: torch.Tensor, prepared, group_size: int, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel, from :meth:`Int4GroupwiseIntZero.kernel_inputs`; None if refused.
-
-    ``max_level`` caps the vector path (1: AVX2, 2: AVX-512; default: the best here).
-    """
-    codes, scale, zero, half = prepared
-    run, level = kernel()
-    level = level if max_level is None else min(level, max_level)
-    x = x.contiguous()
+def _matmul(x, prepared, group_size, tiles, max_level):
+    codes, scale, zero, half, rounds = prepared
     k = codes.shape[1] * 2
     if x.shape[1] != k:
         raise ValueError(f"Int4GroupwiseIntZero kernel: activation width {x.shape[1]} != weight width {k}")
-    out = x.new_empty((x.shape[0], codes.shape[0]))
-    ran = native.level_out()
-    args = (x.shape[0], codes.shape[0], k, group_size, half, level, torch.get_num_threads(), ran)
-    run(codes, scale, zero, x, out, *args)
-    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
+    rounds = rounds or x.dtype == torch.bfloat16
+    return native.matmul(
+        kernel(), (codes, scale, zero), x, codes.shape[0], (group_size, half), tiles=tiles, round_weights=rounds,
+        max_level=max_level,
+    )  # fmt: skip
+
+
+def fused_linear(x: torch.Tensor, prepared, group_size: int, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in bf16 through the one-token kernel, from :meth:`Int4GroupwiseIntZero.kernel_inputs` (bf16
+    ``x``); None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512; default: the best here)."""
+    return _matmul(x, prepared, group_size, False, max_level)
+
+
+def tiled_linear(x: torch.Tensor, prepared, group_size: int, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel (core/native_tiles.h), from
+    :meth:`Int4GroupwiseIntZero.kernel_inputs`; None if refused. ``max_level`` caps the vector path (1: AVX2,
+    2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    return _matmul(x, prepared, group_size, True, max_level)

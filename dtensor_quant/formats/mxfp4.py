@@ -28,10 +28,11 @@ clamped to the e8m0 range; each value divided by the scale rounds to the
 nearest e2m1 value, ties to even, saturating at +-6. An all-zero block gets
 exponent 0; a block with NaN or Inf gets 255.
 
-Kernel: NF4's fused one-token kernel (bf16 activations, 1-4 tokens) with the
-e2m1 values as levels and each block's power of two as its scale, on a
-nibble-swapped copy of the codes: each weight it uses is ``dequantize``'s
-bf16 value bit for bit (tests/test_fused_kernels.py). Where the reference would
+Kernels: NF4's (the one-token kernel for one bf16 token, the tiles for more
+and for fp32 activations) with the e2m1 values as levels and each block's
+power of two as its scale, on a nibble-swapped copy of the codes: each
+weight they use is ``dequantize``'s value bit for bit
+(tests/test_fused_kernels.py, tests/test_tiled_kernels.py). Where the reference would
 round a finite block past the weight dtype's maximum (fp16 weights near
 65504; 6 * 2**126 in bf16 or fp32) the block takes the next smaller exponent
 and saturates, so finite weights never dequantize to Inf.
@@ -48,8 +49,8 @@ from ..core import native
 from ..core.format import QuantFormat, Reducer
 from ..core.layout import Blocked, OneToOne, Packed
 from ..core.reductions import block_reduce, expand_blocks, nibbles_into
-from .nf4 import fused_linear
 from .nf4 import kernel as nf4_kernel
+from .nf4 import kernel_linear
 
 #: The e2m1 values of codes 0-15 (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -136,16 +137,17 @@ class MXFP4(QuantFormat):
             out.copy_(values)
         return True
 
-    # NF4's fused one-token kernel (dtensor_quant.formats.nf4) computes each weight as bf16(level * scale) from
-    # 16 float32 levels and one float32 scale per block of 32 or more: with the e2m1 values and each block's power
-    # of two that is dequantize's bf16 value. It reads the first value of a byte from the high nibble.
+    # NF4's kernels (dtensor_quant.formats.nf4) compute each weight as level * scale in fp32 (rounded to bf16 for
+    # bf16 activations) from 16 float32 levels and one float32 scale per block of 32 or more: with the e2m1 values
+    # and each block's power of two that is dequantize's value. They read a byte's first value from its high nibble.
 
     def prepare(self, inner):
         """The fused kernel's inputs, built by the first call that runs it (``native.Lazy``)."""
         return native.Lazy(functools.partial(self.kernel_inputs, inner))
 
     def kernel_inputs(self, inner):
-        """``(codes high nibble first, block scales in float32, levels in float32)``, or None where it cannot run."""
+        """``(codes high nibble first, block scales in float32, levels in float32, rounds)``, or None where NF4's
+        kernels cannot run."""
         qdata = inner["qdata"]
         if qdata.device.type != "cpu" or qdata.ndim != 2 or not qdata.shape[0] or nf4_kernel() is None:
             return None
@@ -154,18 +156,13 @@ class MXFP4(QuantFormat):
             return None
         swapped = ((qdata << 4) | (qdata >> 4)).contiguous()
         scale = scale_values(qdata.device)[inner["scale"].long()].contiguous()
-        return swapped, scale, torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        # dequantize rounds the fp32 product once, to the output's dtype: only bf16 activations round to bf16
+        return swapped, scale, torch.tensor(E2M1_VALUES, dtype=torch.float32), False
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
-            return None
-        out = fused_linear(x, prepared.get(), BLOCK)
-        return out + bias if bias is not None and out is not None else out
+        """NF4's kernels: one bf16 token through the one-token kernel, bf16 or fp32 activations up to
+        ``native.TILES_MAX_TOKENS`` through the tiles; else None (dequantize + mm)."""
+        return kernel_linear(x, prepared, bias, BLOCK)
 
     def __str__(self) -> str:
         return "MXFP4()"
-
-
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins (as NF4).
-_KERNEL_MAX_TOKENS = 4

@@ -24,7 +24,7 @@ value torch's CPU ``mean`` gives unless its float32 accumulation rounds across
 a dtype rounding boundary (not seen in the tests); it is the same on every
 sharding because float64 sums of the scales are exact.
 
-Layout (:func:`~dtensor_quant.layout.flat_blocked`, from the weight's shape):
+Layout (:func:`~dtensor_quant.core.layout.flat_blocked`, from the weight's shape):
 ``qdata`` packs 2 codes per byte and ``scaler`` blocks ``block_size`` weights,
 ``factor`` blocks ``block_size * scaler_block_size`` weights, all over the flat
 index, and ``mean`` is constant. Where a block fits inside a row (or a factor
@@ -47,13 +47,18 @@ otherwise):
   128 / 65504 ~ 0.002 (weights of std ~1e-3) would make it Inf and every scale
   of its blocks the mean;
 * a dequantized scale that rounds past the dtype's max (fp16 weights near
-  65504) is clamped to it, so finite weights never dequantize to Inf.
+  65504) is clamped to it, so finite weights never dequantize to Inf;
+* where ``2 * spread`` overflows (block scales spread over more than half the
+  dtype's max: a weight near bf16's 3.4e38 or fp16's 65504 beside small ones)
+  the factor is ``128 / spread`` -- torchao's 0 turns every weight the factor
+  covers into NaN.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -115,7 +120,12 @@ class NF4(QuantFormat):
         centred = absmax - mean
         # The factors' blocks, and each scale's factor, through the logical grid both follow.
         spread = reduce_to(expand_to(centred.abs(), layout["scaler"], shape), layout["factor"], "max")
-        factor = (256 / (2 * reduce(spread, "max", "factor").to(dtype))).to(dtype)
+        spread = reduce(spread, "max", "factor").to(dtype)
+        twice = 2 * spread
+        # torchao's 256 / (2 * spread), bit for bit -- except where 2 * spread overflows (weights near the
+        # dtype's max beside small ones): there the factor was 0 and every weight it covers NaN (0 / 0);
+        # 128 / spread is the same real number, and the factor is stored, so any finite one is exact.
+        factor = torch.where(twice.isinf() & spread.isfinite(), 128 / spread, 256 / twice).to(dtype)
         # A spread below 128 / max (fp16: 0.002) would make the factor Inf and every scale the mean.
         factor = factor.clamp(max=torch.finfo(dtype).max)
         per_scale = reduce_to(expand_to(factor, layout["factor"], shape), layout["scaler"], "max").to(dtype)
@@ -174,22 +184,26 @@ class NF4(QuantFormat):
         big = torch.finfo(mean.dtype).max  # the same clamp as dequantize: finite weights stay finite
         return torch.where(per_scaler.isfinite() & (per_scaler > 0), scale.clamp(-big, big), scale)
 
-    # The fused one-token kernel (dtensor_quant.native): each block's 16 weights bf16(level * scale) are one
-    # AVX-512 register (two with AVX2), each code picks its weight with vpermps, an FMA adds weight * x in fp32.
-    # The codes are read once, at memory speed; no dense weight is ever written.
+    # The kernels (nf4.cpp, built by dtensor_quant.core.native). One token: each block's 16 weights
+    # bf16(level * scale) are one AVX-512 register (two with AVX2), each code picks its weight with vpermps, an FMA
+    # adds weight * x in fp32: the codes are read once per token. More tokens: the tiles of native_tiles.h, each
+    # weight dequantized once into a buffer in cache. No dense weight is ever written. The kernel reads its blocks
+    # in flat order, so it needs a weight laid out as a fresh one of its shape:
     kernel_needs_whole_blocks = True
 
     def prepare(self, inner):
-        """The fused kernel's inputs, built by the first call that runs it (:class:`~dtensor_quant.native.Lazy`)."""
+        """The kernels' inputs, built by the first call that runs one (:class:`~dtensor_quant.core.native.Lazy`)."""
         return native.Lazy(functools.partial(self.kernel_inputs, inner))
 
     def kernel_inputs(self, inner):
-        """``(codes, block scales in fp32, levels in fp32)`` for the fused kernel, or None where it cannot run.
+        """``(codes, block scales in fp32, levels in fp32, rounds)`` for the kernels, or None where they cannot run.
 
-        It needs whole blocks inside each row (``in % block_size == 0``, the
-        library checks the rest: ``kernel_needs_whole_blocks``), a bf16 or
-        fp32 weight (fp16 rounds each product to fp16 before the activation's
-        dtype), and an x86 CPU with AVX2 or AVX-512 where the kernel was built.
+        ``rounds``: the weight is bf16, so dequantize rounds every weight to bf16
+        whatever the activations. The kernels need whole blocks inside each row
+        (``in % block_size == 0``, the library checks the rest:
+        ``kernel_needs_whole_blocks``), a bf16 or fp32 weight (fp16 rounds each
+        product to fp16 before the activation's dtype), and an x86 CPU with AVX2
+        or AVX-512 where they were built.
         """
         qdata, mean, bs = inner["qdata"], inner["mean"], self.block_size
         if qdata.device.type != "cpu" or qdata.ndim != 2 or mean.dtype not in _KERNEL_WEIGHT_DTYPES or bs % 32:
@@ -201,14 +215,13 @@ class NF4(QuantFormat):
         if scale is None:
             return None
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype).float()
-        return qdata.contiguous(), scale.float().reshape(rows, cols // bs).contiguous(), levels
+        scale = scale.float().reshape(rows, cols // bs).contiguous()
+        return qdata.contiguous(), scale, levels, mean.dtype == torch.bfloat16
 
     def linear(self, x, prepared, bias):
-        """bf16 activations, at most ``_KERNEL_MAX_TOKENS`` rows (decode): the fused kernel; else None."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > _KERNEL_MAX_TOKENS or prepared.get() is None:
-            return None
-        out = fused_linear(x, prepared.get(), self.block_size)
-        return out + bias if bias is not None and out is not None else out
+        """bf16 or fp32 activations: the one-token kernel for one bf16 token, the tiles for up to
+        ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
+        return kernel_linear(x, prepared, bias, self.block_size)
 
     @staticmethod
     def _nearest(normalized: torch.Tensor) -> torch.Tensor:
@@ -219,115 +232,73 @@ class NF4(QuantFormat):
         return f"NF4(block_size={self.block_size}, scaler_block_size={self.scaler_block_size})"
 
 
-# fp16 weights round each product to fp16 first; the kernel rounds once, to bf16.
+# fp16 weights round each product to fp16 first; the kernels round once, to bf16.
 _KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
-# Each token is one pass over the codes: past a few, dequantize + mm (one decode, then a real GEMM) wins.
-_KERNEL_MAX_TOKENS = 4
+# The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
+_ONE_TOKEN_MAX = 1
 
-_KERNEL_SOURCE = r"""
-// out[m, n] = bf16(sum_k x[m, k] * w[n, k]), w[n, k] = bf16(level[code] * scale[n, k / bs]): NF4.dequantize's values.
-__attribute__((target("avx512f,avx512bw")))
-static float dq_nf4_row(const uint8_t* row, const float* scale, const float* xe, const float* xo, const float* levels,
-                        int64_t K, int64_t bs) {
-    const __m512 lv = _mm512_loadu_ps(levels);
-    const __m512i mask = _mm512_set1_epi32(15);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / bs; ++b) {
-        __m512 table = dq_round_bf16_512(_mm512_mul_ps(lv, _mm512_set1_ps(scale[b])));  // the block's 16 weights
-        for (int64_t i = b * bs / 2; i < (b + 1) * bs / 2; i += 16) {  // 16 bytes: 32 weights
-            __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
-            __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);  // weight 2j
-            __m512 low = _mm512_permutexvar_ps(_mm512_and_si512(codes, mask), table);  // weight 2j + 1
-            acc0 = _mm512_fmadd_ps(high, _mm512_loadu_ps(xe + i), acc0);
-            acc1 = _mm512_fmadd_ps(low, _mm512_loadu_ps(xo + i), acc1);
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-// The same with AVX2: the 16 weights in two registers, a code's bit 3 picks between them.
-__attribute__((target("avx2,fma")))
-static float dq_nf4_row_avx2(const uint8_t* row, const float* scale, const float* xe, const float* xo,
-                             const float* levels, int64_t K, int64_t bs) {
-    const __m256 lv0 = _mm256_loadu_ps(levels), lv1 = _mm256_loadu_ps(levels + 8);
-    const __m256i mask = _mm256_set1_epi32(15);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / bs; ++b) {
-        const __m256 s = _mm256_set1_ps(scale[b]);
-        const __m256 t0 = dq_round_bf16_256(_mm256_mul_ps(lv0, s)), t1 = dq_round_bf16_256(_mm256_mul_ps(lv1, s));
-        for (int64_t i = b * bs / 2; i < (b + 1) * bs / 2; i += 8) {  // 8 bytes: 16 weights
-            __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
-            __m256i hi = _mm256_srli_epi32(codes, 4), lo = _mm256_and_si256(codes, mask);
-            __m256 high = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi), _mm256_permutevar8x32_ps(t1, hi),
-                                           _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
-            __m256 low = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo), _mm256_permutevar8x32_ps(t1, lo),
-                                          _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
-            acc0 = _mm256_fmadd_ps(high, _mm256_loadu_ps(xe + i), acc0);
-            acc1 = _mm256_fmadd_ps(low, _mm256_loadu_ps(xo + i), acc1);
-        }
-    }
-    return dq_sum_256(_mm256_add_ps(acc0, acc1));
-}
-
-// level 1: AVX2, 2: AVX-512.
-static void dq_nf4(const uint8_t* codes, const float* scale, const float* levels, const uint16_t* x, uint16_t* out,
-                   int64_t M, int64_t N, int64_t K, int64_t bs, int64_t level, int64_t threads) {
-    float* xs = new float[K];  // x's even elements (the high nibbles'), then its odd ones
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t i = 0; i < K / 2; ++i) {
-            xs[i] = dq_bf16_float(x[m * K + 2 * i]);
-            xs[K / 2 + i] = dq_bf16_float(x[m * K + 2 * i + 1]);
-        }
-        #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
-        for (int64_t n = 0; n < N; ++n) {
-            const uint8_t* row = codes + n * (K / 2);
-            const float* s = scale + n * (K / bs);
-            float acc = level >= 2 ? dq_nf4_row(row, s, xs, xs + K / 2, levels, K, bs)
-                                   : dq_nf4_row_avx2(row, s, xs, xs + K / 2, levels, K, bs);
-            out[m * N + n] = dq_bf16_rne(acc);
-        }
-    }
-    delete[] xs;
-}
-
-extern "C" void kernel(const uint8_t* codes, const float* scale, const float* levels, const uint16_t* x,
-                       uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t bs, int64_t max_level,
-                       int64_t threads, int64_t* level) {
-    int64_t best = bs % 32 ? 0 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
-    level[0] = best < max_level ? best : max_level;
-    if (level[0] > 0 && M > 0) dq_nf4(codes, scale, levels, x, out, M, N, K, bs, level[0], threads);
-}
-"""
+KERNEL_SOURCE = Path(__file__).with_name("nf4.cpp")  # loaded by dtensor_quant.core.native
 _ARGTYPES = [
-    "const uint8_t*", "const float*", "const float*", "const uint16_t*", "uint16_t*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
 ]  # fmt: skip
 
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, 2, 1, level)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, native.TILES, 3, 1, level)
     return int(level)
 
 
 def kernel():
-    """``(the fused kernel, its best vector level here)``, built on first use; None where it cannot run."""
-    return native.load("nf4", _KERNEL_SOURCE, _ARGTYPES, _probe)
+    """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
+    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16 (the one-token kernel stops at 2)."""
+    return native.load("nf4", KERNEL_SOURCE, _ARGTYPES, _probe)
+
+
+def _check_width(x: torch.Tensor, codes: torch.Tensor) -> None:
+    if x.shape[1] != codes.shape[1] * 2:
+        raise ValueError(f"NF4 kernel: activation width {x.shape[1]} != weight width {codes.shape[1] * 2}")
 
 
 def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
-    """``x @ W.T`` in bf16 through the fused kernel, from :meth:`NF4.kernel_inputs` (bf16 ``x``); None if refused.
+    """``x @ W.T`` in bf16 through the one-token kernel, from :meth:`NF4.kernel_inputs` (bf16 ``x``, one pass over
+    the codes per token); None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512)."""
+    codes, scale, levels, _ = prepared
+    _check_width(x, codes)
+    return native.matmul(
+        kernel(), (codes, scale, levels), x, codes.shape[0], (block_size,), tiles=False, max_level=max_level
+    )
 
-    ``max_level`` caps the vector path (1: AVX2, 2: AVX-512; default: the best here).
-    """
-    codes, scale, levels = prepared
-    run, level = kernel()
-    level = level if max_level is None else min(level, max_level)
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0], codes.shape[0]))
-    k = codes.shape[1] * 2
-    if x.shape[1] != k:
-        raise ValueError(f"NF4 kernel: activation width {x.shape[1]} != weight width {k}")
-    ran = native.level_out()
-    run(codes, scale, levels, x, out, x.shape[0], codes.shape[0], k, block_size, level, torch.get_num_threads(), ran)
-    return out if int(ran) else None  # 0: refused (flush-to-zero turned on since the probe)
+
+def tiled_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel (native_tiles.h: each weight dequantized
+    once into a tile in cache), from :meth:`NF4.kernel_inputs`; None if refused. ``max_level`` caps the vector path
+    (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    codes, scale, levels, rounds = prepared
+    _check_width(x, codes)
+    rounds = rounds or x.dtype == torch.bfloat16
+    return native.matmul(
+        kernel(),
+        (codes, scale, levels),
+        x,
+        codes.shape[0],
+        (block_size,),
+        tiles=True,
+        round_weights=rounds,
+        max_level=max_level,
+    )
+
+
+def kernel_linear(x: torch.Tensor, prepared, bias, block_size: int) -> torch.Tensor | None:
+    """``linear`` of every format that runs NF4's kernels (NF4, BnbNF4, MXFP4), from a
+    :class:`~dtensor_quant.core.native.Lazy` of ``(codes, block scales, levels, rounds)``: the one-token kernel
+    for one bf16 token, the tiles for bf16 or fp32 activations up to ``native.TILES_MAX_TOKENS``; else None."""
+    tokens = x.shape[0]
+    if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
+        return None
+    if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
+        out = fused_linear(x, prepared.get(), block_size)
+    else:
+        out = tiled_linear(x, prepared.get(), block_size)
+    return out + bias if bias is not None and out is not None else out

@@ -20,6 +20,7 @@ from ..core.format import weight_layout
 from ..core.layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from ..core.tensor import QuantizedTensor
 from ..dist.placements import shard_like
+from ..ops.arithmetic import trainable
 from .gather_quantized import GatherQuantized
 from .reshard_after_forward import install_fsdp_post_forward_reshard
 
@@ -94,11 +95,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
         if not local.is_contiguous():
             raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
-        if param.requires_grad and isinstance(local, QuantizedTensor):
+        if param.requires_grad and isinstance(local, QuantizedTensor) and trainable(local) is None:
             raise ValueError(
                 f"{where} has requires_grad=True: FSDP2 would compute and reduce a dense gradient that no "
                 "optimizer can apply to quantized bytes. Freeze it (requires_grad_(False)) and train adapters "
-                "(dtensor_quant.lora), or make it trainable with dtensor_quant.gather_quantized_."
+                "(dtensor_quant.lora), or make it trainable: dtensor_quant.quantize_(..., trainable=True) (updated in "
+                "place with stochastic rounding) or dtensor_quant.gather_quantized_ (dense master weights)."
             )
         if world is not None and world > 1:
             factor = _row_factor(local)
@@ -121,7 +123,7 @@ def _check_reshard_group_size(module, size: int, world: int | None) -> None:
     Torch checks the factor itself (before any collective) but refuses a DTensor
     (tensor-parallel) parameter only at the first post-forward reshard, after the
     forward's all-gathers; with quantized parameters the fix in
-    :func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard` does the rest.
+    :func:`dtensor_quant.fsdp.install_fsdp_post_forward_reshard` does the rest.
     """
     if world is not None and (size < 1 or world % size):
         raise ValueError(

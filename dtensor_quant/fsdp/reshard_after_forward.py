@@ -39,6 +39,14 @@ from .gather_quantized import GatherQuantized
 # do exactly that for this library's parameters (QuantizedTensor, GatherQuantized) sharded along dim 0
 # that are not DTensors (torch refuses those for every parameter), and call torch's own code for
 # everything else, torchao's tensors with all-gather hooks included.
+#
+# At init, ``FSDPParam._init_sharded_post_forward_param_metadata`` chunks the whole parameter over
+# the k ranks of the post-forward group only to read one chunk's size. A quantized tensor refuses a
+# cut its layout forbids -- NF4 [30, 14336] is legal at 4 ranks (8 rows each, whole factors) but not
+# cut in 2 at row 15: "legal for n = 1, 4" while 4 was the size in use -- although the post-forward
+# shard above never makes that cut (it keeps whole rank inputs, so whatever is legal over the shard
+# world is legal for every k). For this library's parameters the sizes come from a meta tensor of
+# the parameter's shape instead.
 
 
 class _PostForwardShard(NamedTuple):
@@ -49,10 +57,11 @@ class _PostForwardShard(NamedTuple):
     input_sizes: tuple  # one rank's all-gather input sizes then, to unflatten the outputs again
 
 
-#: torch 2.13.0's sources of the three members the patch replaces (core.torch_patches.fingerprint).
+#: torch 2.13.0's sources of the four members the patch replaces (core.torch_patches.fingerprint).
 TORCH_2_13 = {
     "FSDPParam.to_sharded_post_forward": "f94c718551a43084",
     "FSDPParam.all_gather_inputs": "8f5e2c41a746e987",
+    "FSDPParam._init_sharded_post_forward_param_metadata": "3de1420d14eb6d04",
     "FSDPParamGroup.reshard": "f8de8fedc4e3b5e1",
 }
 # What the replacements read on FSDPParam and its group besides the replaced members.
@@ -109,6 +118,10 @@ def install_fsdp_post_forward_reshard():
             (param_cls, "all_gather_inputs"): (
                 TORCH_2_13["FSDPParam.all_gather_inputs"],
                 lambda torch_fn: _all_gather_inputs(torch_fn, state),
+            ),
+            (param_cls, "_init_sharded_post_forward_param_metadata"): (
+                TORCH_2_13["FSDPParam._init_sharded_post_forward_param_metadata"],
+                _init_post_forward_metadata,
             ),
             (group_cls, "reshard"): (
                 TORCH_2_13["FSDPParamGroup.reshard"],
@@ -175,6 +188,18 @@ def _all_gather_inputs(torch_all_gather_inputs, state):
         return inputs
 
     return all_gather_inputs
+
+
+def _init_post_forward_metadata(torch_init):
+    def _init_sharded_post_forward_param_metadata(self, param) -> None:
+        # At init only the sharded parameter and its placement exist (not the fields handles() reads).
+        local = getattr(self.sharded_param, "_local_tensor", None)
+        if isinstance(local, (QuantizedTensor, GatherQuantized)) and not self.is_dtensor:
+            if self.fsdp_placement.dim == 0:
+                param = torch.empty(param.shape, dtype=param.dtype, device="meta")  # sizes only: no cut
+        return torch_init(self, param)
+
+    return _init_sharded_post_forward_param_metadata
 
 
 def _reshard(torch_reshard, training_state):

@@ -9,6 +9,9 @@ The adapters are plain ``nn.Linear`` submodules, so FSDP2 shards them like
 any parameter and torch's tensor-parallel styles apply to them by name:
 :func:`lora_tp_plan` turns a plan for the plain model into one for the LoRA
 model (column-parallel ``base`` + ``lora_b``, row-parallel ``base`` + ``lora_a``).
+
+PEFT users merge with :func:`merge_and_unload` (``dq.lora.merge_and_unload(peft_model)``):
+PEFT's own merge adds into the weight in place, which a quantized weight refuses.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from .peft_merge import merge_and_unload  # noqa: F401  (dq.lora.merge_and_unload: PEFT adapters on quantized Linears)
 
 
 class LoRALinear(nn.Module):

@@ -9,11 +9,14 @@ padded columns of down multiply those zeros. Gate/up rows and down columns
 are padded together; padding one without the other would change the shapes
 the forward sees.
 
-Exactness. In fp32 the padded model's output is bit-identical to the
-unpadded one's wherever the matmul sums the extra zero products after the
-real ones (CPU torch does, in the tests); a tensor-parallel output equals one
-process up to the order of the all-reduce's sum, as for any row-parallel
-layer. In bf16 the same holds: the extra terms are exact zeros. Quantized
+Exactness. The padded hidden units are exact zeros and the original bytes
+are untouched, so the padded model's output sums the same nonzero products as
+the unpadded one's, plus exact zeros. It is bit-identical only where the
+matmul sums the longer reduction in the same order -- which the CPU's GEMM
+decides (MKL blocks 29696 fp32 terms otherwise than 29568 under AVX-512 and
+AMX, not under AVX2) -- and within the summation's rounding bound everywhere;
+a tensor-parallel output likewise, the all-reduce summing the ranks' partial
+products in another order, as for any row-parallel layer. Quantized
 formats whose statistics are per block (int8/float8 per row, int4 per group)
 quantize the original rows and columns exactly as before, and their all-zero
 padding blocks dequantize to exact zeros (checked when padding). A format
@@ -127,7 +130,8 @@ def pad_for_tp(
 ) -> dict[str, tuple[int, int]]:
     """Zero-pad every SwiGLU MLP of ``model`` whose intermediate size ``fmt`` cannot shard at ``tp_degree``.
 
-    Works on dense or quantized (not yet distributed) weights, in place;
+    Works on dense or quantized (not yet distributed) weights, in place, on
+    any device -- meta too (a model built there to load a checkpoint into);
     returns ``{mlp fqn: (original, padded)}`` for the MLPs it padded. Then
     ``parallelize_module`` with gate/up column-parallel and down row-parallel
     works at ``tp_degree``. Raises ``ValueError`` before changing anything if
@@ -152,8 +156,9 @@ def pad_for_tp(
             )
         if padded != inter:
             plans.append((fqn, module, gate, up, down, inter, padded))
-    new = {}
-    for fqn, _module, gate, up, down, _inter, padded in plans:  # compute every new weight before changing any
+    new, originals = {}, {}
+    for fqn, module, gate, up, down, inter, padded in plans:  # compute every new weight before changing any
+        originals[fqn] = original_size(module, inter, fqn)
         new[fqn] = [zero_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
     done = {}
     for fqn, module, gate, up, down, inter, padded in plans:
@@ -165,10 +170,28 @@ def pad_for_tp(
                 bias = F.pad(lin.bias.detach(), (0, padded - inter))
                 lin.bias = nn.Parameter(bias, requires_grad=lin.bias.requires_grad)
         down.in_features = padded
-        original = module.get_buffer(PADDING_BUFFER)[0].item() if hasattr(module, PADDING_BUFFER) else inter
-        module.register_buffer(PADDING_BUFFER, torch.tensor([original, padded], dtype=torch.int64))
+        original = originals[fqn]
+        # A real (CPU) buffer even in a model built on meta: its value is known now, and materializing
+        # a meta model (to_empty on meta tensors only, as dtensor_quant.hf does) keeps real buffers.
+        module.register_buffer(PADDING_BUFFER, torch.tensor([original, padded], dtype=torch.int64, device="cpu"))
         done[fqn] = (original, padded)
     return done
+
+
+def original_size(module: nn.Module, size: int, fqn: str) -> int:
+    """The size before any padding (an MLP's intermediate size, a vocabulary): the recorded one if padded already.
+
+    ``size`` is the current one, returned when ``module`` records no padding.
+    """
+    if not hasattr(module, PADDING_BUFFER):
+        return size
+    recorded = module.get_buffer(PADDING_BUFFER)
+    if recorded.is_meta:
+        raise ValueError(
+            f"{fqn}: its {PADDING_BUFFER} buffer (the original intermediate size of an earlier padding) is on the "
+            "meta device, so its value is unknown; load or set it before padding again"
+        )
+    return int(recorded[0])
 
 
 def zero_padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Tensor:
@@ -184,7 +207,9 @@ def zero_padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Ten
     shape = list(w.shape)
     shape[dim] = amount
     zeros = quantize(torch.zeros(shape, dtype=w.dtype, device=w.device), w.fmt)
-    if zeros.dequantize().count_nonzero():
+    # Whether the format's zeros are exact zeros needs values: on the CPU for a weight on meta.
+    values = zeros if not zeros.is_meta else quantize(torch.zeros(shape, dtype=w.dtype), w.fmt)
+    if values.dequantize().count_nonzero():
         raise ValueError(f"{where}: {w.fmt} does not quantize zeros to exact zeros; cannot pad it exactly")
     full = list(w.shape)
     full[dim] = length

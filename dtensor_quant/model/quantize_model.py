@@ -1,6 +1,6 @@
 """Model-level helpers: quantize the matmul weights of a model (Linears and fused experts) in place.
 
-``dtensor_quant.nn`` is the old name of this module and still re-exports it.
+``dq.quantize_`` is its public name (re-exported by :mod:`dtensor_quant.model` and the package root).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..core.format import QuantFormat
 from ..core.tensor import QuantizedTensor
 from ..dist.quantize import quantize
 from ..fsdp.all_gather import dequantized_from
+from . import trainable as _trainable_weights
 
 
 def is_matmul_weight(module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -37,6 +38,9 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     left_dense: list[tuple[str, str]] | None = None,
+    transposed: Callable[[str], bool] | None = None,
+    trainable: bool = False,
+    seed: int = 0,
 ) -> nn.Module:
     """Quantize every matmul weight of ``model`` into frozen quantized parameters, in place.
 
@@ -56,7 +60,26 @@ def quantize_(
     layout cannot hold raises :class:`~dtensor_quant.LayoutError`. The model's
     state dict then holds each quantized weight as its inner tensors
     (:mod:`dtensor_quant.state_dict`), ready for ``torch.distributed.checkpoint``.
+
+    ``trainable=True`` makes them trainable instead (``nn.Linear`` weights,
+    formats with stochastic rounding: Int8Rowwise, Float8Rowwise,
+    Float8Tensorwise): parameters with ``requires_grad=True`` that stay
+    quantized, get dense gradients, and that any ``torch.optim`` optimizer
+    updates in place, requantizing with stochastic rounding keyed by
+    ``seed``, each weight's name and its update count
+    (:mod:`dtensor_quant.model.trainable`; docs/training.md).
+
+    ``transposed(name)``: True for a parameter the model holds as ``[..., in,
+    out]`` and multiplies as ``x @ W`` (gpt-oss's fused experts in
+    transformers): it is quantized as ``[..., out, in]`` (blocks along its
+    inputs) and the parameter is the transposed view.
     """
+    if trainable and not _trainable_weights.supports_training(fmt):
+        raise ValueError(
+            f"quantize_(..., trainable=True): {fmt} has no stochastic rounding (QuantFormat.quantize_stochastic), "
+            "so optimizer updates could not be requantized without losing them. Use Int8Rowwise(), "
+            "Float8Rowwise() or Float8Tensorwise(), or train adapters on frozen weights (dtensor_quant.lora)."
+        )
     done = 0
     for fqn, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -67,13 +90,20 @@ def quantize_(
             if filter_fn is not None and not filter_fn(module, fqn):
                 _note(left_dense, full, "excluded by filter_fn")
                 continue
+            if trainable and param.ndim != 2:
+                raise ValueError(f"{full}: trainable quantized weights are 2-D [out, in]; this one is {param.ndim}-D")
             try:
-                weight = quantize(param.detach(), fmt)
+                if transposed is not None and transposed(full):
+                    weight = quantize(param.detach().transpose(-2, -1), fmt).transpose(-2, -1)
+                else:
+                    weight = quantize(param.detach(), fmt)
             except ValueError as e:
                 raise type(e)(f"{full}: {e}") from None
-            setattr(module, name, nn.Parameter(weight, requires_grad=False))
+            setattr(module, name, nn.Parameter(weight, requires_grad=trainable))
             done += 1
-            if not getattr(module, "_dtensor_quant_frozen_check", False):
+            if trainable:
+                _trainable_weights.make_trainable(module, name, _trainable_weights.weight_seed(seed, full))
+            elif not getattr(module, "_dtensor_quant_frozen_check", False):
                 module.register_forward_pre_hook(_refuse_trainable(fqn))
                 module._dtensor_quant_frozen_check = True
     if done == 0 and filter_fn is None:
@@ -95,7 +125,10 @@ def _refuse_trainable(fqn: str):
     def hook(module, args):
         if not torch.is_grad_enabled():
             return
+        mine = _trainable_weights.trainable_names(module)
         for name, p in module._parameters.items():
+            if name in mine:
+                continue
             if p is not None and p.requires_grad and (is_quantized(p) or dequantized_from(p) is not None):
                 raise ValueError(
                     f"{fqn + '.' if fqn else ''}{name} is quantized and has requires_grad=True: its gradient would be "

@@ -60,7 +60,7 @@ from ..checkpoint.hf.tensors import PADDING_BUFFER
 from ..core.format import QuantFormat, check_shape
 from ..core.tensor import QuantizedTensor
 from ..dist.placements import first_bad_cut
-from .padding import SEARCH_STEPS, legal_length, zero_padded
+from .padding import SEARCH_STEPS, legal_length, original_size, zero_padded
 
 # Names of an output head when a model does not say (gpt-fast/torchtitan call it ``output``).
 HEAD_NAMES = ("lm_head", "output")
@@ -160,15 +160,18 @@ def pad_vocab_for_tp(
     bias = None
     if head.bias is not None:
         bias = nn.Parameter(F.pad(head.bias.detach(), (0, padded - vocab)), requires_grad=head.bias.requires_grad)
+    owners = [(fqn, head), *tied]
+    originals = {name: original_size(module, vocab, name) for name, module in owners}  # may refuse, too
     done = {}
     head.weight, head.out_features = new, padded
     if bias is not None:
         head.bias = bias
-    for name, module in [(fqn, head), *tied]:
+    for name, module in owners:
         if isinstance(module, nn.Embedding):
             module.weight, module.num_embeddings = new, padded
-        original = module.get_buffer(PADDING_BUFFER)[0].item() if hasattr(module, PADDING_BUFFER) else vocab
-        module.register_buffer(PADDING_BUFFER, torch.tensor([original, padded], dtype=torch.int64))
+        original = originals[name]
+        # A real (CPU) buffer even in a model built on meta, as pad_for_tp records an MLP's.
+        module.register_buffer(PADDING_BUFFER, torch.tensor([original, padded], dtype=torch.int64, device="cpu"))
         done[name] = (original, padded)
     setattr(head, VOCAB_ATTR, (done[fqn][0], padded))
     if not getattr(head, "_dq_vocab_hooked", False):

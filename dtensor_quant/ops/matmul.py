@@ -40,6 +40,8 @@ kernel reads, its block sizes) is memoised per layout
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import logging
 
@@ -86,12 +88,13 @@ def prepared(fmt: QuantFormat, inner: dict[str, torch.Tensor], record: Bytes | N
     """
     if record is None or not record.cache_kernels:
         return fmt.prepare(inner)
-    where, versions = [fmt], [record.stamp()]
+    where, versions = [fmt], []
     for t in inner.values():
         if type(t) is not torch.Tensor or t.is_meta or t.is_inference():
             return fmt.prepare(inner)
         where.append((t.data_ptr(), t.shape, t.stride()))
         versions.append(t._version)
+    versions.append(record.stamp())
     where, versions = tuple(where), tuple(versions)
     hit = record.prepared.get(where)
     if hit is not None and hit[0] == versions:
@@ -106,7 +109,7 @@ def kernel_linear_impl(
 ):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
-    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations, ``record``
+    ``blocks`` is :func:`~dtensor_quant.ops.layout_ops.block_sizes` of the weight's relations, ``record``
     the :class:`~dtensor_quant.core.notes.Bytes` of the weight (found from the inner tensors if None).
     """
     shape = (out_features, x.shape[-1])
@@ -118,11 +121,38 @@ def kernel_linear_impl(
     if whole and record is None:
         record = bytes_of(next(iter(inner.values())))
     out = fmt.linear(x, prepared(fmt, inner, record), bias) if whole else None
+    if _RECORDING:
+        _record(fmt, "kernel" if out is not None else "dequantize")
     if out is not None:
         return out
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
+
+
+_RECORDING: list[collections.Counter] = []  # the counters of the record_paths() blocks now open
+
+
+@contextlib.contextmanager
+def record_paths():
+    """Counts the matmuls with a quantized weight run inside the block, by ``(format, path)``.
+
+    ``path`` is ``"kernel"`` (the format's own: torch's int kernels, the C++
+    kernels of dtensor_quant.core.native) or ``"dequantize"`` (dequantize +
+    mm: no kernel for this format, dtype, orientation or layout). Says which
+    path a slow model takes; counts every thread's calls.
+    """
+    counts: collections.Counter = collections.Counter()
+    _RECORDING.append(counts)
+    try:
+        yield counts
+    finally:
+        _RECORDING.remove(counts)
+
+
+def _record(fmt: QuantFormat, path: str) -> None:
+    for counts in _RECORDING:
+        counts[(str(fmt), path)] += 1
 
 
 @functools.cache
@@ -190,6 +220,8 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
     source, blocks, canonical = plan_linear(w_t)
     if blocks is None or not is_transposed(w_t):
+        if _RECORDING:
+            _record(w_t.fmt, "dequantize")
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
     inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
@@ -282,6 +314,21 @@ def _baddbmm(func, bias, a, b, beta=1, alpha=1):
 # -- grouped products: one weight matrix per group of rows (mixture-of-experts) ----
 
 
+def _check_ends(ends: list[int], rows: int) -> None:
+    """Group ``g`` is rows ``[ends[g-1], ends[g])``: the ends must rise from 0 and stay within the input.
+
+    Anything else would drop rows, run them twice or return the wrong number of rows.
+    """
+    bad = [g for g, (s, e) in enumerate(zip([0, *ends], ends)) if e < s]
+    if bad:
+        raise ValueError(
+            f"_grouped_mm: offs must be non-negative and non-decreasing (group g is rows offs[g-1]:offs[g]); "
+            f"offs = {ends} falls at position {bad[0]}"
+        )
+    if ends and ends[-1] > rows:
+        raise ValueError(f"_grouped_mm: offs = {ends} ends at row {ends[-1]}, past the input's {rows} rows")
+
+
 @implements("aten::_grouped_mm")
 def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
     """``torch._grouped_mm(x, W.transpose(-2, -1), offs)`` with a quantized stack of expert weights.
@@ -309,12 +356,16 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
         rows = None
     else:
         if offs is None or offs.ndim != 1 or offs.shape[0] != experts:
-            raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts})")
+            got = "none" if offs is None else f"shape {list(offs.shape)}"
+            raise ValueError(f"_grouped_mm: a 2-D input needs offs with one end per expert ({experts}), got {got}")
+        if offs.dtype.is_floating_point or offs.dtype.is_complex or offs.dtype == torch.bool:
+            raise ValueError(f"_grouped_mm: offs must be an integer tensor (torch takes int32), got {offs.dtype}")
         if is_tracing(offs):
             raise UnsupportedOpError(
                 f"dtensor_quant: _grouped_mm with a {describe(b)}: needs concrete offsets (eager mode)"
             )
         ends = offs.tolist()
+        _check_ends(ends, a.shape[0])
         starts = [0] + ends[:-1]
         groups = [(g, a[s:e]) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
         rows = (a.shape[0], ends[-1] if ends else 0)

@@ -22,7 +22,10 @@ For tests of your own, the same toolkit the project's tests use: ``FORMATS``
 take a subset), :func:`pool` (live ranks per world size; the pytest fixture
 ``ranks`` is in :mod:`dtensor_quant.testing.fixtures`), :func:`mesh`,
 :func:`placements`, :func:`legal`, :func:`weight`, :func:`same_bits`, :func:`assert_same_bits`,
-:func:`assert_local_matches` and :func:`reference_dequantize`.
+:func:`assert_local_matches` and :func:`reference_dequantize`; for a float result computed
+another way (another kernel, summation order or reduction length), :func:`linear_error_bound`
+and :func:`assert_within` (:mod:`dtensor_quant.testing.bounds`: bit-exact comparisons are for
+bytes and for the same computation).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..core.format import QuantFormat
+from .bounds import assert_within, gamma, linear_error_bound, unit_roundoff
 from .checks import CHECKS, Check, pick_shape
 from .rank_pool import RankError, RankPool
 from .registry import FORMATS, has_kernel, is_default, pick, where
@@ -106,8 +110,18 @@ def check_format(
     report = Report(fmt, shape, world_size)
     own = pool is None
     pool = pool or RankPool(world_size, device="cpu")
+    unstarted = None  # why the ranks cannot start: then no later check tries again (each try costs a start)
     try:
         for check in checks or CHECKS:
+            if check.distributed and unstarted is None and not pool.started:
+                try:
+                    pool.start()  # first use, or a restart after a check hung or killed a rank
+                except RankError as e:
+                    why = (str(e).strip().splitlines() or ["?"])[-1]
+                    unstarted = f"not run: the {world_size} ranks could not start: {why}"
+            if check.distributed and unstarted:
+                report.outcomes.append(Outcome(check, False, unstarted[:300]))
+                continue
             try:
                 detail = run_check(check, fmt, world_size, shape, pool)
                 report.outcomes.append(Outcome(check, True, detail))
@@ -128,11 +142,14 @@ __all__ = [
     "assert_local_matches",
     "assert_redistributes_exactly",
     "assert_same_bits",
+    "assert_within",
     "check_format",
     "close_pools",
+    "gamma",
     "has_kernel",
     "is_default",
     "legal",
+    "linear_error_bound",
     "mesh",
     "pick",
     "pick_shape",
@@ -142,6 +159,7 @@ __all__ = [
     "reference_dequantize",
     "run_check",
     "same_bits",
+    "unit_roundoff",
     "weight",
     "where",
 ]

@@ -10,13 +10,21 @@ Starting a process group costs seconds, so tests and benchmarks keep a
 CPU, or NCCL with one GPU per rank when CUDA has enough devices. A rank that
 raises makes :meth:`RankPool.run` raise :class:`RankError` with every rank's
 traceback; ranks that stop answering (a hang) are killed after ``timeout``
-seconds and the pool restarts on the next call.
+seconds and the pool restarts on the next call. A rank that dies (a crash,
+``os._exit``, a kill) is seen at once through its process sentinel and its
+pipe (the parent closes its copy of each rank's end, so a dead rank's pipe
+reads EOF): the call fails within ``grace`` seconds with the rank's exit code,
+and the pool restarts on the next call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -62,7 +70,13 @@ def _worker(rank: int, world_size: int, port: int, device: str, pg_timeout: floa
     )
     conn.send(("ready", None))
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent went away
+            break
+        except Exception as e:  # the function or its arguments do not unpickle here: say so, keep serving
+            conn.send(("err", (RuntimeError(_unpicklable(e)), traceback.format_exc() + _unpicklable(e))))
+            continue
         if msg is None:
             break
         fn, args, kwargs = msg
@@ -77,32 +91,86 @@ def _worker(rank: int, world_size: int, port: int, device: str, pg_timeout: floa
     os._exit(0)  # skip interpreter teardown: the pool is going away as a whole
 
 
+def _unpicklable(e: BaseException) -> str:
+    return (
+        f"the function or its arguments cannot be unpickled on the rank ({type(e).__name__}: {e}). Functions run on "
+        "the ranks must be importable there: define them at module level in a file (the ranks cannot import a "
+        "script read from stdin or given with python -c)"
+    )
+
+
+@contextlib.contextmanager
+def _spawnable_main():
+    """Start ranks without re-running a main script that is not a file.
+
+    A spawned process re-imports the parent's ``__main__`` from its path; for
+    a script read from stdin (``python - < x.py``) that path is ``<stdin>``,
+    and every rank would die at start with FileNotFoundError. Hiding the path
+    while the ranks start lets them start; functions defined in such a script
+    still cannot reach them (the rank says so).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path) or getattr(getattr(main, "__spec__", None), "name", None):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
 class RankPool:
     """``world_size`` processes in one process group, kept alive across calls."""
 
     def __init__(
-        self, world_size: int, *, timeout: float = 300.0, device: str | None = None, pg_timeout: float | None = None
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        device: str | None = None,
+        pg_timeout: float | None = None,
+        grace: float = 10.0,
     ):
         """``timeout``: seconds to wait for every rank's answer; ``pg_timeout``: the process
         group's collective timeout (torch's default when None) -- short ones let tests
-        that kill a rank see the others fail instead of hang."""
-        self.world_size, self.timeout, self.pg_timeout = world_size, timeout, pg_timeout
+        that kill a rank see the others fail instead of hang; ``grace``: seconds the other
+        ranks get to report after one died (a collective with the dead rank fails in gloo
+        at once; one that blocks is not waited for longer)."""
+        self.world_size, self.timeout, self.pg_timeout, self.grace = world_size, timeout, pg_timeout, grace
         self.device = device or device_type(world_size)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+
+    @property
+    def started(self) -> bool:
+        """Whether the ranks are running (a call after a hang or a dead rank starts them again)."""
+        return bool(self._procs)
 
     def start(self) -> RankPool:
         if self._procs:
             return self
         ctx = mp.get_context("spawn")
         port = _free_port()
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            args = (rank, self.world_size, port, self.device, self.pg_timeout, child)
-            p = ctx.Process(target=_worker, args=args, daemon=True)
-            p.start()
-            self._procs.append(p)
-            self._conns.append(parent)
+        with _spawnable_main():
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                args = (rank, self.world_size, port, self.device, self.pg_timeout, child)
+                p = ctx.Process(target=_worker, args=args, daemon=True)
+                p.start()
+                child.close()  # the rank holds the only other end now: its death reads as EOF here
+                self._procs.append(p)
+                self._conns.append(parent)
         self._collect(self.timeout)
         return self
 
@@ -110,31 +178,61 @@ class RankPool:
         """``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order."""
         self.start()
         for conn in self._conns:
-            conn.send((fn, args, kwargs))
+            try:
+                conn.send((fn, args, kwargs))
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                pass  # the rank died since the last call: _collect reports it
         return self._collect(timeout or self.timeout)
 
     def _collect(self, timeout: float) -> list[Any]:
+        """Every rank's reply; raises as soon as a rank dies (after ``grace`` for the others) or on timeout."""
         replies: dict[int, tuple[str, Any]] = {}
         pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        died_at = None
         while pending:
-            ready = wait(list(pending.values()), timeout)
+            until = deadline if died_at is None else min(deadline, died_at + self.grace)
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = wait([*pending.values(), *sentinels], max(0.0, until - time.monotonic()))
             if not ready:
-                hung = sorted(pending)
-                self.close(force=True)
-                errors = {r: (TimeoutError(), f"no answer after {timeout:.0f} s (hang?)") for r in hung}
-                errors.update({r: v for r, (k, v) in replies.items() if k == "err"})
-                raise RankError(errors)
+                break
             for rank, conn in list(pending.items()):
-                if conn in ready:
+                exited = self._procs[rank].sentinel in ready
+                if conn not in ready and not (exited and conn.poll()):
+                    if not exited:
+                        continue
+                    replies[rank] = self._died(rank)
+                else:
                     try:
                         replies[rank] = conn.recv()
-                    except EOFError:
-                        replies[rank] = ("err", (RuntimeError("rank died"), f"rank {rank} exited"))
-                    del pending[rank]
-        errors = {r: v for r, (kind, v) in replies.items() if kind == "err"}
+                    except (EOFError, OSError):
+                        replies[rank] = self._died(rank)
+                if replies[rank][0] == "died" and died_at is None:
+                    died_at = time.monotonic()
+                del pending[rank]
+        errors = {r: v for r, (kind, v) in replies.items() if kind in ("err", "died")}
+        for r in pending:
+            if died_at is None:
+                errors[r] = (TimeoutError(f"rank {r}: no answer"), f"no answer after {timeout:.0f} s (hang?)")
+            else:
+                errors[r] = (
+                    TimeoutError(f"rank {r}: no answer"),
+                    f"no answer {self.grace:.0f} s after a rank died (blocked in a collective with it?)",
+                )
+        if pending or died_at is not None:
+            self.close(force=True)  # a hung or lost rank: the process group is unusable; the next call restarts
         if errors:
             raise RankError(errors)
         return [replies[r][1] for r in range(self.world_size)]
+
+    def _died(self, rank: int) -> tuple[str, tuple[BaseException, str]]:
+        proc = self._procs[rank]
+        proc.join(timeout=5)
+        reason = _exit_reason(proc.exitcode)
+        return "died", (
+            RuntimeError(f"rank {rank} died: it {reason}"),
+            f"rank {rank} {reason} before answering (its own traceback, if any, is on its stderr)",
+        )
 
     def close(self, force: bool = False) -> None:
         for conn in self._conns:

@@ -7,8 +7,9 @@ from custom_format import Ternary  # examples/custom_format.py, the format docs/
 import dtensor_quant as dq
 from dtensor_quant.testing import CHECKS, check_format, is_default, run_check, where
 
-# every built-in format as a user first meets it (its default parameters), and the documented custom one
-KIT_FORMATS = [*where(is_default).values(), Ternary()]
+# every built-in format as a user first meets it (its default parameters), the documented custom one,
+# and the optimizer-state formats of dq.optim (AdamW8bit's and AdamW4bit's moments)
+KIT_FORMATS = [*where(is_default).values(), Ternary(), dq.BlockFloat8(), dq.BlockLog4()]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)

@@ -5,6 +5,8 @@ extremes (sharded and not), ranks that disagree on a weight's format, and
 damaged checkpoints. See docs/hostile_input.md for what each format does.
 """
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -188,6 +190,59 @@ def agreeing_after():
     return sum(t.op == "dtensor_quant::agree" for t in log.transfers)
 
 
+def independently_quantized(fmt_name, dim, op, fast):
+    """Each rank quantizes its own shard (a per-tensor constant of its own), then ``from_local``.
+
+    Before: ``full_tensor`` and ``redistribute`` gave every piece one rank's constant (NF4's mean,
+    Float8Tensorwise's scale): 23-35 units off on weights of ~10, silently.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._collective_utils import shard_dim_alltoall  # noqa: F401 (registers the op)
+
+    from dtensor_quant.core import memo
+
+    fmt, m = FORMATS[fmt_name], mesh(2)
+    w = weight((32, 16384), seed=31, dtype=torch.bfloat16) * 10
+    with memo.disabled() if not fast else contextlib.nullcontext():
+        # first the same layout with agreeing constants (quantized as a DTensor): gathered exactly, and
+        # its agreement (and the gather's memoised plan) cached -- the disagreeing one must still be caught
+        good = dq.quantize(distribute_tensor(w, m, [Shard(dim)]), fmt)
+        dq.check_consistent(good)
+        for _ in range(2):
+            assert_same_bits(good.full_tensor(), dq.quantize(w, fmt), "quantized as a DTensor")
+        local = dq.quantize(torch.chunk(w, 2, dim)[rank()], fmt)
+        bad = DTensor.from_local(local, m, [Shard(dim)], run_check=True)
+        run = {
+            "full_tensor": bad.full_tensor,
+            "redistribute": lambda: bad.redistribute(m, [Replicate()]),
+            "check_consistent": lambda: dq.check_consistent(bad),
+            # what NCCL runs for Shard(i) -> Shard(j) (gloo: all-gather + split)
+            "alltoall": lambda: torch.ops._dtensor.shard_dim_alltoall(local, dim, 1 - dim, m.get_group(0).group_name),
+        }[op]
+        try:
+            run()
+        except LayoutError as e:
+            return str(e)
+        return "not refused"
+
+
+INDEPENDENT = [("nf4", 0, "mean"), ("f8tensor", 0, "scale"), ("f8tensor", 1, "scale")]
+GATHERS = ["full_tensor", "redistribute", "check_consistent"]
+
+
+@pytest.mark.parametrize(
+    "fmt_name,dim,name,op,fast",
+    [(*case, op, fast) for case in INDEPENDENT for op in GATHERS for fast in (True, False)]
+    # NF4's flat blocks refuse the column cut first; the all-to-all has no fast path
+    + [("f8tensor", 0, "scale", "alltoall", True), ("f8tensor", 1, "scale", "alltoall", True)],
+)
+def test_independently_quantized_shards_refused_where_they_meet(ranks, fmt_name, dim, name, op, fast):
+    errors = ranks(2).run(independently_quantized, fmt_name, dim, op, fast)
+    assert len(set(errors)) == 1, errors  # the same error on every rank (each sees every rank's value)
+    assert f"copies of {name} differ" in errors[0] and "rank 1: " in errors[0], errors[0]
+    assert "dq.quantize(distribute_tensor" in errors[0]
+
+
 # -- damaged checkpoints -------------------------------------------------------------------
 
 
@@ -333,9 +388,10 @@ def test_non_finite_sweep_on_three_ranks(ranks, fmt_name, placement, dtype, kind
     ranks(3).run(quantize_poisoned_sharded, *args)
 
 
-@pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
+@pytest.mark.parametrize("fmt_name", [*EXTREME_FORMATS, "nf4", "nf4b32s4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_values_at_the_dtype_max_stay_finite(fmt_name, dtype):
+    """NF4 before: 2 * spread overflowed, its factor became 0 and every weight it covers NaN (16,384 of them)."""
     m = torch.finfo(dtype).max
     w = torch.randn(8, 64).to(dtype)
     w[0, 0], w[1, 3], w[2] = m, -m, m
@@ -344,6 +400,13 @@ def test_values_at_the_dtype_max_stay_finite(fmt_name, dtype):
     assert w.isfinite().all()
     d = dq.quantize(w, FORMATS[fmt_name]).dequantize()
     assert d.isfinite().all(), (~d.isfinite()).nonzero().tolist()
+    if fmt_name.startswith("nf4"):
+        # NF4's scales share a mean and per-factor int8 steps, so no row is independent of the extremes;
+        # every error is within NF4's own bound: half the widest gap between levels (1.0 - 0.7230) of the
+        # block's scale, plus the scale's int8 step (spread / 256 <= max / 256).
+        err = (d.double() - w.double()).abs().max() / m
+        assert err <= (1.0 - 0.7230) / 2 + 2**-8, err
+        return
     # the rows that are not extreme are untouched by the others
     ref = dq.quantize(w[5:], FORMATS[fmt_name]).dequantize()
     if fmt_name != "f8tensor":  # one scale for the whole tensor: its extremes set everyone's precision

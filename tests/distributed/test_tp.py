@@ -1,10 +1,17 @@
 """Tensor-parallel inference with quantized weights, through torch's own ParallelStyles.
 
-The reference is the same model quantized on one process. In float32 the TP
-model must generate exactly the same tokens (a different reduction order moves
-logits by ~1e-6 of their size); in bf16 the logits must agree to within a few
-roundings, and any differing token must be a near-tie that this rounding
-explains. Quantized weights are compared byte for byte.
+The reference is the same model quantized on one process. Quantized weights
+are compared byte for byte. Outputs are not: the row-parallel all-reduce sums
+the ranks' partial products in another order than one process does, and the
+CPU's GEMM blocks each shard's shorter sums its own way (MKL's order differs
+between AVX-512 and AVX2). One layer is compared within the bound of its
+summation (:mod:`dtensor_quant.testing.bounds`); a whole model, whose norms,
+softmax and attention no such bound follows, within a model-level tolerance
+of the logits' size far above the reordering it measures (fp32: ~1e-7 of the
+largest logit against 1e-5; bf16: a few roundings). Greedy tokens must be the
+reference's, and where one differs it must be a near-tie that the measured
+logit difference explains -- in fp32 too, since on another CPU a reordering
+of ~1e-7 may flip an exact-looking tie.
 """
 
 import os
@@ -16,12 +23,12 @@ import torch
 import torch.nn.functional as F
 import tp_inference
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
+from dtensor_quant.testing import FORMATS, assert_same_bits, assert_within, linear_error_bound, mesh, weight
 
 PROMPT = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(3))
 
@@ -61,7 +68,7 @@ def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
 def test_tp_float32_tokens_equal(ranks, fmt_name, quantize_first, sequence_parallel):
     for equal, noise, tie in ranks(2).run(tp_generate, fmt_name, 2, quantize_first, sequence_parallel):
-        assert equal, tie
+        assert equal or tie["near_tie"], tie
         assert noise < 1e-5, noise
 
 
@@ -77,6 +84,7 @@ def one_token_through_fused_kernels(fmt_name):
     from dtensor_quant.formats import float8, nf4
 
     calls, originals = [], {module: module.fused_linear for module in (float8, nf4)}
+    native = os.environ.get("DTENSOR_QUANT_NATIVE")  # restored after: the ranks live on for other tests
 
     def counting(original):
         return lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
@@ -90,8 +98,11 @@ def one_token_through_fused_kernels(fmt_name):
             logits = model(token).float()
             os.environ["DTENSOR_QUANT_NATIVE"] = "0"  # the reference: dequantize + mm
             expected = reference_model(FORMATS[fmt_name], torch.bfloat16)(token).float()
-    finally:  # the ranks live on for other tests
-        os.environ.pop("DTENSOR_QUANT_NATIVE", None)
+    finally:  # the ranks live on for other tests (popping the variable turned the kernels on for all of them)
+        if native is None:
+            os.environ.pop("DTENSOR_QUANT_NATIVE", None)
+        else:
+            os.environ["DTENSOR_QUANT_NATIVE"] = native
         for module, original in originals.items():
             module.fused_linear = original
     return len(calls), ((logits - expected).abs().max() / expected.abs().max()).item()
@@ -101,6 +112,10 @@ def one_token_through_fused_kernels(fmt_name):
 def test_tp_decode_runs_the_fused_kernels(ranks, fmt_name):
     """TP=2, one bf16 token: all 15 quantized Linears of each rank run NF4's/float8's fused kernel, and the logits
     are one process's (dequantize + mm) up to rounding."""
+    from dtensor_quant.formats import float8, nf4
+
+    if nf4.kernel() is None or float8.kernel() is None:
+        pytest.skip("no fused kernels here (DTENSOR_QUANT_NATIVE=0, or no AVX2 or C++ compiler)")
     for calls, noise in ranks(2).run(one_token_through_fused_kernels, fmt_name):
         assert calls == 15
         assert noise < tp_inference.ROUNDING_BOUND, noise
@@ -111,7 +126,7 @@ def test_tp_decode_runs_the_fused_kernels(ranks, fmt_name):
 def test_tp_four_ranks(ranks, fmt_name):
     """TP=4: w2 holds 384 = 3 groups of 128 columns per rank, wo 128 = 1 group."""
     for equal, _noise, tie in ranks(4).run(tp_generate, fmt_name, 4, False, True, new_tokens=4):
-        assert equal, tie
+        assert equal or tie["near_tie"], tie
 
 
 # -- refused up front, on every rank ----------------------------------------------
@@ -168,18 +183,26 @@ def tp_linear_inputs(fmt_name):
         model[0].weight.copy_(w1)
         model[1].weight.copy_(w2)
     dq.quantize_(model, fmt)
-    reference = [model[0].weight.detach(), model[1].weight.detach()]
+    w1, w2 = model[0].weight.dequantize(), model[1].weight.dequantize()  # the one-process values
     parallelize_module(model, m, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = weight((5, 3, 256), seed=3, dtype=torch.float32)
     for inp in (x, x.transpose(0, 1)):  # the transposed one reaches the weight as expand + bmm
-        expected = F.linear(F.linear(inp, reference[0]), reference[1])
+        h_ref = F.linear(inp, w1)
+        expected = F.linear(h_ref, w2)
         with wire.record() as log, torch.no_grad():
             out = model(inp)
-        # Row-parallel sums in a different order: equal up to float32 rounding of the output's scale.
-        assert ((out - expected).abs().max() / expected.abs().max()).item() < 1e-5
         # Only activations travel: nothing quantized, and one all-reduce of the output.
         assert not any(t.quantized for t in log.transfers)
         assert log.nbytes == out.numel() * out.element_size()
+        # Column-parallel: each rank's 128 outputs, 256-term sums blocked for another width; row-parallel:
+        # the all-reduce regroups the sums. Each within its summation's bound, the first layer's measured
+        # difference carried through the second.
+        with torch.no_grad():
+            h = DTensor.from_local(model[0](inp), m, [Shard(inp.ndim - 1)]).full_tensor()
+        assert_within(h, h_ref, 2 * linear_error_bound(inp, w1), "column-parallel")
+        carried = (h - h_ref).double().abs() @ w2.double().abs().t()
+        bound = linear_error_bound(h, w2) + linear_error_bound(h_ref, w2) + carried
+        assert_within(out, expected, bound, "row-parallel")
 
 
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
@@ -199,15 +222,15 @@ def compiled_tp(backend, sequence_parallel, dtype):
     model = tp_inference.build_tp(cfg, fmt, m, dtype=dtype, sequence_parallel=sequence_parallel)
     expected = llama.generate(reference, PROMPT, 3, pad)
     eager = llama.generate(model, PROMPT, 3, pad)
-    compiled = llama.generate(torch.compile(model, backend=backend), PROMPT, 3, pad)
-    # bf16 TP may flip a token only where the one-process logits nearly tie (test_tp_bf16_within_rounding)
+    compiled_model = torch.compile(model, backend=backend)
+    compiled = llama.generate(compiled_model, PROMPT, 3, pad)
+    # TP may flip a token only where the one-process logits nearly tie (test_tp_bf16_within_rounding); so may
+    # the compiled graph, whose decompositions (addmm for linear, fused norms) sum and round in other orders
     same = torch.equal(eager, expected)
-    near_tie = (
-        not same
-        and dtype == torch.bfloat16
-        and tp_inference.explain_difference(model, reference, eager, expected, pad)["near_tie"]
-    )
-    return torch.equal(compiled, eager), same or near_tie
+    near_tie = not same and tp_inference.explain_difference(model, reference, eager, expected, pad)["near_tie"]
+    same_compiled = torch.equal(compiled, eager)
+    compiled_tie = not same_compiled and tp_inference.explain_difference(compiled_model, model, compiled, eager, pad)
+    return same_compiled or compiled_tie["near_tie"], same or near_tie
 
 
 @pytest.mark.parametrize(
@@ -301,7 +324,7 @@ def two_formats_compiled(cache: bool):
 def test_compiled_formats_each_get_their_own_graph(ranks):
     """Two formats of the same module compiled in one process, with torch's AOT autograd cache on.
 
-    torch 2.13 keys a DTensor input by its spec alone, so without dtensor_quant.torch_fixes the second
+    torch 2.13 keys a DTensor input by its spec alone, so without dtensor_quant.dist.compile_key the second
     model is served the first one's compiled graph (it fails in assert_size_stride, or runs the wrong
     kernel). With the cache off or on, each model must equal its own eager output bit for bit.
     """

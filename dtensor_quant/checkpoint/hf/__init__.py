@@ -4,7 +4,8 @@
 
     with dq.hf.init_empty():                        # parameters on "meta", buffers (RoPE tables) real
         model = LlamaForCausalLM(config)
-    dq.quantize_(model, dq.Int4Groupwise(128))      # meta: no memory, no data
+    dq.quantize_(model, dq.Int4Groupwise(128))      # meta: no memory, no data; or, for a pre-quantized
+                                                    # checkpoint, dq.hf.quantize_like_checkpoint(model, dir)
     parallelize_module(model, mesh, plan)           # or fully_shard, or nothing
     dq.hf.materialize(model, "cpu")                 # allocates this rank's shards only
     dq.hf.load(model, "Llama-3-8B/")                # model.safetensors or model.safetensors.index.json
@@ -45,6 +46,9 @@ reads them all back and writes the consolidated files (the model is written
 twice, the second time by one process), and its consolidation sizes elements
 with ``torch.finfo``, which fails for integer tensors. Here every byte is
 written once, in parallel, at its final place.
+
+``dq.hf.quantize_like_checkpoint`` lives in :mod:`dtensor_quant.model.quantize_like`
+(it quantizes a model, a layer above this one); the package attaches it here.
 """
 
 from .loading import LoadResult, load
@@ -54,4 +58,12 @@ from .prepare import init_empty, materialize, tp_plan
 from .safetensors_io import DTYPES, INDEX, NAMES, SINGLE, Checkpoint, Pieces, TensorInfo  # noqa: F401
 from .saving import save
 
-__all__ = ["Checkpoint", "LoadResult", "init_empty", "load", "materialize", "save", "tp_plan"]
+__all__ = [
+    "Checkpoint",
+    "LoadResult",
+    "init_empty",
+    "load",
+    "materialize",
+    "save",
+    "tp_plan",
+]

@@ -16,10 +16,10 @@ from ...core.tensor import contiguous_strides
 from ...dist.agree import raise_together
 from ...dist.quantize import quantize
 from ...dist.shard_quant import MeshReducer, quantize_local
-from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .match import Padded, plan
+from .prequantized import read as read_stored
 from .safetensors_io import Checkpoint
-from .tensors import agreement_scope, box, local_slice, local_tensor
+from .tensors import agreement_scope, local_slice, local_tensor
 
 
 @dataclass
@@ -63,8 +63,8 @@ def load(model: nn.Module, path, *, strict: bool = True, chunk_bytes: int = 4 <<
         reader = _Reader(ckpt)
         with torch.no_grad():
             for kind, key, src, t in tasks:
-                if kind == "prequantized":
-                    t.copy_(_read_prequantized(reader, key, src, t))
+                if kind == "prequantized":  # src: the StoredLayout
+                    t.copy_(read_stored(src, reader, key, t))
                     result.prequantized.append(key)
                 elif kind == "quantized":
                     _load_quantized(reader, key, src, t, chunk_bytes)
@@ -169,22 +169,6 @@ def _load_quantized(ckpt: _Reader, key: str, src: str, t: torch.Tensor, chunk_by
             i0, i1, _ = inner_slice(rels[0], r0, r1, shape[0])
             q.inner[name][i0:i1].copy_(part.inner[name])
         wrote(q.notes)  # written around copy_: views of the weight made earlier must not keep stale kernel inputs
-
-
-def _read_prequantized(ckpt: _Reader, key: str, src: str, t: torch.Tensor) -> torch.Tensor:
-    """The stored inner tensors of ``src``, this rank's chunks, placed like ``t`` (no dequantization)."""
-    q, _, to_canonical, shape = canonical_view(t, key)
-    suffixes, entries = q.fmt.checkpoint_suffixes, {}
-    for name, rels in q.fmt.layout_for(shape).items():
-        k, g_shape = src + suffixes[name], entry_shape(rels, shape)
-        if isinstance(t, DTensor):
-            placements = entry_placements(t.placements, rels, to_canonical)
-            mesh = t.device_mesh
-            l_shape, l_off = box(g_shape, mesh, placements)
-            entries[name] = _dtensor_like(ckpt.read(k, l_off, l_shape), t, placements, g_shape)
-        else:
-            entries[name] = ckpt.read(k)
-    return from_entries(entries, t, key)
 
 
 def _dtensor_like(local: torch.Tensor, like: DTensor, placements=None, shape=None) -> DTensor:

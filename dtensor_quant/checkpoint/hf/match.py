@@ -14,9 +14,10 @@ from torch import nn
 
 from ...core.format import weight_layout
 from ...ops.layout_ops import canonical_dims
-from ..state_dict import canonical_view, entry_shape, is_quantized
+from ..state_dict import is_quantized
+from .prequantized import check, find, quantization_config
 from .safetensors_io import Checkpoint, Pieces
-from .tensors import describe, local_slice, local_tensor, model_tensors, stored_suffixes, unpadded_shapes
+from .tensors import describe, local_slice, local_tensor, model_tensors, unpadded_shapes
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
@@ -100,12 +101,28 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     Checks only, no collective: every rank reaches the same verdict before anything is read.
     """
     tied, tasks, used, missing, errors = _tied(model), [], set(), [], []
-    converters = _converters(model)
+    converters, qc = _converters(model), quantization_config(ckpt.path)
     unpadded, padding_records = unpadded_shapes(model)
     for key, _, t in model_tensors(model):
         if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
             continue
-        if id(t) in padding_records:  # pad_for_tp's record: the model's own, in no checkpoint
+        if id(t) in padding_records:  # pad_for_tp's or pad_vocab_for_tp's record: the model's own, in no checkpoint
+            continue
+        stored = find(qc, ckpt, key, t, is_quantized(t)) if t.ndim >= 2 else None
+        if isinstance(stored, str):
+            errors.append(stored)
+            continue
+        if stored is not None:  # stored quantized in a layout the model's format holds: read as stored
+            try:
+                local_slice(t)
+                if key in unpadded:
+                    errors.append(f"{key}: a weight padded by pad_for_tp or pad_vocab_for_tp is not read as stored "
+                                  f"({describe(t)}); load a dense checkpoint into it")  # fmt: skip
+                errors.extend(check(stored, key, t, ckpt))
+            except ValueError as e:
+                errors.append(f"{key}: {e}")
+            used.update(stored.keys(key))
+            tasks.append(("prequantized", key, stored, t))
             continue
         src = key if key in ckpt.tensors else tied.get(key, key)
         if src not in ckpt.tensors:
@@ -120,28 +137,19 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             local_slice(t)
         except ValueError as e:
             errors.append(f"{key}: {e}")
-        info, suffixes = ckpt.info(src), stored_suffixes(t)
+        info = ckpt.info(src)
         names = [k for k, _ in src.parts] if isinstance(src, Pieces) else [src]
         companions = [
             k + s for k in names for s in ("_scale_inv", "_scale", "_scales", "_blocks") if k + s in ckpt.tensors
         ]
-        if isinstance(src, Pieces):
-            suffixes = None  # stored layouts are read from 2-D tensors only
         dense_float = info.dtype.is_floating_point and info.dtype.itemsize >= 2
-        if suffixes is not None and not dense_float:
-            kind = "prequantized"
-            if key in unpadded:
-                errors.append(f"{key}: a weight padded by pad_for_tp or pad_vocab_for_tp is not read as stored "
-                              f"({describe(t)}); load a dense checkpoint into it")  # fmt: skip
-            errors += _check_prequantized(key, t, src, ckpt, suffixes)
-            used.update(src + s for s in suffixes.values())
-        elif (is_quantized(t) and not dense_float) or (companions and not dense_float):
+        if not dense_float and (is_quantized(t) or companions or t.is_floating_point()):
             kind = "error"
             errors.append(f"{key}: the checkpoint holds it stored quantized ({names[0]} is {info.dtype}"
                           f"{', with ' + ', '.join(companions) if companions else ''}), the model's weight is "
-                          f"{describe(t)}; quantize the model's weight in the checkpoint's format (FP8 block "
-                          "scales: dq.Float8Blockwise(128)) before loading: quantized bytes are never silently "
-                          "dequantized or requantized")  # fmt: skip
+                          f"{describe(t)}; build the model with dq.hf.quantize_like_checkpoint(model, path) "
+                          "before loading: quantized bytes are never silently dequantized or "
+                          "requantized")  # fmt: skip
         else:
             kind = "quantized" if is_quantized(t) else "dense"
             why = _plain_weight(t) if kind == "quantized" else None
@@ -166,22 +174,6 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     if errors:
         raise ValueError(f"cannot load {ckpt.path} (strict={strict}):\n  " + "\n  ".join(errors))
     return tasks, missing, unexpected
-
-
-def _check_prequantized(key, t, src, ckpt, suffixes) -> list[str]:
-    if t.ndim != 2:
-        return [(f"{key}: {describe(t)} weights are read as stored only as 2-D [out, in] tensors; this one is "
-                 f"{list(t.shape)}")]  # fmt: skip
-    q, inner, _, shape = canonical_view(t, key)
-    out = []
-    for name, rels in q.fmt.layout_for(shape).items():
-        k = src + suffixes[name]
-        want = (inner[name].dtype, entry_shape(rels, shape))
-        got = (ckpt.tensors[k].dtype, ckpt.tensors[k].shape) if k in ckpt.tensors else None
-        if got != want:
-            out.append(f"{key}: {q.fmt} of shape {list(shape)} needs {k} as {want[0]} {list(want[1])}, "
-                       f"the checkpoint has {'nothing' if got is None else f'{got[0]} {list(got[1])}'}")  # fmt: skip
-    return out
 
 
 def _plain_weight(t: torch.Tensor) -> str | None:

@@ -5,7 +5,7 @@ weight is dense, with LoRA adapters merged into their base weights on the way
 and the padding of :func:`~dtensor_quant.pad_for_tp` left out.
 
 The save runs in steps, and the ranks agree on the outcome of each before the
-next (:func:`~dtensor_quant.agree.raise_together`): a failure on any rank (a
+next (:func:`~dtensor_quant.dist.agree.raise_together`): a failure on any rank (a
 refused model, an unwritable directory, a full disk) raises on every rank
 within one all-gather, never leaving the others in a barrier until the process
 group's timeout. New files are written into a staging directory inside the
@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor
 from ...core.layout import Blocked, Constant, OneToOne, Packed
 from ...core.tensor import QuantizedTensor
 from ...dist.agree import raise_together
-from ..state_dict import canonical_view, entry_placements, entry_shape
+from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
 from .adapters import Delta, Wrapper, unwrap
+from .export_ct import QUANTIZATIONS, CompressedTensorsExport
 from .safetensors_io import INDEX, NAMES, SINGLE, byte_runs
 from .tensors import (
     agreement_scope,
@@ -63,7 +64,7 @@ class _Item:
 
 
 def _export_items(
-    model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapters: dict, full: dict, leader: bool
+    model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapters: dict, full: dict, leader: bool, export=None
 ) -> list[_Item]:
     """Every tensor of the export, checked: no collective, no write, the same verdict on every rank.
 
@@ -89,6 +90,14 @@ def _export_items(
         if id(t) in padding_buffers:
             continue  # the export is unpadded: nothing to record
         merging = merge_lora and wrapper is not None and wrapper.deltas and _is_base_weight(wrapper, t)
+        if export is not None and is_quantized(t):  # a producer's layout (quantization="compressed-tensors")
+            if merging:
+                raise ValueError(f"{key}: merging LoRA adapters would change its stored bytes; merge them first "
+                                 "(peft: dq.lora.merge_and_unload) or save with merge_lora=False")  # fmt: skip
+            if key in unpadded:
+                raise ValueError(f"{key}: a weight padded by pad_for_tp is not written as compressed-tensors")
+            items += [_Item(*x) for x in export.items(key, t, leader)]
+            continue
         suffixes = stored_suffixes(t)
         if suffixes is not None and merging:
             raise ValueError(
@@ -216,6 +225,7 @@ def save(
     dtype: torch.dtype = torch.bfloat16,
     merge_lora: bool = True,
     max_shard_bytes: int = 5 << 30,
+    quantization: str | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``from_pretrained`` reads.
 
@@ -233,6 +243,12 @@ def save(
     (the padding must be zero). ``model.config`` (transformers) is saved
     alongside. Files over ``max_shard_bytes`` are split with an index.
 
+    ``quantization="compressed-tensors"``: every quantized weight is written
+    in compressed-tensors' layout instead (the formats it can express, as
+    their stored bytes: :mod:`~dtensor_quant.checkpoint.hf.export_ct`), with
+    its ``quantization_config``, for vLLM and transformers; a weight it cannot
+    express raises ``ValueError`` on every rank before any file is written.
+
     A failure on any rank raises on every rank, and the previous contents of
     ``path`` stay as they were until every rank's bytes are written.
     """
@@ -241,9 +257,16 @@ def save(
     what = f"dq.hf.save to {path}"
     adapters, full = {}, {}
     scope, leader = agreement_scope(model)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"save(quantization={quantization!r}): known are {QUANTIZATIONS}, or None (as stored)")
+    export = CompressedTensorsExport() if quantization == "compressed-tensors" else None
+    quant = {}
 
     def plan():
-        items = _export_items(model, dtype, merge_lora, adapters, full, leader)
+        items = _export_items(model, dtype, merge_lora, adapters, full, leader, export)
+        if export is not None:
+            dense = [f for f, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
+            quant.update(export.config(dense))
         return items, _layout(items, max_shard_bytes)
 
     items, files = raise_together(plan, what=what, **scope)
@@ -252,7 +275,7 @@ def save(
     try:
         raise_together(lambda: _create_files(path, staging, files) if leader else None, what=what, **scope)
         raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
-        raise_together(lambda: _commit(model, path, staging, files) if leader else None, what=what, **scope)
+        raise_together(lambda: _commit(model, path, staging, files, quant) if leader else None, what=what, **scope)
     except Exception:
         if leader:
             shutil.rmtree(staging, ignore_errors=True)
@@ -305,7 +328,7 @@ def _check_padding_is_zero(item: _Item, local: torch.Tensor) -> None:
         )
 
 
-def _commit(model: nn.Module, path: Path, staging: Path, files: dict) -> None:
+def _commit(model: nn.Module, path: Path, staging: Path, files: dict, quant: dict | None = None) -> None:
     """Rank 0: the index (if any), the new files moved into place, stale ones removed, then the config."""
     old = {p.name for p in path.glob("*.safetensors")}
     if len(files) > 1:
@@ -322,7 +345,7 @@ def _commit(model: nn.Module, path: Path, staging: Path, files: dict) -> None:
     for name in old - set(files):
         (path / name).unlink(missing_ok=True)
     shutil.rmtree(staging, ignore_errors=True)
-    _save_config(model, path)
+    _save_config(model, path, quant or None)
 
 
 def _keys(header: bytes) -> dict:
@@ -354,22 +377,26 @@ def _layout(items: list[_Item], max_shard_bytes: int) -> dict[str, tuple[bytes, 
     return out
 
 
-def _save_config(model: nn.Module, path: Path) -> None:
+def _save_config(model: nn.Module, path: Path, quant: dict | None = None) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
-    quant = {}
-    for _, _, t in model_tensors(model):
-        if stored_suffixes(t) is not None:
-            local = t._local_tensor if isinstance(t, DTensor) else t
-            quant = local.fmt.hf_quantization_config or quant
-    previous = getattr(config, "quantization_config", None)
+    if quant is None:
+        quant = {}
+        for _, _, t in model_tensors(model):
+            if stored_suffixes(t) is not None:
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                quant = local.fmt.hf_quantization_config or quant
+    # The source checkpoint's quantization_config (a config read from a GPTQ directory) describes other files.
+    had = "quantization_config" in config.__dict__
+    previous = config.__dict__.pop("quantization_config", None)
     if quant:
         config.quantization_config = quant
     try:
         config.save_pretrained(path)
     finally:
-        if quant:
+        config.__dict__.pop("quantization_config", None)
+        if had:
             config.quantization_config = previous
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):

@@ -1,0 +1,446 @@
+// The multi-token matmul every weight-only format's kernel shares (dtensor_quant/core/native.py inlines it):
+// out[M, N] = x[M, K] @ W[N, K]^T, the weight dequantized a tile at a time into a buffer that stays in cache.
+//
+// A tile is DQ_TR (32) rows of W by at most DQ_KC columns. The format writes each row of it, exactly as its
+// dequantize computes the weights (the same products, rounded the same way), into a row-major buffer. For more
+// than DQ_FEW tokens the tile is transposed so that each step of the micro-kernel reads the 32 rows' weights at one
+// column (AVX-512 BF16: at one pair of columns) from one or two vector registers, multiplies them by one broadcast
+// activation each and adds the products in fp32: an outer product, no horizontal sums. For up to DQ_FEW tokens
+// (AVX-512 BF16) 4 rows at a time are multiplied as they are, 32 columns a step, each sum's 16 lanes added at the
+// end of the block: building the transposed tile would cost more than those tokens' products. Either way every
+// weight is dequantized once per call (per DQ_MB tokens), read from memory once, and never written to memory as a
+// dense weight; and a token's result does not depend on the tokens beside it (for a given way).
+//
+// Three vector paths (the kernel's level): 3, AVX-512 BF16: bf16 activations times the bf16 weights in pairs
+// (vdpbf16ps: exact products, fp32 sums); 2, AVX-512: fp32 weights and activations, FMA; 1, AVX2 with FMA, the
+// same on 8 lanes. vdpbf16ps reads subnormal inputs as zero and flushes subnormal results, as oneDNN's bf16 GEMM
+// does on such a CPU: a tile holding a weight that is subnormal, infinite or NaN in bf16 takes level 2 instead, so
+// every weight is still the format's; a subnormal activation (below 1.2e-38) is read as zero there.
+//
+// A format may store a 32-column chunk of a row in any order of its columns (NF4: the high nibbles, then the low
+// ones): its perm(p) says which column position p holds, and the activations are permuted the same way. Only the
+// order of the fp32 sum differs from dequantize + mm.
+//
+// A format's rows (a struct F) provides:
+//   static int64_t perm(int64_t p);                                  column of position p in a chunk of 32
+//   bool bf16(int64_t n, int64_t k0, int64_t kc, uint16_t* dst) const;          avx512f,avx512bw; false: a weight
+//                                                                                 vdpbf16ps would not read exactly
+//   void f32_512(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const;   avx512f,avx512bw
+//   void f32_256(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const;   avx2,fma
+// each writing row n's columns [k0, k0 + kc) (multiples of 32), as bf16 bits or as fp32 (rounded to bf16 first
+// when round is set: bf16 activations, or a format whose dequantize rounds to the weight's bf16 dtype).
+#pragma once
+#include "native_prelude.h"
+
+#include <memory>
+
+constexpr int64_t DQ_TR = 32;           // weight rows per tile
+constexpr int64_t DQ_KC = 2048;         // columns per block of K (a multiple of 32): the tile buffers stay in L2
+constexpr int64_t DQ_LDPAD = 32;        // row stride padding of the row-major buffer: no 4 KiB aliasing of its rows
+constexpr int64_t DQ_PREFETCH = 4096;   // bytes ahead of a row's stored weights that a format's loop prefetches
+constexpr int64_t DQ_MB = 128;          // tokens per pass over the weight: their activations stay in L2
+constexpr int64_t DQ_FEW = 16;          // up to this many tokens, level 3 multiplies rows as they are (no transpose)
+
+// The groups of columns [k0, k0 + kc) that share a scale (group size g, a multiple of 32): group b holds [k, end).
+// One division per row, not per group.
+struct DqGroups {
+    int64_t b, k, end, stop, g;
+    DqGroups(int64_t k0, int64_t kc, int64_t g_) : b(k0 / g_), k(k0), end((k0 / g_ + 1) * g_), stop(k0 + kc), g(g_) {
+        if (end > stop) end = stop;
+    }
+    bool more() const { return k < stop; }
+    void next() { ++b, k = end, end = end + g < stop ? end + g : stop; }
+};
+
+// c[j] = element j of every r[i]: a 16 x 16 transpose of 32-bit elements.
+__attribute__((target("avx512f,avx512bw")))
+static inline void dq_transpose16(const __m512i* r, __m512i* c) {
+    __m512i t[16], u[16], v[4];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  // u[4g + c]: columns c, c + 4, c + 8, c + 12 of rows 4g..4g+3, one per 128-bit lane
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+        v[0] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);       // columns j, j + 8 of rows 0-7
+        v[1] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);       // j + 4, j + 12 of rows 0-7
+        v[2] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);  // the same of rows 8-15
+        v[3] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        c[j] = _mm512_shuffle_i32x4(v[0], v[2], 0x88);
+        c[j + 8] = _mm512_shuffle_i32x4(v[0], v[2], 0xDD);
+        c[j + 4] = _mm512_shuffle_i32x4(v[1], v[3], 0x88);
+        c[j + 12] = _mm512_shuffle_i32x4(v[1], v[3], 0xDD);
+    }
+}
+
+// The same for 8 x 8 floats.
+__attribute__((target("avx2,fma")))
+static inline void dq_transpose8(const __m256* r, __m256* c) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; ++g) {  // u[4g + c]: columns c, c + 4 of rows 4g..4g+3
+        u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+        u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {
+        c[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        c[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+// rows: 32 rows of kc bf16 weights (stride ld) -> dst[kc / 2][32]: each row's pair of columns as one 32-bit lane.
+__attribute__((target("avx512f,avx512bw")))
+static void dq_pack_bf16(const uint16_t* rows, int64_t ld, int64_t kc, uint32_t* dst) {
+    __m512i r[16], c[16];
+    for (int64_t k = 0; k < kc; k += 32)
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (16 * h + i) * ld + k);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (k / 2 + j) * DQ_TR + 16 * h, c[j]);
+        }
+}
+
+// rows: 32 rows of kc fp32 weights (stride ld) -> dst[kc][32].
+__attribute__((target("avx512f,avx512bw")))
+static void dq_pack_f32_512(const float* rows, int64_t ld, int64_t kc, float* dst) {
+    __m512i r[16], c[16];
+    for (int64_t k = 0; k < kc; k += 16)
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (16 * h + i) * ld + k);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (k + j) * DQ_TR + 16 * h, c[j]);
+        }
+}
+
+__attribute__((target("avx2,fma")))
+static void dq_pack_f32_256(const float* rows, int64_t ld, int64_t kc, float* dst) {
+    __m256 r[8], c[8];
+    for (int64_t k = 0; k < kc; k += 8)
+        for (int g = 0; g < 4; ++g) {
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (8 * g + i) * ld + k);
+            dq_transpose8(r, c);
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (k + j) * DQ_TR + 8 * g, c[j]);
+        }
+}
+
+// C[MR][32] (+)= x[MR][kc] w[kc][32]: x bf16 (row stride ldx), w packed by dq_pack_bf16; C starts at 0 if first.
+// Each token's sums run over the columns in the same order whatever MR (and so whatever the number of tokens).
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void dq_micro_bf16(const uint16_t* x, int64_t ldx, const uint32_t* w, int64_t kc, float* C, bool first) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * DQ_TR + 16 * v);
+    for (int64_t p = 0; p < kc / 2; ++p) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * DQ_TR);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * DQ_TR + 16);
+        for (int m = 0; m < MR; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * ldx + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) _mm512_storeu_ps(C + m * DQ_TR + 16 * v, acc[m][v]);
+}
+
+// The same in fp32 with FMA: x fp32, w packed by dq_pack_f32_512.
+template <int MR>
+__attribute__((target("avx512f,avx512bw")))
+static void dq_micro_f32_512(const float* x, int64_t ldx, const float* w, int64_t kc, float* C, bool first) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * DQ_TR + 16 * v);
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m512 w0 = _mm512_loadu_ps(w + k * DQ_TR), w1 = _mm512_loadu_ps(w + k * DQ_TR + 16);
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+            acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v) _mm512_storeu_ps(C + m * DQ_TR + 16 * v, acc[m][v]);
+}
+
+// The same with AVX2, 16 rows at a time (16 vector registers: 2 x MR accumulators, 2 weights, 1 activation).
+template <int MR>
+__attribute__((target("avx2,fma")))
+static void dq_micro_f32_256(const float* x, int64_t ldx, const float* w, int64_t kc, float* C, bool first) {
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[MR][2];
+        for (int m = 0; m < MR; ++m)
+            for (int v = 0; v < 2; ++v)
+                acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(C + m * DQ_TR + 16 * h + 8 * v);
+        for (int64_t k = 0; k < kc; ++k) {
+            const __m256 w0 = _mm256_loadu_ps(w + k * DQ_TR + 16 * h), w1 = _mm256_loadu_ps(w + k * DQ_TR + 16 * h + 8);
+            for (int m = 0; m < MR; ++m) {
+                const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+                acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+            }
+        }
+        for (int m = 0; m < MR; ++m)
+            for (int v = 0; v < 2; ++v) _mm256_storeu_ps(C + m * DQ_TR + 16 * h + 8 * v, acc[m][v]);
+    }
+}
+
+// lane i of the result: the sum of a[i]'s 16 lanes.
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512 dq_sum16(const __m512* a) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int i = 0; i < 8; ++i)
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// A few tokens: C[m][r0 + r] (+)= x[m] . w[r] over kc for MR tokens and 4 row-major bf16 rows (stride ldw) -- inner
+// products of 16 lanes, summed at the end of the block: no transposed tile to build.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void dq_dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kc, float* C,
+                        int64_t r0, bool first) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 32) {
+        __m512bh wv[4];
+        for (int r = 0; r < 4; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+            for (int r = 0; r < 4; ++r) acc[4 * m + r] = _mm512_dpbf16_ps(acc[4 * m + r], xv, wv[r]);
+        }
+    }
+    alignas(64) float sums[16];  // token m, row r at 4m + r
+    _mm512_store_ps(sums, dq_sum16(acc));
+    for (int m = 0; m < MR; ++m) {
+        float* c = C + m * DQ_TR + r0;
+        const __m128 v = _mm_load_ps(sums + 4 * m);
+        _mm_storeu_ps(c, first ? v : _mm_add_ps(_mm_loadu_ps(c), v));
+    }
+}
+
+// One tile for at most DQ_FEW tokens on level 3: 4 rows at a time dequantized into an L1 buffer and multiplied
+// there. False (nothing usable written) if a weight is one vdpbf16ps cannot read.
+template <class F>
+static bool dq_tile_few(const F& f, int64_t n0, int64_t rows, int64_t K, int64_t M, const uint16_t* xb,
+                        uint16_t* rb, float* C) {
+    const int64_t ld = DQ_KC + DQ_LDPAD;
+    for (int64_t k0 = 0; k0 < K; k0 += DQ_KC) {
+        const int64_t kc = K - k0 < DQ_KC ? K - k0 : DQ_KC;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            for (int64_t r = r0; r < r0 + 4 && r < rows; ++r)  // rows past the weight's last keep older values
+                if (!f.bf16(n0 + r, k0, kc, rb + (r - r0) * ld)) return false;
+            for (int64_t m = 0; m < M; m += 4) {  // the 4 rows stay in L1 for every group of 4 tokens
+                const uint16_t* xm = xb + m * K + k0;
+                float* Cm = C + m * DQ_TR;
+                switch (M - m < 4 ? M - m : 4) {
+                    case 4: dq_dot_bf16<4>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                    case 3: dq_dot_bf16<3>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                    case 2: dq_dot_bf16<2>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                    default: dq_dot_bf16<1>(xm, K, rb, ld, kc, Cm, r0, k0 == 0); break;
+                }
+            }
+        }
+    }
+    return true;
+}
+
+// name##_n<R>: name<rows> for any rows from 1 to R (the last, shorter group of tokens).
+#define DQ_MICRO_TABLE(name, T, W)                                                                                 \
+    template <int R>                                                                                               \
+    static void name##_n(const T* x, int64_t ldx, const W* w, int64_t kc, float* C, bool first, int64_t rows) {     \
+        if constexpr (R > 1) {                                                                                     \
+            if (rows < R) return name##_n<R - 1>(x, ldx, w, kc, C, first, rows);                                   \
+        }                                                                                                          \
+        name<R>(x, ldx, w, kc, C, first);                                                                          \
+    }
+
+DQ_MICRO_TABLE(dq_micro_bf16, uint16_t, uint32_t)
+DQ_MICRO_TABLE(dq_micro_f32_512, float, float)
+DQ_MICRO_TABLE(dq_micro_f32_256, float, float)
+
+// x[m, perm(k)] for the chunk order of the format: as bf16 (xb) and as fp32 (xf), either may be null.
+template <class F>
+static void dq_prepare_x_scalar(const void* x, bool x_f32, int64_t M, int64_t K, uint16_t* xb, float* xf) {
+    int64_t perm[32];
+    for (int p = 0; p < 32; ++p) perm[p] = F::perm(p);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += 32)
+            for (int p = 0; p < 32; ++p) {
+                const int64_t src = m * K + k + perm[p];
+                if (x_f32) {
+                    xf[m * K + k + p] = static_cast<const float*>(x)[src];
+                } else {
+                    const uint16_t h = static_cast<const uint16_t*>(x)[src];
+                    if (xb) xb[m * K + k + p] = h;
+                    if (xf) xf[m * K + k + p] = dq_bf16_float(h);
+                }
+            }
+}
+
+// The same 32 values a step with AVX-512 (vpermw / vpermt2ps).
+template <class F>
+__attribute__((target("avx512f,avx512bw")))
+static void dq_prepare_x_512(const void* x, bool x_f32, int64_t M, int64_t K, uint16_t* xb, float* xf) {
+    alignas(64) uint16_t pw[32];
+    alignas(64) int32_t pd[16], pd2[16];
+    for (int p = 0; p < 32; ++p) pw[p] = static_cast<uint16_t>(F::perm(p));
+    for (int p = 0; p < 16; ++p) pd[p] = static_cast<int32_t>(F::perm(p)), pd2[p] = static_cast<int32_t>(F::perm(16 + p));
+    const __m512i iw = _mm512_load_si512(pw), id = _mm512_load_si512(pd), id2 = _mm512_load_si512(pd2);
+    for (int64_t i = 0; i < M * K; i += 32) {
+        if (x_f32) {
+            const float* src = static_cast<const float*>(x) + i;
+            const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+            _mm512_storeu_ps(xf + i, _mm512_permutex2var_ps(a, id, b));
+            _mm512_storeu_ps(xf + i + 16, _mm512_permutex2var_ps(a, id2, b));
+        } else {
+            const __m512i h = _mm512_permutexvar_epi16(iw, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + i));
+            if (xb) _mm512_storeu_si512(xb + i, h);
+            if (xf) {
+                _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+                _mm512_storeu_ps(xf + i + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+            }
+        }
+    }
+}
+
+// Rows [n0, n0 + rows) of the output for M tokens: C[m][r] rounded to bf16 (as dq_bf16_rne) or kept as fp32.
+static void dq_store_scalar(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float v = C[m * DQ_TR + r];
+            if (out_f32)
+                static_cast<float*>(out)[m * N + n0 + r] = v;
+            else
+                static_cast<uint16_t*>(out)[m * N + n0 + r] = dq_bf16_rne(v);
+        }
+}
+
+// The same 16 values a step with AVX-512 (masked stores for a tile's last rows).
+__attribute__((target("avx512f,avx512bw")))
+static void dq_store_512(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; r += 16) {
+            const __mmask16 k = rows - r >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r)) - 1);
+            const __m512 v = _mm512_loadu_ps(C + m * DQ_TR + r);
+            if (out_f32) {
+                _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n0 + r, k, v);
+            } else {
+                const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(v)), 16);
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * N + n0 + r, k, _mm512_cvtepi32_epi16(bits));
+            }
+        }
+}
+
+// This thread's buffer `which` of at least n floats, kept for its next calls (a fresh one would cost page faults
+// on every call). Zeroed when made: rows of a tile past the weight's last row read it, their sums unused.
+static float* dq_buffer(int which, int64_t n) {
+    static thread_local std::unique_ptr<float[]> buffers[3];
+    static thread_local int64_t sizes[3] = {0, 0, 0};
+    if (sizes[which] < n) {
+        buffers[which].reset(new float[n]());
+        sizes[which] = n;
+    }
+    return buffers[which].get();
+}
+
+// One tile (rows [n0, n0 + rows)) for M tokens, all of K, on one vector level. xb/xf: the permuted activations of
+// these tokens (stride K). Returns false (having written nothing) if level 3 met a weight vdpbf16ps cannot read.
+template <class F>
+static bool dq_tile(const F& f, int64_t level, bool round, int64_t n0, int64_t rows, int64_t K, int64_t M,
+                    const uint16_t* xb, const float* xf, void* rowbuf, void* packed, float* C) {
+    const int64_t ld = DQ_KC + DQ_LDPAD;
+    for (int64_t k0 = 0; k0 < K; k0 += DQ_KC) {
+        const int64_t kc = K - k0 < DQ_KC ? K - k0 : DQ_KC;
+        const bool first = k0 == 0;
+        if (level >= 3) {
+            uint16_t* rb = static_cast<uint16_t*>(rowbuf);
+            for (int64_t r = 0; r < rows; ++r)
+                if (!f.bf16(n0 + r, k0, kc, rb + r * ld)) return false;
+            dq_pack_bf16(rb, ld, kc, static_cast<uint32_t*>(packed));
+            for (int64_t m = 0; m < M; m += 8)
+                dq_micro_bf16_n<8>(xb + m * K + k0, K, static_cast<uint32_t*>(packed), kc, C + m * DQ_TR, first,
+                                   M - m);
+        } else if (level == 2) {
+            float* rb = static_cast<float*>(rowbuf);
+            for (int64_t r = 0; r < rows; ++r) f.f32_512(n0 + r, k0, kc, round, rb + r * ld);
+            dq_pack_f32_512(rb, ld, kc, static_cast<float*>(packed));
+            for (int64_t m = 0; m < M; m += 8)
+                dq_micro_f32_512_n<8>(xf + m * K + k0, K, static_cast<float*>(packed), kc, C + m * DQ_TR, first,
+                                      M - m);
+        } else {
+            float* rb = static_cast<float*>(rowbuf);
+            for (int64_t r = 0; r < rows; ++r) f.f32_256(n0 + r, k0, kc, round, rb + r * ld);
+            dq_pack_f32_256(rb, ld, kc, static_cast<float*>(packed));
+            for (int64_t m = 0; m < M; m += 6)
+                dq_micro_f32_256_n<6>(xf + m * K + k0, K, static_cast<float*>(packed), kc, C + m * DQ_TR, first,
+                                      M - m);
+        }
+    }
+    return true;
+}
+
+// out = x @ W^T for the format's rows f: x [M, K] bf16 (out bf16) or fp32 (x_f32; out fp32), on vector level
+// `level` (3: AVX-512 BF16, with bf16 activations only; 2: AVX-512; 1: AVX2), `threads` OpenMP threads over tiles.
+// K must be a multiple of 32. round: every weight rounded to bf16 (as dequantize does for these activations).
+template <class F>
+static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N, int64_t K, bool x_f32, bool round,
+                     int64_t level, int64_t threads) {
+    if (x_f32 && level >= 3) level = 2;
+    const int64_t mb = M < DQ_MB ? M : DQ_MB;
+    uint16_t* xb = level >= 3 ? new uint16_t[mb * K] : nullptr;
+    float* xf = new float[mb * K];
+    for (int64_t m0 = 0; m0 < M; m0 += DQ_MB) {
+        const int64_t ms = M - m0 < DQ_MB ? M - m0 : DQ_MB;
+        const void* xm = x_f32 ? static_cast<const void*>(static_cast<const float*>(x) + m0 * K)
+                               : static_cast<const void*>(static_cast<const uint16_t*>(x) + m0 * K);
+        if (level >= 2)
+            dq_prepare_x_512<F>(xm, x_f32, ms, K, xb, xf);
+        else
+            dq_prepare_x_scalar<F>(xm, x_f32, ms, K, xb, xf);
+        void* om = x_f32 ? static_cast<void*>(static_cast<float*>(out) + m0 * N)
+                         : static_cast<void*>(static_cast<uint16_t*>(out) + m0 * N);
+        #pragma omp parallel num_threads(threads) if(threads > 1)
+        {
+            float* rowbuf = dq_buffer(0, DQ_TR * (DQ_KC + DQ_LDPAD));  // fp32 or bf16 rows
+            float* packed = dq_buffer(1, DQ_TR * DQ_KC);
+            float* C = dq_buffer(2, ms * DQ_TR);
+            #pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += DQ_TR) {
+                const int64_t rows = N - n0 < DQ_TR ? N - n0 : DQ_TR;
+                const bool done = level >= 3 && ms <= DQ_FEW
+                                      ? dq_tile_few(f, n0, rows, K, ms, xb, reinterpret_cast<uint16_t*>(packed), C)
+                                      : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C);
+                if (!done)
+                    dq_tile(f, 2, true, n0, rows, K, ms, xb, xf, rowbuf, packed, C);  // level 3 rounds (bf16 x)
+                if (level >= 2)
+                    dq_store_512(C, ms, rows, x_f32, om, N, n0);
+                else
+                    dq_store_scalar(C, ms, rows, x_f32, om, N, n0);
+            }
+        }
+    }
+    delete[] xb;
+    delete[] xf;
+}
