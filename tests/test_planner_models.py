@@ -14,6 +14,7 @@ from torch import nn
 
 import dtensor_quant as dq
 from dtensor_quant.__main__ import main
+from dtensor_quant.model.padding import mlp_padding
 from dtensor_quant.model.plan_layers import PlanKeys, layers_of
 from dtensor_quant.model.planner import Layer, plan, stored_bytes
 
@@ -147,3 +148,54 @@ def test_command_line_from_a_config(tmp_path, capsys):
     assert len(list(csv.DictReader(io.StringIO(out.read_text())))) == 3 * len(dict(llama().named_parameters()))
     assert main(["plan", "--format", "int4:128", "--config", str(tmp_path), "--tp-plan", "none", "--tp", "2"]) == 0
     assert "model.layers.{0..3}.self_attn.o_proj x4  256x256   colwise" in capsys.readouterr().out
+
+
+def test_padding_proposed_is_the_padding_applied():
+    """The planner's proposal for an MLP and the output head is exactly what pad_for_tp / pad_vocab_for_tp apply.
+
+    Float8Blockwise(128) at TP 2: 640-wide MLPs (320 per rank) and 1000 rows of vocabulary (500 per rank)
+    are refused; padded to 768 and 1024 every quantized weight is legal, on a model built on meta.
+    """
+    fmt = dq.Float8Blockwise(128)
+    model = llama(dict(TINY, intermediate_size=640, num_key_value_heads=4))
+    before = plan(model, fmt, tp=[2], tp_plan=model._tp_plan)
+    proposed = {layer.name: cells[0].padding[:2] for layer, cells in before.rows if not cells[0].legal}
+    mlps = {f"model.layers.{i}.mlp.{n}" for i in range(4) for n in ("gate_proj", "up_proj", "down_proj")}
+    assert set(proposed) == mlps | {"lm_head"}, set(proposed)
+    applied = dq.pad_for_tp(model, 2, fmt)
+    assert applied == {f"model.layers.{i}.mlp": (640, 768) for i in range(4)}
+    assert {n: p for n, p in proposed.items() if n != "lm_head"} == {n: (1 if "down" in n else 0, 768) for n in mlps}
+    assert proposed["lm_head"] == (0, 1024)
+    assert dq.pad_vocab_for_tp(model, 2, fmt) == {"lm_head": (1000, 1024)}
+    after = plan(model, fmt, tp=[2], tp_plan=model._tp_plan)
+    assert not after.refusals, [layer.name for layer, _ in after.refusals]
+
+
+class _Head(nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+@pytest.mark.parametrize(("vocab", "hidden", "padded"), [(151936, 1536, 152064), (32064, 3072, 32128)])
+def test_nf4_heads_of_qwen25_and_phi3_at_tp8_are_legal_padded(vocab, hidden, padded):
+    """Qwen2.5-1.5B's and Phi-3-mini's NF4 output heads at TP 8: refused as is, the proposal is what pads them."""
+    ((_, (cell,)),) = plan([("lm_head", (vocab, hidden), "colwise")], dq.NF4(), tp=[8]).rows
+    assert not cell.legal and cell.padding[:2] == (0, padded)
+    with torch.device("meta"):
+        model = _Head(vocab, hidden)
+    assert dq.pad_vocab_for_tp(model, 8, dq.NF4()) == {"lm_head": (vocab, padded)}
+    assert plan([("lm_head", tuple(model.lm_head.weight.shape), "colwise")], dq.NF4(), tp=[8]).rows[0][1][0].legal
+
+
+def test_llama3_70b_nf4_down_projection_padded_or_switched():
+    """Llama-3-70B's NF4 down_proj (row-parallel, its columns cannot be cut): padded at TP 2, switched at 4 and 8."""
+    layer = Layer("model.layers.0.mlp.down_proj", (8192, 28672), "rowwise", "mlp")
+    cells = {c.tp: c for c in plan([layer], dq.NF4(), tp=[2, 4, 8]).rows[0][1]}
+    assert not any(c.legal for c in cells.values())
+    assert cells[2].padding[:2] == (1, mlp_padding(28672, 8192, dq.NF4(), 2)) == (1, 32768)
+    assert cells[4].padding is None and cells[8].padding is None  # no padding within reach keeps equal legal shards
+    column = plan([Layer(layer.name, layer.shape, "colwise", "mlp")], dq.NF4(), tp=[2, 4, 8]).rows[0][1]
+    assert all(c.legal for c in column)  # what adapt_tp_plan switches to
+    assert all("adapt_tp_plan" in cells[t].alternatives for t in (2, 4, 8))

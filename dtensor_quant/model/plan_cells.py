@@ -32,7 +32,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..core.format import QuantFormat, Reducer, check_shape, weight_layout
 from ..core.layout import MAX_LISTED_MESH_SIZE
 from ..dist.placements import first_bad_cut
-from .padding import legal_length
+from .padding import mlp_padding
+from .vocab_padding import vocab_length
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 #: Styles of a weight on the tp dim: its rows, its columns, each half of them (transformers' packed
@@ -68,7 +69,9 @@ class Cell:
 
     A refused cell's ``alternatives`` (nearest legal degrees, a smaller block
     size, the column-parallel switch) and ``padding`` (``(dim, padded length,
-    extra bytes of the whole weight)``) are computed when read.
+    extra bytes of the whole weight)``: what ``pad_for_tp`` or
+    ``pad_vocab_for_tp`` would apply, for an MLP or output head only) are
+    computed when read.
     """
 
     dp: int
@@ -76,7 +79,7 @@ class Cell:
     placements: tuple[Placement, ...]
     nbytes: int | None = None
     why: str | None = None
-    subject: tuple | None = field(default=None, repr=False, compare=False)  # (shape, style, fmt, ep) of a refusal
+    subject: tuple | None = field(default=None, repr=False, compare=False)  # (shape, style, fmt, ep, kind) refused
     fixed_alternatives: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -89,7 +92,7 @@ class Cell:
             return None
         if self.fixed_alternatives is not None or self.subject is None:
             return self.fixed_alternatives
-        return _hints(*self.subject, self.dp, self.tp)
+        return _hints(*self.subject[:4], self.dp, self.tp)
 
     @property
     def padding(self) -> tuple[int, int, int] | None:
@@ -178,7 +181,7 @@ def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell
     """``layer`` on mesh ``(dp, tp)`` (behind ``ep`` expert-parallel groups): legal with its bytes, or why not."""
     if layer.dense:
         return _dense(tuple(layer.shape), layer.style, dp, tp, ep)
-    return _check(tuple(layer.shape), layer.style, fmt, dp, tp, ep)
+    return _check(tuple(layer.shape), layer.style, fmt, dp, tp, ep, layer.kind)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -188,8 +191,11 @@ def _dense(shape: tuple[int, ...], style: str, dp: int, tp: int, ep: int) -> Cel
 
 
 @functools.lru_cache(maxsize=65536)
-def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
-    """One verdict per (shape, style, format, mesh): a model repeats a few shapes many times."""
+def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1, kind: str = "") -> Cell:
+    """One verdict per (shape, style, format, mesh, kind): a model repeats a few shapes many times.
+
+    ``kind`` only decides which padding a refusal proposes (:func:`_padding`).
+    """
     if style in PACKED:  # each half (gate, up) is cut as its own weight, each rank holds a piece of both
         dim = len(shape) - (2 if style == "packed_colwise" else 1)
         if shape[dim] % 2:
@@ -197,7 +203,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
             why = f"a {style} weight needs an even dim {dim}, this one has {shape[dim]}"
             return Cell(dp, tp, placements, why=why, fixed_alternatives="use colwise or rowwise for it")
         half = shape[:dim] + (shape[dim] // 2,) + shape[dim + 1 :]
-        cell = _check(half, PACKED[style], fmt, dp, tp, ep)
+        cell = _check(half, PACKED[style], fmt, dp, tp, ep, kind)
         if cell.legal:
             return dataclasses.replace(cell, nbytes=2 * cell.nbytes)
         return dataclasses.replace(cell, why=f"each half {list(half)} of the packed weight: {cell.why}")
@@ -207,7 +213,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), fixed_alternatives="leave this layer unquantized (filter_fn)")
     if first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
-        return Cell(dp, tp, placements, why=_why(shape, fmt, mesh, placements), subject=(shape, style, fmt, ep))
+        return Cell(dp, tp, placements, why=_why(shape, fmt, mesh, placements), subject=(shape, style, fmt, ep, kind))
     local = local_shape(shape, mesh, placements)
     return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
@@ -282,21 +288,30 @@ def _hints(shape, style: str, fmt: QuantFormat, ep: int, dp: int, tp: int) -> st
 
 
 @functools.lru_cache(maxsize=16384)
-def _padding(shape, style: str, fmt: QuantFormat, ep: int, dp: int, tp: int) -> tuple[int, int, int] | None:
-    """The smallest zero-padding of the refused dim that makes this mesh legal: (dim, length, extra bytes).
+def _padding(shape, style: str, fmt: QuantFormat, ep: int, kind: str, dp: int, tp: int) -> tuple[int, int, int] | None:
+    """The zero-padding that ``pad_for_tp`` or ``pad_vocab_for_tp`` would apply at this tp: (dim, length, extra bytes).
 
-    The padding of ``pad_for_tp``/``pad_vocab_for_tp`` at this tp degree:
-    equal, legal tp shards of the dim tensor parallelism cuts (then checked
-    on the whole mesh). None where the refused cut is not the tp cut, or
-    for an expert stack (not padded).
+    Only what those functions pad exactly: a SwiGLU MLP's intermediate dim
+    (``kind`` ``"mlp"``: gate/up rows column-parallel, down columns
+    row-parallel, one length for all three, :func:`~.padding.mlp_padding`)
+    and the output head's vocabulary rows (``"vocab"``, column-parallel,
+    :func:`~.vocab_padding.vocab_length`). The length is theirs at this tp
+    degree (equal, legal tp shards), then checked on the whole mesh. None
+    where the refused cut is not that tp cut, for an expert stack, or for
+    any other weight.
     """
-    if len(shape) > 2 or tp == 1:
+    if kind not in PADDABLE_KINDS or len(shape) > 2 or tp == 1:
         return None
     mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
     dim = first_bad_cut(shape, fmt, mesh, placements)[0]
     if not isinstance(placements[-1], Shard) or placements[-1].dim != dim:
         return None
-    length = legal_length(tuple(shape), dim, fmt, (tp,), (Shard(dim),))
+    if kind == "mlp" and (style, dim) in (("colwise", 0), ("rowwise", 1)):
+        length = mlp_padding(shape[dim], shape[1 - dim], fmt, tp)
+    elif kind == "vocab" and (style, dim) == ("colwise", 0):
+        length = vocab_length(shape[0], shape[1], fmt, tp)
+    else:
+        return None
     if length is None:
         return None
     padded = shape[:dim] + (length,) + shape[dim + 1 :]

@@ -237,7 +237,8 @@ def padding_hint(shape, padding: tuple[int, int, int], kind: str = "mlp") -> str
     return (
         f"Or zero-pad its {what} from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
         f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
-        f"together, which changes no output."
+        f"together to this length, which changes no output of the dense MLP (a quantized one is padded by "
+        f"whole zero blocks where its format allows, else pad it before quantizing)."
     )
 
 
