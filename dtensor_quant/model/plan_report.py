@@ -194,7 +194,7 @@ def _note(number: int, g: Group, p, width: int) -> list[str]:
         text += f" {first.alternatives[0].upper()}{first.alternatives[1:]}."
     lines = [text]
     if first.padding and g.layer.kind in ("mlp", "vocab"):
-        lines.append(padding_hint(g.layer.shape, first.padding, g.layer.kind))
+        lines.append(padding_hint(g.layer.shape, first.padding, g.layer.kind, first.tp))
     out = []
     for i, line in enumerate(lines):
         indent = "    "
@@ -224,18 +224,19 @@ def _where(refused: list[Cell], meshes: list[tuple[int, int]]) -> str:
     return "; ".join(parts)
 
 
-def padding_hint(shape, padding: tuple[int, int, int], kind: str = "mlp") -> str:
-    """The padding proposal of a refused cell, naming the function that applies it exactly."""
+def padding_hint(shape, padding: tuple[int, int, int], kind: str = "mlp", tp: int | None = None) -> str:
+    """The padding proposal of a refused cell (at tensor-parallel degree ``tp``), naming what applies it exactly."""
     dim, length, extra = padding
+    at = f"for tp={tp}, " if tp else ""
     if kind == "vocab":
         return (
-            f"Or zero-pad the vocabulary from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
+            f"Or, {at}zero-pad the vocabulary from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
             f"dtensor_quant.pad_vocab_for_tp(model, tp, fmt) pads the output head (and a tied embedding); "
             f"the padded logits are sliced away or set to -inf."
         )
     what = "rows" if dim == 0 else "columns"
     return (
-        f"Or zero-pad its {what} from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
+        f"Or, {at}zero-pad its {what} from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
         f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
         f"together to this length, which changes no output of the dense MLP (a quantized one is padded by "
         f"whole zero blocks where its format allows, else pad it before quantizing)."
