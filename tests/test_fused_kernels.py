@@ -241,12 +241,11 @@ def test_kernel_sources_ship_with_the_package():
         assert "dq_bf16_rne" in text and '#include "native_prelude.h"' not in text
 
 
-def test_every_kernel_source_resolves_and_the_training_kernels_build():
+def test_every_kernel_source_resolves_and_the_training_kernels_build(monkeypatch):
     """Every .cpp in the package inlines all its headers (beside it, then beside core/native.py), and the training
     paths' kernels build and run here: a build failure there only warns and takes the torch expressions (the same
     bits), so nothing else would notice that the kernels stopped running."""
-    from dtensor_quant.core import stochastic
-    from dtensor_quant.formats import block_states, int8
+    from dtensor_quant.core.stochastic import Noise, uniform
 
     package = Path(dq.__file__).parent
     sources = sorted(package.rglob("*.cpp"))
@@ -257,12 +256,19 @@ def test_every_kernel_source_resolves_and_the_training_kernels_build():
         assert "void kernel(" in text, f"{path.name}: no entry point"
     if not native.enabled():
         pytest.skip("DTENSOR_QUANT_NATIVE=0")
+    asked, load = [], native.load
+    monkeypatch.setattr(native, "load", lambda name, *a: asked.append(name) or load(name, *a))
+    w = weight((8, 512), seed=3, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", native.KernelUnavailableWarning)
-        assert stochastic._kernel() is not None
-        assert native.load("int8_stochastic", int8.SR_KERNEL_SOURCE, int8._SR_ARGTYPES, int8._sr_probe) is not None
-        assert int8._rows_kernel("row_absmax") is not None and int8._rows_kernel("values") is not None
-        assert block_states._bf8_kernel("quantize") is not None and block_states._bf8_kernel("unpack") is not None
+        uniform(0, 0, (8, 512), (0, 0), (8, 512))
+        noise = Noise(0, 0, (8, 512), (0, 0), (8, 512))
+        dq.Int8Rowwise().quantize_stochastic(w, lambda t, *_: t, noise, torch.float32)
+        dq.quantize(w, dq.Int8Rowwise()).dequantize(torch.float32)
+        dq.quantize(w, dq.BlockFloat8(256)).dequantize(torch.float32)
+    expected = {"stochastic_noise", "int8_stochastic", "int8_row_absmax", "int8_values"}
+    expected |= {"block_float8_quantize", "block_float8_unpack"}
+    assert expected <= set(asked), sorted(set(asked))
 
 
 def test_kernel_inputs_are_built_by_the_first_call_that_runs_a_kernel(monkeypatch):
