@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
+from dtensor_quant.core import native
 from dtensor_quant.formats import float8, int4, int4_zero, int8, nf4
 from dtensor_quant.testing import (
     FORMATS,
@@ -148,7 +149,8 @@ def test_batched_activations(monkeypatch, fmt_name):
     for name, inp in cases.items():
         ran = kernel.ran
         out = F.linear(inp, q)
-        assert kernel.ran == ran + 1, f"{name}: no kernel"
+        if native.enabled():  # bf16 at 5-10 tokens: the library's tiles (DTENSOR_QUANT_NATIVE=0: dequantize + mm)
+            assert kernel.ran == ran + 1, f"{name}: no kernel"
         assert_kernel_close(out, inp, q, what=name)
         assert_kernel_close(torch.matmul(inp, q.t()), inp, q, what=f"{name} matmul")
     xt = x[0].transpose(0, 1).contiguous()
