@@ -51,7 +51,7 @@ from ..core.bits import is_tracing
 from ..core.dispatch import UnsupportedOpError, implements
 from ..core.format import QuantFormat
 from ..core.format_ids import format_from_id, format_id
-from ..core.memo import layout_key, memo
+from ..core.memo import lookup, remember
 from ..core.notes import Bytes, bytes_of
 from ..core.tensor import QuantizedTensor
 from . import unpack
@@ -195,14 +195,21 @@ def plan_linear(w_t: QuantizedTensor):
     no inner transposes made), else ``w_t``'s own made canonical. Decided once
     per layout (both depend only on relations and orientation).
     """
+    # The plan depends on the relations, orientation and format alone (not on shape, strides or dtype), so
+    # the key is their identities: this runs for every F.linear (memo.memo inlined, no closure).
     owner = w_t.notes.weight
     if owner is not None:
-        plan = memo(
-            ("linear-owner", *layout_key(owner)), lambda: _kernel_plan(owner), owner.rels, owner.dims, owner.fmt
-        )
+        key = ("linear", id(owner.rels), id(owner.dims), id(owner.fmt))
+        plan = lookup(key)
+        if plan is None:
+            plan = remember(key, _kernel_plan(owner), owner.rels, owner.dims, owner.fmt)
         if plan[1]:  # the owner is a canonical weight: its own inner tensors
             return (owner, *plan)
-    return (w_t, *memo(("linear", *layout_key(w_t)), lambda: _kernel_plan(w_t), w_t.rels, w_t.dims, w_t.fmt))
+    key = ("linear", id(w_t.rels), id(w_t.dims), id(w_t.fmt))
+    plan = lookup(key)
+    if plan is None:
+        plan = remember(key, _kernel_plan(w_t), w_t.rels, w_t.dims, w_t.fmt)
+    return (w_t, *plan)
 
 
 def _kernel_plan(q: QuantizedTensor):
