@@ -1,7 +1,7 @@
 """Which tensor-parallel and FSDP degrees a quantized model can take -- decided before any data exists.
 
     python -m dtensor_quant plan --format int4:128 --shape 4096x4096:rowwise --shape 11008x4096:colwise --tp 1 2 3 4 8
-    python -m dtensor_quant plan --format int4:128 --model examples/llama.py:build \\
+    python -m dtensor_quant plan --format int4:128 --model dtensor_quant.testing.tiny_llama:build \\
         --tp-plan examples/tp_inference.py:tp_plan --tp 1 2 3 4 --dp 1 2
 
     >>> print(plan([("wo", (4096, 4096), "rowwise")], Int4Groupwise(128), tp=[2, 3]))

@@ -8,7 +8,6 @@ LoRA adapters on the attention projections train. Losses equal one process.
 
 import functools
 
-import llama
 import moe_inference
 import pytest
 import torch
@@ -21,7 +20,7 @@ import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import add_lora_
-from dtensor_quant.testing import FORMATS, mesh
+from dtensor_quant.testing import FORMATS, mesh, tiny_llama
 
 STEPS, BATCH, SEQ = 3, 8, 8
 
@@ -46,7 +45,7 @@ def moe_qlora(kind, fmt_name, experts, impl="eager"):
 
 
 def data():
-    return list(llama.synthetic_batches(STEPS, BATCH, SEQ, 128, noise=0.2, seed=3))
+    return list(tiny_llama.synthetic_batches(STEPS, BATCH, SEQ, 128, noise=0.2, seed=3))
 
 
 @functools.cache

@@ -88,11 +88,12 @@ def test_bytes_per_rank_are_the_shards_stored_bytes():
 
 
 def test_plan_a_model_with_its_tp_plan():
-    import llama
     import tp_inference
 
+    from dtensor_quant.testing import tiny_llama
+
     with torch.device("meta"):
-        model = llama.build()
+        model = tiny_llama.build()
     result = plan(model, dq.Int4Groupwise(128), tp=[2, 3, 4], tp_plan=tp_inference.tp_plan(model))
     verdicts = {layer.name: [c.legal for c in cells] for layer, cells in result.rows}
     assert verdicts["layers.0.attention.wo"] == [True, False, True]  # 512 / 3 cuts a group
@@ -132,7 +133,7 @@ def test_command_line():
         "--format",
         "int4:128",
         "--model",
-        "examples/llama.py:build",
+        "dtensor_quant.testing.tiny_llama:build",
         "--tp-plan",
         "examples/tp_inference.py:tp_plan",
         "--tp",

@@ -17,7 +17,6 @@ of ~1e-7 may flip an exact-looking tie.
 import os
 import time
 
-import llama
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,13 +27,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.testing import FORMATS, assert_same_bits, assert_within, linear_error_bound, mesh, weight
+from dtensor_quant.testing import FORMATS, assert_same_bits, assert_within, linear_error_bound, mesh, tiny_llama, weight
 
 PROMPT = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(3))
 
 
 def reference_model(fmt, dtype, seed=0):
-    model = llama.build(llama.Config(), seed, dtype)
+    model = tiny_llama.build(tiny_llama.Config(), seed, dtype)
     return dq.quantize_(model, fmt)
 
 
@@ -43,7 +42,7 @@ def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.
     pad = world if sequence_parallel else 1
     reference = reference_model(fmt, dtype)
     model = tp_inference.build_tp(
-        llama.Config(), fmt, m, dtype=dtype, quantize_first=quantize_first, sequence_parallel=sequence_parallel
+        tiny_llama.Config(), fmt, m, dtype=dtype, quantize_first=quantize_first, sequence_parallel=sequence_parallel
     )
     # Every quantized weight is a DTensor whose local shard has exactly the bytes of the same shard
     # of the one-process quantized weight.
@@ -53,8 +52,8 @@ def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.
         assert isinstance(p, DTensor), name
         assert_same_bits(p.to_local(), distribute_tensor(ref_params[name], m, p.placements).to_local(), name)
     assert len(dq.model.quantized_fqns(model)) == 15
-    expected = llama.generate(reference, PROMPT, new_tokens, pad)
-    tokens = llama.generate(model, PROMPT, new_tokens, pad)
+    expected = tiny_llama.generate(reference, PROMPT, new_tokens, pad)
+    tokens = tiny_llama.generate(model, PROMPT, new_tokens, pad)
     padded = F.pad(expected, (0, -expected.shape[1] % pad))
     with torch.no_grad():
         ref_logits, tp_logits = reference(padded).float(), model(padded).float()
@@ -92,7 +91,7 @@ def one_token_through_fused_kernels(fmt_name):
     try:
         for module, original in originals.items():
             module.fused_linear = counting(original)
-        model = tp_inference.build_tp(llama.Config(), FORMATS[fmt_name], mesh(2), dtype=torch.bfloat16)
+        model = tp_inference.build_tp(tiny_llama.Config(), FORMATS[fmt_name], mesh(2), dtype=torch.bfloat16)
         token = torch.tensor([[7]])
         with torch.no_grad():
             logits = model(token).float()
@@ -216,14 +215,14 @@ def test_tp_layers_with_3d_inputs(ranks, fmt_name):
 def compiled_tp(backend, sequence_parallel, dtype):
     """Greedy tokens of the compiled TP model == eager TP model == one-process model (one layer: compile time)."""
     torch._dynamo.reset()
-    m, fmt, cfg = mesh(2), FORMATS["int4g128"], llama.Config(n_layers=1)
+    m, fmt, cfg = mesh(2), FORMATS["int4g128"], tiny_llama.Config(n_layers=1)
     pad = 2 if sequence_parallel else 1
-    reference = dq.quantize_(llama.build(cfg, 0, dtype), fmt)
+    reference = dq.quantize_(tiny_llama.build(cfg, 0, dtype), fmt)
     model = tp_inference.build_tp(cfg, fmt, m, dtype=dtype, sequence_parallel=sequence_parallel)
-    expected = llama.generate(reference, PROMPT, 3, pad)
-    eager = llama.generate(model, PROMPT, 3, pad)
+    expected = tiny_llama.generate(reference, PROMPT, 3, pad)
+    eager = tiny_llama.generate(model, PROMPT, 3, pad)
     compiled_model = torch.compile(model, backend=backend)
-    compiled = llama.generate(compiled_model, PROMPT, 3, pad)
+    compiled = tiny_llama.generate(compiled_model, PROMPT, 3, pad)
     # TP may flip a token only where the one-process logits nearly tie (test_tp_bf16_within_rounding); so may
     # the compiled graph, whose decompositions (addmm for linear, fused norms) sum and round in other orders
     same = torch.equal(eager, expected)
@@ -266,7 +265,7 @@ def compiled_decode(fmt_name, dtype):
     eager does, so the two differ by the dtype's rounding, for both models.
     """
     torch._dynamo.reset()
-    m, cfg = mesh(torch.distributed.get_world_size()), llama.Config(n_layers=1)
+    m, cfg = mesh(torch.distributed.get_world_size()), tiny_llama.Config(n_layers=1)
     token = torch.tensor([[5]])
     diffs = []
     # Another format's graph of the same model (another test on this pool) is not reused: torch_fixes keys a

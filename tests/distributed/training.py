@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-import llama
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,8 +19,9 @@ from torch.func import functional_call
 
 import dtensor_quant as dq
 from dtensor_quant.lora import add_lora_
+from dtensor_quant.testing import tiny_llama
 
-CFG = llama.Config(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=32)
+CFG = tiny_llama.Config(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=32)
 # w1/w3 have 250 rows: uneven (and on 4 ranks a 61-row shard) under FSDP2 over 3 or 4 ranks.
 UNEVEN = replace(CFG, hidden_dim=250)
 CONFIGS = {"even": CFG, "uneven": UNEVEN}
@@ -34,14 +34,14 @@ def in_layers(module, fqn: str) -> bool:
 
 def qlora_model(fmt_name: str, cfg_name: str = "even", dtype=torch.float32):
     """The tiny LLaMA with every Linear in its blocks quantized and LoRA-adapted (rank 8)."""
-    model = llama.build(CONFIGS[cfg_name], seed=0, dtype=dtype)
+    model = tiny_llama.build(CONFIGS[cfg_name], seed=0, dtype=dtype)
     dq.quantize_(model, FORMATS[fmt_name], filter_fn=in_layers)
     return add_lora_(model, rank=8, alpha=16, filter_fn=in_layers, seed=1)
 
 
 def batches(steps: int, cfg_name: str = "even", seed: int = 0) -> list[torch.Tensor]:
     """Token sequences from a fixed random successor table (learnable, so the loss falls)."""
-    return list(llama.synthetic_batches(steps, BATCH, SEQ, CONFIGS[cfg_name].vocab_size, noise=0.2, seed=seed))
+    return list(tiny_llama.synthetic_batches(steps, BATCH, SEQ, CONFIGS[cfg_name].vocab_size, noise=0.2, seed=seed))
 
 
 def train(model, data, *, lr=1e-2, mp_dtype=None, dp_group=None) -> list[float]:
@@ -91,7 +91,7 @@ def gather_quantized_model(fmt_name: str | None, cfg_name: str = "even", quant_d
     """The tiny LLaMA, fully trainable; its blocks' Linears all-gathered quantized (None: dense)."""
     from dtensor_quant.fsdp.gather_quantized import gather_quantized_
 
-    model = llama.build(CONFIGS[cfg_name], seed=0, dtype=torch.float32)
+    model = tiny_llama.build(CONFIGS[cfg_name], seed=0, dtype=torch.float32)
     if fmt_name is not None:
         gather_quantized_(model, FORMATS[fmt_name], quant_dtype=quant_dtype, filter_fn=in_layers)
     return model

@@ -1,4 +1,4 @@
-"""A small LLaMA-style decoder for the examples and tests: random weights, no download.
+"""A small LLaMA-style decoder for the examples, tests and benches: random weights, no download.
 
 RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP,
 written the way torchtitan writes them so torch's ParallelStyles apply
