@@ -1,4 +1,4 @@
-"""What the format protocol declares instead of callers guessing: block sizes, shape checks, HF names."""
+"""core/format: what the format protocol declares instead of callers guessing: block sizes, shape checks, HF names."""
 
 from dataclasses import dataclass
 
@@ -10,6 +10,7 @@ import dtensor_quant as dq
 from dtensor_quant.core.format import check_shape, check_weight
 from dtensor_quant.core.reductions import block_reduce, expand_blocks
 from dtensor_quant.model.planner import plan
+from dtensor_quant.testing import weight
 
 
 def _codes(weight, scale):
@@ -127,42 +128,8 @@ def test_hugging_face_names_are_part_of_the_protocol():
     assert fp8.hf_quantization_config["weight_block_size"] == [128, 128]
 
 
-def test_matmul_refusals_are_unsupported_op_errors():
-    """The matmul handlers raise the library's op error, like every other op a layout cannot express."""
-    q = dq.quantize(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).bfloat16(), dq.Int8Rowwise())
-    x = torch.zeros(8, 64, dtype=torch.bfloat16)
-    cases = {
-        "mm of two quantized tensors": lambda: torch.mm(q, q.t()),
-        "addmm with a quantized bias": lambda: torch.addmm(q, x, q.t()),
-        "would repeat quantized elements": lambda: q.expand(2, 16, 64),
-    }
-    for match, fn in cases.items():
-        with pytest.raises(dq.UnsupportedOpError, match=match) as info:
-            fn()
-        assert str(info.value).startswith("dtensor_quant: ")
-
-
-def test_public_api_edges():
-    """Public modules keep their names after the move into layer folders; old paths warn and still work."""
-    import importlib
-
-    assert {"state_dict", "model", "hf", "wire", "lora", "interop", "custom_ops"} <= set(dq.__all__)
-    assert dq.state_dict.register is importlib.import_module("dtensor_quant.state_dict").register
-    assert dq.model.quantize_ is dq.quantize_
-    from dtensor_quant.model import is_matmul_weight, quantized_fqns, weight_bytes
-
-    assert (is_matmul_weight, quantized_fqns, weight_bytes) == (
-        dq.model.is_matmul_weight,
-        dq.model.quantized_fqns,
-        dq.model.weight_bytes,
-    )
-    assert dq.state_dict.format_spec is dq.state_dict.quant_record
-    for name in ("hf", "wire", "lora", "interop", "custom_ops"):
-        assert importlib.import_module(f"dtensor_quant.{name}") is getattr(dq, name)
-    with pytest.warns(DeprecationWarning, match=r"format_spec moved to dtensor_quant\.model\.format_spec"):
-        old = importlib.import_module("dtensor_quant.format_spec")
-    assert old.parse_format("int4:64") == dq.Int4Groupwise(64)
-    with pytest.warns(DeprecationWarning, match="dtensor_quant.planner moved"):
-        assert dq.planner is importlib.import_module("dtensor_quant.model.planner")
-    with pytest.raises(ImportError):
-        importlib.import_module("dtensor_quant.nn")  # the old name of dtensor_quant.model is gone
+def test_bad_expert_shape_names_the_matrix():
+    with pytest.raises(ValueError, match=r"each \[out, in\] matrix"):
+        dq.quantize(weight((2, 8, 100)), dq.NF4(64, 256))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        dq.quantize(weight((64,)), dq.Int8Rowwise())

@@ -1,4 +1,4 @@
-"""Memoised decisions (dtensor_quant.core.memo) give what deciding on every call gives.
+"""core/memo: memoised decisions give what deciding on every call gives.
 
 Bit for bit and note for note.
 

@@ -1,6 +1,6 @@
-"""The one-token kernels of NF4 and float8 (dtensor_quant.core.native): exact weights, dense results.
+"""core/native: the one-token kernels of NF4 and float8: exact weights, dense results.
 
-tests/test_tiled_kernels.py checks the multi-token (tiled) kernels the same way.
+tests/core/test_native_tiles.py checks the multi-token (tiled) kernels the same way.
 
 A one-hot activation row ``e_k`` makes the kernel return column ``k`` of the
 weight it used, rounded once to bf16 -- which the weight already is -- so

@@ -1,4 +1,4 @@
-"""The multi-token kernels (core/native_tiles.h with each format's rows): exact weights, sums within their bound.
+"""core/native_tiles.h: the multi-token kernels, with each format's rows: exact weights, sums within their bound.
 
 A one-hot activation row ``e_k`` makes a kernel return column ``k`` of the
 weight it used: the fp32 sum of one product by 1 and zeros, rounded to the

@@ -1,8 +1,9 @@
 """core/torch_patches: a patch replaces only the torch code it was written for, loudly, and can be undone.
 
 The behaviour each real patch fixes has its own test that fails the day torch changes under it:
-tests/distributed/test_tp.py::test_dtensor_cache_key_names_the_quantized_local (dist/compile_key) and
-tests/distributed/test_fsdp_reshard.py::test_torch_still_needs_the_reshard_patch (fsdp/reshard_after_forward).
+tests/distributed/dist/test_compile_key.py::test_dtensor_cache_key_names_the_quantized_local (dist/compile_key)
+and tests/distributed/fsdp/test_reshard_after_forward.py::test_torch_still_needs_the_reshard_patch
+(fsdp/reshard_after_forward).
 """
 
 import types

@@ -1,4 +1,4 @@
-"""torchao interop: zero-copy adapters, tested only where torchao is installed."""
+"""model/interop: torchao zero-copy adapters, tested only where torchao is installed."""
 
 import pytest
 import torch

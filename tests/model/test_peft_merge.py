@@ -1,4 +1,5 @@
-"""PEFT LoRA on a quantized transformers model: dq.lora.merge_and_unload merges as PEFT does, then requantizes."""
+"""model/peft_merge: PEFT LoRA on a quantized transformers model:
+dq.lora.merge_and_unload merges as PEFT does, then requantizes."""
 
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 import dtensor_quant as dq
 from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.model.planner import Layer, plan, stored_bytes
+from dtensor_quant.testing import weight
+from tests.model.test_quantize_model import tiny_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,9 +90,8 @@ def test_bytes_per_rank_are_the_shards_stored_bytes():
 
 
 def test_plan_a_model_with_its_tp_plan():
-    import tp_inference
-
     from dtensor_quant.testing import tiny_llama
+    from tests.support.examples import tp_inference
 
     with torch.device("meta"):
         model = tiny_llama.build()
@@ -228,3 +229,40 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
         bad = {s for s in starts if s % factor}
         got = bad_cut(length, cuts, factor)
         assert (got is None) == (not bad) and (got is None or got in bad), (length, cuts, factor, got)
+
+
+def test_planner_takes_expert_stacks_and_ep():
+    from dtensor_quant.model.planner import plan, stored_bytes
+
+    fmt = dq.Int4Groupwise(128)
+    layers = [("experts.gate_up", (8, 2 * 1536, 2048), "colwise"), ("experts.down", (8, 2048, 1536), "rowwise"),
+              ("wo", (2048, 2048), "rowwise")]  # fmt: skip
+    result = plan(layers, fmt, tp=[1, 2, 3, 4], dp=[1, 2], ep=2)
+    for layer, cells in result.rows:
+        for c in cells:
+            mesh_shape = (2, c.dp, c.tp)
+            assert c.placements[0] == (Shard(0) if len(layer.shape) == 3 else Replicate())
+            try:
+                dq.check_placements(layer.shape, fmt, mesh_shape, c.placements)
+                legal = True
+            except dq.LayoutError:
+                legal = False
+            assert c.legal == legal, (layer, c)
+    cells = {(layer.name, c.dp, c.tp): c for layer, cs in result.rows for c in cs}
+    # down's 1536 inputs over tp=3: 512-column shards, a multiple of 128: legal; over tp=4: 384, legal
+    assert cells[("experts.down", 1, 3)].legal and cells[("experts.down", 1, 4)].legal
+    assert not cells[("wo", 1, 3)].legal and "nearest legal tp" in cells[("wo", 1, 3)].alternatives
+    # bytes: 8 experts over ep=2 and dp=2 -> 2 experts per rank, each its 2-D format's bytes
+    one = dq.quantize(weight((2 * 1536, 2048)), fmt).nbytes_stored
+    assert cells[("experts.gate_up", 2, 1)].nbytes == 2 * one == stored_bytes(fmt, (2, 2 * 1536, 2048))
+    text = str(result)
+    assert "8x3072x2048" in text and "ep=2" in text
+
+
+def test_planner_lists_a_models_expert_stacks():
+    from dtensor_quant.model.planner import layers_of
+
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    names = {layer.name for layer in layers_of(model)}
+    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= names

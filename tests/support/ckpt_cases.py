@@ -10,10 +10,17 @@ so a loaded model is compared with it bit by bit.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
+from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, placements
 
 SHAPES = {"a": (10, 256), "b": (24, 128), "c": (5, 64)}  # [out, in]
@@ -85,3 +92,71 @@ def check_against(net: Net, seed: int, fmt_name: str | None, layout: str) -> Non
         else:
             assert torch.equal(got_local.view(torch.uint8), want_local.view(torch.uint8)), name
             assert torch.equal(full, ref[name].detach()), name
+
+
+SEED, OTHER = 7, 1234
+
+
+def world(layout: str) -> int | None:
+    mesh_shape = LAYOUTS[layout][0]
+    return None if mesh_shape is None else int(torch.tensor(mesh_shape).prod())
+
+
+def on(ranks, layout, fn, *args):
+    """``fn(*args)`` on the ranks a layout needs (here, in this process, for a single process)."""
+    n = world(layout)
+    return [fn(*args)] if n is None else ranks(n).run(fn, *args)
+
+
+def save_model(fmt_name, layout, path, api="dq", seed=SEED):
+    net = placed(seed, fmt_name, layout)
+    if api == "dq":
+        ckpt.save(net, path)
+    elif api == "dcp":
+        dcp.save(net.state_dict(), checkpoint_id=path, no_dist=not dist.is_initialized())
+    elif api == "dsd":
+        dcp.save(get_model_state_dict(net), checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
+def load_model(fmt_name, layout, path, api="dq", seed=SEED):
+    net = placed(OTHER, fmt_name, layout)
+    if api == "dq":
+        ckpt.load(net, path)
+    elif api == "dcp":
+        sd = net.state_dict()
+        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+        net.load_state_dict(sd)
+    elif api == "dsd":
+        sd = get_model_state_dict(net)
+        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_model_state_dict(net, sd)
+    check_against(net, seed, fmt_name, layout)
+
+
+def load_damaged(path, layout, fmt_name="int8"):
+    """Load into a model with other weights: a clear error, and every local byte as it was."""
+    from dtensor_quant import checkpoint as ckpt
+
+    net = placed(2, fmt_name, layout)
+    before = {
+        k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+        for k, v in net.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    try:
+        ckpt.load(net, path)
+    except (ckpt.CheckpointCorruptError, ckpt.CheckpointFormatError) as e:
+        after = {
+            k: v.to_local() if hasattr(v, "to_local") else v
+            for k, v in net.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+        same = all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
+        return type(e).__name__, str(e), same
+    return "loaded", "", False
+
+
+def save_placed(path, layout, fmt_name="int8"):
+    from dtensor_quant import checkpoint as ckpt
+
+    ckpt.save(placed(1, fmt_name, layout), path)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.testing import assert_same_bits
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh
 
 # Real width where it matters (768 = an intermediate size of real models); few rows.
 CONFIG = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
@@ -145,3 +148,60 @@ def fused(full: dict, name: str) -> torch.Tensor:
         return torch.stack([torch.cat([full[f"{prefix}.{e}.gate_proj.weight"], full[f"{prefix}.{e}.up_proj.weight"]])
                             for e in range(count)])  # fmt: skip
     return torch.stack([full[f"{prefix}.{e}.{proj}.weight"] for e in range(count)])
+
+
+WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4, "ep2": 2}
+
+
+def build(kind: str, layout: str, fmt_name: str):
+    """The transformers model on meta, quantized, placed by ``layout``, then materialized (this rank's shards)."""
+    config_cls, model_cls = model_class(kind)
+    with dq.hf.init_empty():
+        model = model_cls(config_cls(**config_of(kind)))
+    model.to(torch.bfloat16)
+    dq.quantize_(model, FORMATS[fmt_name], filter_fn=lambda m, fqn: fqn != "lm_head" or fmt_name != "f8block128")
+    if layout == "tp2":
+        parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
+    elif layout == "ep2":  # expert parallelism: each rank holds half of every fused expert stack
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.ndim == 3:
+                    dt = distribute_tensor(p.detach(), mesh(2), [Shard(0)], src_data_rank=None)
+                    setattr(module, name, torch.nn.Parameter(dt, requires_grad=False))
+    elif layout in ("fsdp2", "2d"):
+        m = mesh(2) if layout == "fsdp2" else mesh(2, 2)
+        if layout == "2d":
+            parallelize_module(model, m["tp"], dq.hf.tp_plan(model))
+        dp = m if layout == "fsdp2" else m["dp"]
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return dq.hf.materialize(model, "cpu")
+
+
+def on(ranks, layout, fn, *args):
+    n = WORLD[layout]
+    return [fn(*args)] if n == 1 else ranks(n).run(fn, *args)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3moe"):
+        for sharded in (False, True):
+            out[kind, sharded] = write_dense(kind, root / f"{kind}-{sharded}", sharded)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoints(tmp_path_factory, checkpoints):
+    """The Llama checkpoint with every decoder Linear in FP8 block-scale form (lm_head and embeddings dense)."""
+    import json
+    from pathlib import Path
+
+    dense = read_all(checkpoints["llama", False])
+    linears = {k for k, v in dense.items() if ".layers." in k and k.endswith("proj.weight")}
+    config = json.loads((Path(checkpoints["llama", False]) / "config.json").read_text())
+    root = tmp_path_factory.mktemp("fp8")
+    return {s: write_fp8(dense, root / f"fp8-{s}", linears, s, config) for s in (False, True)}

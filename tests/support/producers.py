@@ -49,8 +49,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import hf_cases as hc
+import pytest
 import torch
+from torch.distributed.tensor.parallel import parallelize_module
+
+import dtensor_quant as dq
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.testing import mesh
+from tests.support import hf_cases as hc
 
 # kind -> (compressed-tensors preset, format, weight strategy override)
 CT = {
@@ -409,3 +415,72 @@ def metadata_bytes(kind: str, path) -> int:
 def build_all(root: Path, kinds) -> dict[str, str]:
     root.mkdir(parents=True, exist_ok=True)
     return {k: write(k, root / k) for k in kinds}
+
+
+# The producer each kind needs (a test extra; auto-gptq and autoawq installed --no-deps, their __init__ never run).
+PRODUCER = {
+    "ct": "compressed_tensors",
+    "gptq": "auto_gptq",
+    "awq": "awq",
+    "bnb": "bitsandbytes",
+    "gptoss": "compressed_tensors",
+}
+
+
+def _needs(kind: str) -> None:
+    import importlib.util
+    import sys
+
+    package = PRODUCER[kind.split("_")[0]]
+    if package not in sys.modules and importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} (a test extra: pip install '.[test]', see pyproject.toml) writes {kind} checkpoints")
+
+
+class Checkpoints:
+    """Each producer's checkpoint, written once per session on first use."""
+
+    def __init__(self, root):
+        self.root, self.paths = root, {}
+
+    def __getitem__(self, kind: str) -> str:
+        if kind == "dense":
+            if kind not in self.paths:
+                tiny_llama().save_pretrained(self.root / kind)
+                self.paths[kind] = str(self.root / kind)
+            return self.paths[kind]
+        _needs(kind)
+        if kind not in self.paths:
+            self.paths[kind] = write(kind, self.root / kind)
+        return self.paths[kind]
+
+
+@pytest.fixture(scope="session")
+def producer_checkpoints(tmp_path_factory):
+    return Checkpoints(tmp_path_factory.mktemp("producers"))
+
+
+def build(layout: str, path, dtype=torch.bfloat16):
+    """The tiny Llama on meta, quantized like the checkpoint, placed by ``layout``, materialized."""
+    import transformers
+
+    with dq.hf.init_empty():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hc.CONFIG))
+    model.to(dtype)
+    chosen = dq.hf.quantize_like_checkpoint(model, path)
+    if layout == "tp2":
+        # transformers' plan; a row-parallel layer whose columns the format cannot cut (BnbNF4's flat blocks at
+        # width 768) runs column-parallel on the gathered input instead, as the planner says
+        plan, _ = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), 2)
+        parallelize_module(model, mesh(2), plan)
+    elif layout == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh(2))
+        fully_shard(model, mesh=mesh(2))
+    elif layout == "2d":  # FSDP2 over TP on a 2 x 2 mesh
+        m = mesh(2, 2)
+        plan, _ = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), m["tp"])
+        parallelize_module(model, m["tp"], plan)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=m["dp"])
+        fully_shard(model, mesh=m["dp"])
+    return dq.hf.materialize(model, "cpu"), chosen

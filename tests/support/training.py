@@ -13,13 +13,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from extra_formats import FORMATS  # the built-in formats and the test-only ones
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 import dtensor_quant as dq
 from dtensor_quant.lora import add_lora_
 from dtensor_quant.testing import tiny_llama
+from tests.support.extra_formats import FORMATS  # the built-in formats and the test-only ones
 
 CFG = tiny_llama.Config(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=32)
 # w1/w3 have 250 rows: uneven (and on 4 ranks a 61-row shard) under FSDP2 over 3 or 4 ranks.

@@ -1,4 +1,5 @@
-"""Damaged safetensors files and indexes: each refused before any tensor is read, naming the file and the fault.
+"""checkpoint/hf/safetensors_io: slices read as stored; damaged safetensors files and indexes:
+each refused before any tensor is read, naming the file and the fault.
 
 Every case starts from a valid checkpoint written by the safetensors package
 and breaks one thing, the way a truncated download, a bad tool or a hostile
@@ -241,3 +242,16 @@ def test_our_own_exports_pass_the_checks(tmp_path):
         for f in tmp_path.glob("*.safetensors"):
             for k, v in load_file(str(f)).items():
                 assert torch.equal(ck.read(k), v), k
+
+
+def test_reads_only_the_slice(tmp_path):
+    """A column slice reads one run per row; a row slice one run; counted bytes are the slice's."""
+    from safetensors.torch import save_file
+
+    t = torch.arange(6 * 10 * 4, dtype=torch.float32).reshape(6, 10, 4)
+    save_file({"t": t}, str(tmp_path / "model.safetensors"))
+    with dq.hf.Checkpoint(tmp_path) as ck:
+        assert torch.equal(ck.read("t", (1, 3, 0), (2, 5, 4)), t[1:3, 3:8])
+        assert ck.bytes_read == 2 * 5 * 4 * 4
+        assert torch.equal(ck.read("t", (2, 0, 1), (3, 10, 2)), t[2:5, :, 1:3])
+        assert torch.equal(ck.read("t"), t)

@@ -1,23 +1,18 @@
-"""DCP checkpoints of quantized models: save in one layout, load in another, bit-exactly, on gloo ranks.
+"""checkpoint/dcp on live ranks: save quantized models in one layout, load them in another, bit-exactly.
 
 Every load is checked against the single-process quantization of the same
-seed (``ckpt_cases.check_against``): each rank's local inner tensors must be
+seed (``tests.support.ckpt_cases.check_against``): each rank's local inner tensors must be
 byte-identical to DTensor's own shard of the reference, and so must the
 gathered weight. The loading model starts from different random weights, so
 a load that silently skipped a tensor fails.
 """
 
 import math
-import os
 from pathlib import Path
 
-import ckpt_cases as cc
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -28,50 +23,12 @@ from torch.distributed.tensor import DTensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, placements, weight
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, weight
+from tests.support import ckpt_cases as cc
+from tests.support.ckpt_cases import OTHER, SEED, load_model, on, save_model
 
-SEED, OTHER = 7, 1234
 # Plain dcp calls in this process (no process group) say they assume a single process: that is the intent.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def world(layout: str) -> int | None:
-    mesh_shape = cc.LAYOUTS[layout][0]
-    return None if mesh_shape is None else int(torch.tensor(mesh_shape).prod())
-
-
-def on(ranks, layout, fn, *args):
-    """``fn(*args)`` on the ranks a layout needs (here, in this process, for a single process)."""
-    n = world(layout)
-    return [fn(*args)] if n is None else ranks(n).run(fn, *args)
-
-
-# -- code that runs on the ranks ----------------------------------------------------
-
-
-def save_model(fmt_name, layout, path, api="dq", seed=SEED):
-    net = cc.placed(seed, fmt_name, layout)
-    if api == "dq":
-        ckpt.save(net, path)
-    elif api == "dcp":
-        dcp.save(net.state_dict(), checkpoint_id=path, no_dist=not dist.is_initialized())
-    elif api == "dsd":
-        dcp.save(get_model_state_dict(net), checkpoint_id=path, no_dist=not dist.is_initialized())
-
-
-def load_model(fmt_name, layout, path, api="dq", seed=SEED):
-    net = cc.placed(OTHER, fmt_name, layout)
-    if api == "dq":
-        ckpt.load(net, path)
-    elif api == "dcp":
-        sd = net.state_dict()
-        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
-        net.load_state_dict(sd)
-    elif api == "dsd":
-        sd = get_model_state_dict(net)
-        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
-        set_model_state_dict(net, sd)
-    cc.check_against(net, seed, fmt_name, layout)
 
 
 def roundtrip(ranks, fmt_name, src, dst, path, api="dq"):
@@ -172,41 +129,6 @@ def test_checkpoint_holds_the_quantized_bytes(ranks, tmp_path, fmt_name):
         assert stored_bytes(path) - 1600 * n_chunks < 0.4 * dense
 
 
-# Runs in a fresh interpreter where importing dtensor_quant fails.
-READER = """
-import json, sys
-sys.modules["dtensor_quant"] = None
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-path, out = sys.argv[1], sys.argv[2]
-dcp_to_torch_save(path, out + ".tmp")
-sd = torch.load(out + ".tmp", weights_only=True)
-w = sd["a.weight"]  # nested as saved: {"qdata": ..., "scale": ..., "__quant__": ...}
-spec = json.loads(w["__quant__"])
-# Int8Rowwise as docs/checkpoint.md describes it: w = qdata * scale
-dense = (w["qdata"].float() * w["scale"].float()).to(getattr(torch, spec["dtype"]))
-torch.save((spec, dense), out)
-"""
-
-
-def test_readable_without_the_library(tmp_path):
-    """The entries and the format record suffice to rebuild a weight; nothing needs an unsafe unpickle."""
-    import subprocess
-    import sys
-
-    path = tmp_path / "ckpt"
-    save_model("int8", "single", str(path))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cmd = [sys.executable, "-c", READER, str(path), str(tmp_path / "out.pt")]
-    subprocess.run(cmd, check=True, env=env, timeout=300)
-    spec, dense = torch.load(tmp_path / "out.pt", weights_only=True)
-    ref = cc.reference(SEED, "int8").a.weight
-    assert spec["format"] == "Int8Rowwise" and spec["shape"] == list(ref.shape)
-    assert spec["inner"]["scale"]["layout"] == ["one-to-one", "constant"]
-    assert torch.equal(dense, ref.dequantize())
-
-
 # -- checkpoint.save/load of state dicts (not modules) ---------------------------------
 
 
@@ -266,34 +188,45 @@ def test_transposed_weight(ranks, tmp_path, src_dim, dst_dim):
     ranks(2).run(transposed_roundtrip, str(tmp_path / "ckpt"), src_dim, dst_dim)
 
 
-# -- every legal placement has a checkpoint form (shapes only, no process group) ------------
-
-_PLACEMENTS = ["R", "S0", "S1", "SS0:2", "SS1:2", "SS1:3"]
+# -- the large-model workflow: meta init, quantize_, shard, to_empty, load -------------------------
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    fmt_name=st.sampled_from(["int8", "int4g2", "int4g8", "int4g16"]),
-    rows=st.integers(1, 12),
-    half_cols=st.integers(1, 40),
-    mesh_shape=st.sampled_from([(2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]),
-    specs=st.lists(st.sampled_from(_PLACEMENTS), min_size=2, max_size=2),
-)
-def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shape, specs):
-    """DTensor's chunk of each inner entry is the logical chunk's inner range, on every rank."""
-    from dtensor_quant.state_dict import check_entry_chunks
+def build_on_meta_and_load(path, fmt_name, how):
+    """The large-model workflow: meta init -> quantize_ -> shard -> to_empty -> load (docs/checkpoint.md)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    fmt = FORMATS.get(fmt_name) or dq.Int4Groupwise(int(fmt_name[5:]))
-    shape, places = (rows, 2 * half_cols), tuple(placements(",".join(specs[: len(mesh_shape)])))
-    try:
-        dq.check_placements(shape, fmt, mesh_shape, places)
-    except dq.LayoutError:
-        return  # an illegal placement has no checkpoint form to check
-    check_entry_chunks(fmt, shape, mesh_shape, places)
+    from dtensor_quant import checkpoint as ckpt
+
+    fmt = FORMATS[fmt_name]
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Linear(128, 64, bias=False))
+
+    torch.manual_seed(4)
+    ref = dq.quantize_(net().bfloat16(), fmt)
+    ckpt.save(ref, path)
+    with torch.device("meta"):
+        model = net().bfloat16()
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    if how == "tp_after":
+        dq.quantize_(model, fmt)
+        parallelize_module(model, mesh(2), plan)
+    elif how == "tp_before":
+        parallelize_module(model, mesh(2), plan)
+        dq.quantize_(model, fmt)
+    else:
+        dq.quantize_(model, fmt)
+        dq.fsdp.fully_shard(model, mesh=mesh(2))
+    model.to_empty(device="cpu")
+    ckpt.load(model, path)
+
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert_same_bits(got.full_tensor(), want.detach(), name)
+    model(torch.randn(3, 256).bfloat16())  # and it runs
 
 
-def test_entry_chunk_check_rejects_a_cut_block():
-    from dtensor_quant.state_dict import check_entry_chunks
-
-    with pytest.raises(dq.LayoutError, match="cannot follow"):
-        check_entry_chunks(dq.Int4Groupwise(32), (4, 96), (2,), tuple(placements("S1")))
+@pytest.mark.parametrize("how", ["tp_after", "tp_before", "fsdp"])
+@pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "f8tensor"])
+def test_meta_init_quantize_to_empty_load(ranks, tmp_path, fmt_name, how):
+    path = str(tmp_path / "ckpt")
+    ranks(2).run(build_on_meta_and_load, path, fmt_name, how, timeout=120)

@@ -1,4 +1,5 @@
-"""DCP checkpoints of quantized expert stacks: EP -> FSDP2 -> one process (and EP x TP -> one), bit-exact.
+"""checkpoint/dcp on live ranks, for quantized expert stacks:
+EP -> FSDP2 -> one process (and EP x TP -> one), bit-exact.
 
 The checkpoint holds each inner tensor of an ``[E, out, in]`` stack as its
 own entry with the expert dim one-to-one, so DCP reshards it at expert (and

@@ -1,20 +1,24 @@
-"""Checkpoint loads that must quantize, refuse or survive: dense checkpoints, wrong formats, async and killed saves."""
+"""checkpoint/dcp on live ranks: loads that must quantize, refuse or survive.
+
+Dense checkpoints, wrong formats, damaged files, async and killed saves: a clear error on every rank, before
+any rank waits in a collective, and nothing of the model changed.
+"""
 
 import os
 import time
 
-import ckpt_cases as cc
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_checkpoint import OTHER, SEED, on, save_model
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.testing import placements, rank
 from dtensor_quant.testing.rank_pool import RankError, RankPool
+from tests.support import ckpt_cases as cc
+from tests.support.ckpt_cases import OTHER, SEED, load_damaged, on, save_model, save_placed
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -122,14 +126,6 @@ def test_quantized_checkpoint_into_dense_model_is_refused(ranks, tmp_path):
         assert "quantized" in msg and "dense" in msg and "a.weight" in msg, msg
 
 
-def test_load_state_dict_of_another_format_is_refused():
-    """The module hook checks the format record too (plain dcp.load + load_state_dict)."""
-    sd = cc.reference(SEED, "int4g32").state_dict()
-    net = cc.reference(OTHER, "int4g64")
-    with pytest.raises(ckpt.CheckpointFormatError, match=r"group_size=32.*group_size=64"):
-        net.load_state_dict(sd)
-
-
 # -- async_save ----------------------------------------------------------------------------
 
 
@@ -154,7 +150,7 @@ def async_save_then_overwrite(fmt_name, layout, path, api):
 
 @pytest.mark.parametrize("api", ["dq", "dcp"])
 def test_async_save_is_bit_exact(ranks, tmp_path, api):
-    from test_checkpoint import load_model
+    from tests.support.ckpt_cases import load_model
 
     path = str(tmp_path / "ckpt")
     ranks(2).run(async_save_then_overwrite, "int4g32", "tp2", path, api)
@@ -183,7 +179,7 @@ def save_and_die(fmt_name, layout, path, dying_rank):
 @pytest.mark.parametrize("dying_rank", [0, pytest.param(1, marks=pytest.mark.slow)])  # 0: the coordinator
 def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
     """The survivor reports the failure; the previous checkpoint still loads bit-exactly."""
-    from test_checkpoint import load_model
+    from tests.support.ckpt_cases import load_model
 
     path = str(tmp_path / "ckpt")
     ranks(2).run(save_model, "int8", "s0_2", path)  # the previous checkpoint (SEED)
@@ -264,7 +260,7 @@ def save_while_racing_the_cleanup(path, marks):
 
 def test_save_survives_the_staging_cleanup_race(ranks, tmp_path):
     """A leftover ``.partial`` is cleaned up without failing a rank that is creating it at that moment."""
-    from test_checkpoint import load_model
+    from tests.support.ckpt_cases import load_model
 
     path = tmp_path / "ckpt"
     ckpt.staging_path(path).mkdir()  # an interrupted save's files
@@ -273,32 +269,6 @@ def test_save_survives_the_staging_cleanup_race(ranks, tmp_path):
     assert (tmp_path / "rank1_found_it").exists(), "the race was not forced: rank 1 created the directory itself"
     assert not ckpt.staging_path(path).exists() and not (path / "__7_0.distcp").exists()
     ranks(2).run(load_model, "int8", "s1_2", str(path))
-
-
-def test_missing_checkpoint_names_the_partial_save(tmp_path):
-    path = tmp_path / "ckpt"
-    ckpt.staging_path(path).mkdir()
-    (ckpt.staging_path(path) / "__0_0.distcp").write_bytes(b"half")
-    with pytest.raises(FileNotFoundError, match=r"ckpt.partial holds the files of a save that did not complete"):
-        ckpt.load(cc.reference(SEED, "int8"), str(path))
-
-
-def test_plain_dcp_load_of_another_format_says_the_bytes_were_written(tmp_path):
-    """Int8Rowwise and Float8Rowwise entries have the same names and shapes: DCP's planning lets them through and
-    copies int8 codes into the float8 qdata (DCP converts dtypes). dq.checkpoint.load refuses before reading;
-    plain dcp.load cannot be stopped before it writes (DCP has no hook between reading its metadata and writing
-    the tensors), so load_state_dict's refusal says that the parameter already holds the checkpoint's bytes."""
-    path = str(tmp_path / "ckpt")
-    ckpt.save(cc.reference(SEED, "int8"), path)
-    net = cc.reference(OTHER, "f8row")
-    before = {k: v.clone() for k, v in net.a.weight.inner.items()}
-    with pytest.raises(ckpt.CheckpointFormatError, match=r"Int8Rowwise.*Float8Rowwise"):
-        ckpt.load(net, path)
-    assert all(torch.equal(net.a.weight.inner[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
-    sd = net.state_dict()
-    dcp.load(sd, checkpoint_id=path, no_dist=True)
-    with pytest.raises(ckpt.CheckpointFormatError, match=r"already written the checkpoint's bytes"):
-        net.load_state_dict(sd)
 
 
 def save_with_partial_on_rank1(path):
@@ -323,3 +293,34 @@ def test_a_save_refused_on_one_rank_raises_on_every_rank(ranks, tmp_path):
     for kind, msg, seconds in results:
         assert kind == results[1][0] != "saved" and "Partial" in msg and seconds < 30, (kind, msg, seconds)
     assert "rank 1 failed" in results[0][1]
+
+
+def load_other_format_on_rank1(path):
+    return load_damaged(path, "s0_2", "int8" if rank() == 0 else "int4g32")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_checkpoint_is_refused_on_every_rank_and_changes_nothing(ranks, tmp_path, damage):
+    path = tmp_path / "ckpt"
+    ranks(2).run(save_placed, str(path), "s0_2")
+    victim = path / "__1_0.distcp"  # only rank 1's file: rank 0 must still refuse
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2 : len(data) // 2 + 4] = bytes(255 - b for b in data[len(data) // 2 : len(data) // 2 + 4])
+    else:
+        data = data[: len(data) // 2]
+    victim.write_bytes(bytes(data))
+    for kind, msg, same in ranks(2).run(load_damaged, str(path), "s0_2", timeout=60):
+        assert kind == "CheckpointCorruptError", (kind, msg)
+        assert "__1_0.distcp" in msg and (".weight" in msg or ".bias" in msg), msg
+        assert same, "a failed load changed the model"
+
+
+def test_format_mismatch_on_one_rank_is_raised_on_every_rank(ranks, tmp_path):
+    """Only rank 1's model differs from the checkpoint: rank 0 must not wait in DCP's collective."""
+    path = tmp_path / "ckpt"
+    ranks(2).run(save_placed, str(path), "s0_2")
+    results = ranks(2).run(load_other_format_on_rank1, str(path), timeout=60)
+    for kind, msg, same in results:
+        assert kind == "CheckpointFormatError" and "Int4Groupwise" in msg, (kind, msg)
+        assert same

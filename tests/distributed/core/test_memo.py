@@ -1,4 +1,4 @@
-"""Memoised gathers and redistributes equal freshly decided ones on live ranks.
+"""core/memo on live ranks: memoised gathers and redistributes equal freshly decided ones.
 
 Bytes, layout, wire log and agreement checks.
 """

@@ -1,4 +1,4 @@
-"""DTensor of quantized locals: distribute, gather and redistribute, bit-exactly, on real gloo ranks.
+"""dist/collectives on live ranks: DTensors of quantized locals distribute, gather and redistribute bit-exactly.
 
 Every check compares against a single-process reference on the same rank:
 the full tensor quantized once, ``Q``. A local shard must dequantize to
@@ -6,17 +6,13 @@ exactly DTensor's own shard of ``Q.dequantize()``, and every gather must give
 back ``Q``'s inner tensors byte for byte.
 """
 
-import time
-
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant import wire
 from dtensor_quant.dist.placements import dim_alignment
 from dtensor_quant.testing import (
     FORMATS,
@@ -28,7 +24,6 @@ from dtensor_quant.testing import (
     rank,
     weight,
 )
-from dtensor_quant.testing.rank_pool import RankError
 
 
 def roundtrip(fmt_name, shape, mesh_shape, src, targets, seed=0, src_data_rank=0, transposed=False):
@@ -124,129 +119,6 @@ def from_local_uneven(fmt_name, shape):
 
 def test_from_local_uneven(ranks):
     ranks(3).run(from_local_uneven, "int4g32", (7, 96))
-
-
-def quantize_sharded(fmt_name, shape, mesh_shape, src):
-    """quantize(DTensor) == distribute_tensor(quantize(full)), inner tensor by inner tensor."""
-    fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
-    w = weight(shape, seed=3)
-    reference = distribute_tensor(dq.quantize(w, fmt), m, placements(src))
-    dense = distribute_tensor(w, m, placements(src))
-    with wire.record() as log:
-        got = dq.quantize(dense, fmt)
-    assert isinstance(got, DTensor) and got.placements == reference.placements
-    assert_same_bits(got.to_local(), reference.to_local(), f"quantize on {src}")
-    return len([t for t in log.transfers if t.op != "dtensor_quant::agree"])  # the ranks' one-time format check
-
-
-@pytest.mark.parametrize(
-    "fmt_name,src,collectives",
-    [
-        ("int8", "S0", 0),  # each row's scale lives on one rank
-        ("int8", "S1", 1),  # each row's maximum spans ranks: one all-reduce
-        ("int8", "R", 0),
-        ("int4g32", "S0", 0),
-        ("int4g32", "S1", 0),  # groups align with shards: nothing to reduce
-        ("f8row", "S1", 1),
-        ("f8tensor", "S0", 1),  # one scale for the whole weight: always reduced
-        ("f8tensor", "S1", 1),
-        ("nf4b32s16", "S0", 1),  # the global mean of the block scales
-        ("nf4b32s16", "S1", 2),  # the mean, and each scaler block's maximum across columns
-        ("nf4b32s4", "S0", 1),
-    ],
-)
-def test_quantize_sharded_dtensor(ranks, fmt_name, src, collectives):
-    """quantize(DTensor) equals quantize-then-distribute, with a collective only where a block spans shards."""
-    counts = ranks(4).run(quantize_sharded, fmt_name, (16, 256), (4,), src)
-    assert counts == [collectives] * 4
-
-
-def test_quantize_sharded_2d(ranks):
-    # rows over mesh dim 0 (nothing to reduce), columns over mesh dim 1: one all-reduce of the row maxima
-    assert ranks(4).run(quantize_sharded, "int8", (12, 256), (2, 2), "S0,S1") == [1] * 4
-
-
-# -- errors: every rank, before any collective ---------------------------------
-
-
-def distribute_misaligned():
-    m = mesh(3)
-    q = dq.quantize(weight((4, 256)), dq.Int4Groupwise(64))
-    with wire.record() as log:
-        try:
-            distribute_tensor(q, m, [Shard(1)])
-        except dq.LayoutError as e:
-            return ("LayoutError", len(log), str(e))
-    return ("no error", len(log), "")
-
-
-def quantize_misaligned():
-    m = mesh(3)
-    dense = distribute_tensor(weight((4, 256)), m, [Shard(1)])
-    with wire.record() as log:
-        try:
-            dq.quantize(dense, dq.Int4Groupwise(64))
-        except dq.LayoutError as e:
-            return ("LayoutError", len(log), str(e))
-    return ("no error", len(log), "")
-
-
-@pytest.mark.parametrize("fn", [distribute_misaligned, quantize_misaligned])
-def test_misaligned_errors_on_every_rank_before_any_collective(ranks, fn):
-    start = time.monotonic()
-    results = ranks(3).run(fn, timeout=60)
-    assert time.monotonic() - start < 30
-    for kind, collectives, msg in results:
-        assert kind == "LayoutError" and collectives == 0, (kind, collectives)
-        assert "dim 1" in msg and "64" in msg
-    assert "1, 2, 4" in results[0][2] and ", 3," not in results[0][2]
-
-
-def test_check_placements_without_data():
-    with pytest.raises(dq.LayoutError, match=r"legal with size 1, 2, 4, 8, 16, 32"):
-        dq.check_placements((4096, 4096), dq.Int4Groupwise(128), (3,), [Shard(1)])
-    dq.check_placements((4096, 4096), dq.Int4Groupwise(128), (4,), [Shard(1)])
-    dq.check_placements((4096, 4096), dq.Int4Groupwise(128), (3,), [Shard(0)])
-    dq.check_placements((4096, 4096), dq.Int8Rowwise(), (3, 5), [Shard(0), Shard(1)])
-    with pytest.raises(dq.LayoutError, match="Partial"):
-        dq.check_placements((64, 64), dq.Int8Rowwise(), (2,), [Partial()])
-    with pytest.raises(dq.LayoutError, match=r"mesh dim 1"):
-        dq.check_placements((64, 256), dq.Int4Groupwise(64), (2, 3), [Shard(0), Shard(1)])
-    # _StridedShard cuts inside each of the split_factor pieces
-    with pytest.raises(dq.LayoutError):
-        dq.check_placements((64, 128), dq.Int4Groupwise(64), (2, 2), [_StridedShard(1, split_factor=2), Shard(1)])
-    dq.check_placements((64, 256), dq.Int4Groupwise(64), (2, 2), [_StridedShard(1, split_factor=2), Shard(1)])
-    dq.check_placements((64, 512), dq.Int4Groupwise(64), (2, 2), [_StridedShard(1, split_factor=2), Shard(1)])
-
-
-def partial_refused():
-    m = mesh(2)
-    q = dq.quantize(weight((4, 64)), dq.Int8Rowwise())
-    errors = []
-    try:
-        dq.quantize(DTensor.from_local(weight((4, 64)), m, [Partial()]), dq.Int8Rowwise())
-    except dq.LayoutError as e:
-        errors.append(str(e))
-    try:
-        DTensor.from_local(q, m, [Partial()]).full_tensor()
-    except ValueError as e:
-        errors.append(str(e))
-    return errors
-
-
-def test_partial_refused_on_every_rank(ranks):
-    for errors in ranks(2).run(partial_refused, timeout=60):
-        assert len(errors) == 2 and all("Partial" in e for e in errors), errors
-
-
-def test_rank_error_reports_every_rank(ranks):
-    with pytest.raises(RankError) as info:
-        ranks(2).run(partial_refused_raises)
-    assert set(info.value.errors) == {0, 1}
-
-
-def partial_refused_raises():
-    DTensor.from_local(dq.quantize(weight((4, 64)), dq.Int8Rowwise()), mesh(2), [Partial()]).full_tensor()
 
 
 # -- the NCCL all-to-all path, run on gloo --------------------------------------

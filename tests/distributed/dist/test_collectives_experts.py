@@ -1,4 +1,4 @@
-"""Expert-parallel and tensor-parallel quantized expert stacks ``[experts, out, in]`` on real gloo ranks.
+"""dist/collectives on live ranks, for quantized expert stacks ``[experts, out, in]``: EP and TP.
 
 ``Shard(0)`` puts whole experts on each rank (expert parallelism), ``Shard(1)``
 / ``Shard(2)`` shard inside every expert (tensor parallelism), and a 2-D mesh

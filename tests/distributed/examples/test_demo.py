@@ -1,12 +1,15 @@
-"""The README's demo command: the whole story on 2 ranks, ending in a bit-exact reshard."""
+"""examples/demo.py, the README's demo command: the whole story on 2 ranks, ending in a bit-exact reshard.
+
+Run as a script, as the README runs it: the demo imports the examples beside it by their names.
+"""
 
 import pytest
 
+from tests.support import examples
+
 
 @pytest.mark.slow
-def test_demo_tells_the_story(capsys):
-    import demo
-
-    assert demo.main(["--steps", "2", "--tokens", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "FSDP2 -> TP reload, every byte identical" in out and "0.266x" in out
+def test_demo_tells_the_story():
+    out = examples.run("demo", "--steps", "2", "--tokens", "4", timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FSDP2 -> TP reload, every byte identical" in out.stdout and "0.266x" in out.stdout, out.stdout

@@ -1,25 +1,22 @@
-"""examples/hf_tp_inference.py runs end to end on a tiny Llama written with save_pretrained."""
+"""examples/hf_tp_inference.py runs end to end: on a tiny Llama written with save_pretrained, on an FP8
+block-scale checkpoint and on producers' pre-quantized checkpoints, served at TP 2 as a user runs it."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from __future__ import annotations
+
+import json
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import examples
+from tests.support import hf_cases as hc
+
 pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int4:128", "nf4"])  # nf4: down_proj's column cut is illegal, so it is switched
 def test_hf_tp_inference_example(tmp_path, fmt):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hf_tp_inference.py"), str(tmp_path / "tiny"), "--write-tiny",
-         "llama", "--world", "2", "--format", fmt],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = examples.run("hf_tp_inference", tmp_path / "tiny", "--write-tiny", "llama", "--world", "2", "--format", fmt)
     assert out.returncode == 0, out.stdout + out.stderr
     # equal, or (on a CPU whose GEMM blocks TP's shorter sums otherwise) a near-tie flipped by that rounding
     assert ("tokens equal to the one-process quantized model on every rank: True" in out.stdout) or (
@@ -31,37 +28,23 @@ def test_hf_tp_inference_example(tmp_path, fmt):
 
 
 @pytest.mark.slow
-def test_qlora_example_from_hf(tmp_path):
-    import hf_tp_inference
-    import qlora_fsdp2
-    import transformers
-
-    hf_tp_inference.write_tiny(tmp_path / "tiny", "qwen2")
-    out = tmp_path / "out"
-    losses = qlora_fsdp2.main(["--steps", "3", "--ranks", "2", "--format", "int8", "--out", str(out), "--hf",
-                               str(tmp_path / "tiny")])  # fmt: skip
-    assert len(losses) == 3
-    back = transformers.Qwen2ForCausalLM.from_pretrained(out / "hf")
-    assert back.model.layers[0].mlp.down_proj.weight.shape == (256, 768)
-
-
-@pytest.mark.slow
 def test_hf_tp_inference_example_serves_fp8_block_checkpoint(tmp_path):
     """An FP8 block-scale checkpoint (the tests' own writer) served TP-2 as stored, tokens equal to one process."""
-    import json
-
-    import hf_cases as hc
-
     dense = hc.read_all(hc.write_dense("llama", tmp_path / "dense", False))
     linears = {k for k in dense if ".layers." in k and k.endswith("proj.weight")}
     config = json.loads((tmp_path / "dense" / "config.json").read_text())
     path = hc.write_fp8(dense, tmp_path / "fp8", linears, True, config)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hf_tp_inference.py"), path, "--world", "2",
-         "--format", "Float8Blockwise"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = examples.run("hf_tp_inference", path, "--world", "2", "--format", "Float8Blockwise")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "14 quantized weights" in out.stdout, out.stdout
     assert "every rank: True" in out.stdout or "a near-tie flipped by rounding" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bnb", "gptq"])
+def test_hf_tp_inference_example_serves_a_prequantized_checkpoint(producer_checkpoints, kind):
+    """examples/hf_tp_inference.py on a producer's checkpoint: read as stored at TP 2, tokens equal to one process."""
+    out = examples.run("hf_tp_inference", producer_checkpoints[kind], "--world", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "14 quantized weights, 14 read as stored" in out.stdout, out.stdout
+    assert "tokens equal to the one-process quantized model on every rank: True" in out.stdout, out.stdout

@@ -1,7 +1,8 @@
 """examples/moe_inference.py: a tiny transformers MoE served with quantized experts over 2 and 4 ranks."""
 
-import moe_inference
 import pytest
+
+from tests.support.examples import moe_inference
 
 
 def _run(ranks, world, argv):

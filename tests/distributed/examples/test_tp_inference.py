@@ -1,4 +1,6 @@
-"""Tensor-parallel inference with quantized weights, through torch's own ParallelStyles.
+"""examples/tp_inference.py: tensor-parallel inference with quantized weights, through torch's own ParallelStyles.
+
+The example's ``build_tp`` runs on the ranks of the session's pools; its ``main`` starts ranks of its own.
 
 The reference is the same model quantized on one process. Quantized weights
 are compared byte for byte. Outputs are not: the row-parallel all-reduce sums
@@ -15,19 +17,15 @@ of ~1e-7 may flip an exact-looking tie.
 """
 
 import os
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-import tp_inference
-from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant import wire
-from dtensor_quant.testing import FORMATS, assert_same_bits, assert_within, linear_error_bound, mesh, tiny_llama, weight
+from dtensor_quant.testing import FORMATS, assert_same_bits, mesh, tiny_llama
+from tests.support.examples import tp_inference
 
 PROMPT = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(3))
 
@@ -128,87 +126,6 @@ def test_tp_four_ranks(ranks, fmt_name):
         assert equal or tie["near_tie"], tie
 
 
-# -- refused up front, on every rank ----------------------------------------------
-
-
-class RowParallelLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(384, 64, bias=False)  # 192 columns per rank: cuts a group of 128
-
-    def forward(self, x):
-        return self.proj(x)
-
-
-def misaligned_row_parallel(quantize_first):
-    m = mesh(2)
-    model = RowParallelLayer()
-    plan = {"proj": RowwiseParallel()}
-    with wire.record() as log:
-        try:
-            if quantize_first:
-                dq.quantize_(model, dq.Int4Groupwise(128))
-                parallelize_module(model, m, plan)
-            else:
-                parallelize_module(model, m, plan)
-                log.transfers.clear()  # the dense scatter; the refusal must come before any collective of ours
-                dq.quantize_(model, dq.Int4Groupwise(128))
-        except dq.LayoutError as e:
-            return str(e), len(log)
-    return "no error", len(log)
-
-
-@pytest.mark.parametrize("quantize_first", [True, False])
-def test_misaligned_row_parallel_refused_on_every_rank(ranks, quantize_first):
-    start = time.monotonic()
-    for message, collectives in ranks(2).run(misaligned_row_parallel, quantize_first, timeout=60):
-        assert "multiple of 128" in message, message
-        assert collectives == 0
-        if not quantize_first:
-            assert message.startswith("proj.weight:")  # quantize_ names the module
-    assert time.monotonic() - start < 30
-
-
-# -- what reaches the local quantized weight under TP ------------------------------
-
-
-def tp_linear_inputs(fmt_name):
-    """3-D inputs, contiguous or not, through column- and row-parallel quantized layers."""
-    m = mesh(2)
-    fmt = FORMATS[fmt_name]
-    w1, w2 = weight((256, 256), seed=1, dtype=torch.float32), weight((256, 256), seed=2, dtype=torch.float32)
-    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
-    with torch.no_grad():
-        model[0].weight.copy_(w1)
-        model[1].weight.copy_(w2)
-    dq.quantize_(model, fmt)
-    w1, w2 = model[0].weight.dequantize(), model[1].weight.dequantize()  # the one-process values
-    parallelize_module(model, m, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    x = weight((5, 3, 256), seed=3, dtype=torch.float32)
-    for inp in (x, x.transpose(0, 1)):  # the transposed one reaches the weight as expand + bmm
-        h_ref = F.linear(inp, w1)
-        expected = F.linear(h_ref, w2)
-        with wire.record() as log, torch.no_grad():
-            out = model(inp)
-        # Only activations travel: nothing quantized, and one all-reduce of the output.
-        assert not any(t.quantized for t in log.transfers)
-        assert log.nbytes == out.numel() * out.element_size()
-        # Column-parallel: each rank's 128 outputs, 256-term sums blocked for another width; row-parallel:
-        # the all-reduce regroups the sums. Each within its summation's bound, the first layer's measured
-        # difference carried through the second.
-        with torch.no_grad():
-            h = DTensor.from_local(model[0](inp), m, [Shard(inp.ndim - 1)]).full_tensor()
-        assert_within(h, h_ref, 2 * linear_error_bound(inp, w1), "column-parallel")
-        carried = (h - h_ref).double().abs() @ w2.double().abs().t()
-        bound = linear_error_bound(h, w2) + linear_error_bound(h_ref, w2) + carried
-        assert_within(out, expected, bound, "row-parallel")
-
-
-@pytest.mark.parametrize("fmt_name", ["int8", "int4g128"])
-def test_tp_layers_with_3d_inputs(ranks, fmt_name):
-    ranks(2).run(tp_linear_inputs, fmt_name)
-
-
 # -- torch.compile -------------------------------------------------------------------
 
 
@@ -301,62 +218,3 @@ def test_compiled_one_token_decode_matches_eager(ranks, world, fmt_name, dtype):
     for quant, quant_same, dense, dense_same in ranks(world).run(compiled_decode, fmt_name, dtype, timeout=900):
         assert quant <= tol, f"compiled quantized logits differ from eager by {quant:.2e} (dense: {dense:.2e})"
         assert dense <= tol and quant_same and dense_same
-
-
-def two_formats_compiled(cache: bool):
-    """Int8Rowwise then Int4Groupwise(128) weights in the same module code, each compiled with inductor."""
-    torch._dynamo.reset()
-    m, x = mesh(1), weight((1, 256), seed=2)
-    outs = []
-    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=cache):
-        for fmt in (dq.Int8Rowwise(), dq.Int4Groupwise(128)):
-            model = nn.Sequential(nn.Linear(256, 256, bias=False)).to(torch.bfloat16)
-            parallelize_module(dq.quantize_(model, fmt), m, {"0": ColwiseParallel()})
-            try:
-                outs.append(torch.equal(torch.compile(model, backend="inductor")(x), model(x)))
-            except Exception as e:  # the collision fails inside the wrong compiled graph
-                outs.append(type(e).__name__)
-    return outs
-
-
-@pytest.mark.slow
-def test_compiled_formats_each_get_their_own_graph(ranks):
-    """Two formats of the same module compiled in one process, with torch's AOT autograd cache on.
-
-    torch 2.13 keys a DTensor input by its spec alone, so without dtensor_quant.torch_fixes the second
-    model is served the first one's compiled graph (it fails in assert_size_stride, or runs the wrong
-    kernel). With the cache off or on, each model must equal its own eager output bit for bit.
-    """
-    off, on = ranks(1).run(two_formats_compiled, False)[0], ranks(1).run(two_formats_compiled, True)[0]
-    assert off == [True, True]
-    assert on == [True, True], f"with the AOT autograd cache on: {on}"
-
-
-def cache_keys():
-    """torch.compile's AOT-cache key of a Replicate DTensor holding a dense, an int8 and an int4 weight."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    from dtensor_quant.dist.compile_key import PATCH
-
-    torch_key = PATCH.original(DTensor, "_stable_hash_for_caching")
-    m, w = mesh(1), weight((256, 256), seed=3).to(torch.bfloat16)
-    ours, torchs = [], []
-    for local in (w, dq.quantize(w, dq.Int8Rowwise()), dq.quantize(w, dq.Int4Groupwise(128))):
-        spec = DTensorSpec(m, (Replicate(),), tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype))
-        dt = DTensor(local, spec, requires_grad=False)
-        ours.append(dt._stable_hash_for_caching())
-        torchs.append(torch_key(dt))
-    return ours, torchs
-
-
-def test_dtensor_cache_key_names_the_quantized_local(ranks):
-    """dist/compile_key changes the key of a DTensor holding a QuantizedTensor, and only that key.
-
-    torch's own key (the patch's original) still ignores the local tensor: the day it does not, this
-    fails, and the patch can go.
-    """
-    (dense, int8, int4), (torch_dense, torch_int8, torch_int4) = ranks(1).run(cache_keys)[0]
-    assert len({dense, int8, int4}) == 3, "two formats of the same weight share a compile-cache key"
-    assert dense == torch_dense, "a dense DTensor's key must stay torch's"
-    assert torch_dense == torch_int8 == torch_int4, "torch now keys a DTensor by its local tensor: drop the patch"

@@ -5,7 +5,7 @@ import pytest
 
 @pytest.mark.slow
 def test_train_int8_example(tmp_path):
-    import train_int8_fsdp2
+    from tests.support.examples import train_int8_fsdp2
 
     result = train_int8_fsdp2.main(["--steps", "4", "--resume-steps", "2", "--out", str(tmp_path)])
     assert result["identical"] and len(result["losses"]) == 4 and len(result["resumed"]) == 2

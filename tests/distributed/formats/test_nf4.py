@@ -1,4 +1,5 @@
-"""NF4 at the real widths of open models, sharded: DTensor, FSDP2 and DCP, bit-exact vs one process.
+"""formats/nf4 on live ranks: NF4 at the real widths of open models, sharded:
+DTensor, FSDP2 and DCP, bit-exact vs one process.
 
 Bit-exact: the stored bytes and dequantized values, and FSDP2's forward against the same dense
 matmul on one process. The fused one-token kernel sums the same products in its own order, so it
@@ -10,8 +11,6 @@ multiple of 64 * 256 (8 rows at 14336 columns, 32 at 3584, 128 at 29568),
 column cuts never. Rows are chosen small, the columns real.
 """
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,54 +21,7 @@ import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.state_dict import register
 from dtensor_quant.testing import assert_same_bits, assert_within, linear_error_bound, mesh, rank, same_bits, weight
-
-WIDTHS = [768, 3584, 5632, 11008, 14336, 18944, 29568]
-
-
-def rows_per_cut(cols: int) -> int:
-    return 16384 // math.gcd(16384, cols)
-
-
-@pytest.mark.parametrize("cols", WIDTHS)
-def test_matches_torchao_at_real_widths(cols):
-    """Codes, scalers, factors, mean and dequantized values: byte for byte torchao's to_nf4 (bf16 and fp16)."""
-    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-    for dtype in (torch.bfloat16, torch.float16):
-        w = weight((rows_per_cut(cols), cols), seed=cols, dtype=dtype)
-        ours, theirs = dq.quantize(w, dq.NF4()), nf4_tensor.to_nf4(w)
-        assert torch.equal(ours.qdata.flatten(), theirs.quantized_data.flatten())
-        assert torch.equal(ours.scaler.flatten(), theirs.quantized_scalers.flatten())
-        assert torch.equal(ours.factor.flatten(), theirs.quantization_factor.flatten())
-        assert torch.equal(ours.mean.flatten(), theirs.scaler_mean.reshape(1))
-        assert torch.equal(ours.dequantize(), theirs.get_original_weight())
-
-
-def test_fp32_differs_only_by_torchs_float32_mean():
-    """fp32: torch's mean accumulates in float32, ours is the exactly rounded one; given the same mean, all agree."""
-    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-    w = weight((64, 11008), seed=3, dtype=torch.float32)
-    ours, theirs = dq.quantize(w, dq.NF4()), nf4_tensor.to_nf4(w)
-    absmax = w.reshape(-1, 64).abs().amax(1)
-    assert ours.mean.item() == (absmax.double().sum() / absmax.numel()).float().item()
-    assert abs(ours.mean.item() - theirs.scaler_mean.item()) <= 2 * torch.finfo(torch.float32).eps * ours.mean.item()
-    assert torch.equal(ours.qdata.flatten(), theirs.quantized_data.flatten())  # codes do not use the mean
-
-
-def test_column_cut_refused_with_legal_alternatives():
-    q = dq.quantize(weight((8, 14336)), dq.NF4())
-    with pytest.raises(
-        dq.LayoutError, match=r"'factor' is blocked over the flattened weight.*cannot be sharded at all"
-    ):
-        torch.chunk(q, 2, dim=1)
-    with pytest.raises(dq.LayoutError, match=r"multiple of 8.*n = 1, 2, 4"):
-        torch.split(dq.quantize(weight((32, 14336)), dq.NF4()), 11)
-    with pytest.raises(dq.LayoutError, match=r"mesh dim 0 .* legal with size 1, 2, 4"):
-        dq.check_placements((32, 14336), dq.NF4(), (3,), [Shard(0)])
-    # where the blocks fit the rows, column shards (row-parallel TP) stay legal
-    dq.check_placements((8, 32768), dq.NF4(), (2,), [Shard(1)])
-
-
-# -- on the ranks ----------------------------------------------------------------
+from tests.formats.test_nf4 import rows_per_cut
 
 
 def dtensor_roundtrip(shape):

@@ -1,4 +1,4 @@
-"""FSDP2 all-gather of quantized weights, on real gloo ranks.
+"""fsdp/all_gather on live ranks: FSDP2 all-gathers quantized weights as their stored bytes.
 
 Each check compares against the single-process quantized weight ``q``: the
 weight FSDP2 unshards must hold ``q``'s bytes exactly (with the logical dtype
@@ -10,7 +10,6 @@ them -- on even, uneven and empty shards, for every relation along dim 0.
 import pytest
 import torch
 import torch.nn.functional as F
-from extra_formats import FORMATS
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -20,7 +19,8 @@ import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.core.layout import Constant
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.testing import assert_same_bits, mesh, rank, same_bits, weight
+from dtensor_quant.testing import mesh, rank, same_bits, weight
+from tests.support.extra_formats import FORMATS
 
 
 def quantized_model(fmt_name, shape, dtype=torch.float32):
@@ -192,33 +192,3 @@ def test_refused_on_every_rank_before_any_all_gather(ranks, kind, world, words):
         assert kind_of_error in ("ValueError", "LayoutError") and gathers == 0, (kind_of_error, gathers, msg)
         assert words in msg, msg
     assert len({msg for _, _, msg in results}) == 1  # the same verdict everywhere
-
-
-@pytest.mark.parametrize("fmt_name", ["pertensor", "f8tensor", "nf4"])
-def test_unsent_constants_are_not_concatenated_or_compared(fmt_name):
-    """A scale FSDP2 never sends is the same tensor in every piece: no cat, no equal (a host sync on CUDA)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from dtensor_quant.fsdp import post_all_gather, pre_all_gather
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    class TwoRanks:
-        def size(self):
-            return 2
-
-    q = dq.quantize(weight((128, 256)), FORMATS[fmt_name])
-    inputs, meta = pre_all_gather(q[:64], TwoRanks(), q.shape, dense=False)
-    assert set(meta.sent) != set(q.fmt.inner_names)  # the format keeps something unsent
-    gathered = [torch.cat(pair) for pair in zip(inputs, pre_all_gather(q[64:], TwoRanks(), q.shape, dense=False)[0])]
-    with Ops() as ops:
-        full, _ = post_all_gather(gathered, meta, torch.bfloat16)
-    assert "aten::equal" not in ops.names and "aten::cat" not in ops.names, ops.names
-    assert_same_bits(full, q)

@@ -1,4 +1,5 @@
-"""FSDP2 of quantized expert stacks: QLoRA on a tiny transformers Mixtral / Qwen3-MoE, and DCP reshards.
+"""fsdp/all_gather on live ranks, for quantized expert stacks:
+QLoRA on a tiny transformers Mixtral / Qwen3-MoE, and DCP reshards.
 
 The experts ``[E, out, in]`` are frozen quantized parameters that FSDP2 shards
 along the expert dim (``Shard(0)``, uneven when the ranks do not divide the
@@ -8,19 +9,19 @@ LoRA adapters on the attention projections train. Losses equal one process.
 
 import functools
 
-import moe_inference
 import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
-from training import train
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import add_lora_
 from dtensor_quant.testing import FORMATS, mesh, tiny_llama
+from tests.support.examples import moe_inference
+from tests.support.training import train
 
 STEPS, BATCH, SEQ = 3, 8, 8
 

@@ -1,4 +1,4 @@
-"""Trainable high-precision weights that FSDP2 all-gathers quantized (GatherQuantized).
+"""fsdp/gather_quantized on live ranks: trainable high-precision weights that FSDP2 all-gathers quantized.
 
 The reference is the same wrapped weight on one process, whose matmul
 quantizes the whole master: FSDP2 must gather exactly those bytes (scales
@@ -9,16 +9,16 @@ hand the master the dense straight-through gradient.
 import pytest
 import torch
 import torch.nn.functional as F
-from extra_formats import FORMATS, RowBlockInt8
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from training import batches, floor_bytes, gather_quantized_model, gather_quantized_reference, train
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.fsdp.gather_quantized import GatherQuantized
 from dtensor_quant.testing import assert_same_bits, assert_within, gamma, mesh, rank, weight
+from tests.support.extra_formats import FORMATS, RowBlockInt8
+from tests.support.training import batches, floor_bytes, gather_quantized_model, gather_quantized_reference, train
 
 
 def gather_and_grad(fmt_name, shape, mp):
@@ -145,8 +145,9 @@ def test_50_step_loss_curve_stays_close_to_bf16(ranks):
 
 def tp_fsdp_train(fmt_name, steps):
     """ColwiseParallel/RowwiseParallel over tp, FSDP2 over dp on a 2x2 mesh; block all-gathers at the floor."""
-    from test_qlora import TP_PLAN
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from tests.distributed.model.test_lora import TP_PLAN
 
     model = gather_quantized_model(fmt_name, "even")
     m = mesh(2, 2)

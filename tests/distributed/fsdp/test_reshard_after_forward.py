@@ -1,9 +1,10 @@
-"""Integer ``reshard_after_forward`` with quantized parameters: FSDP2 keeps a quantized post-forward shard.
+"""fsdp/reshard_after_forward: integer ``reshard_after_forward`` with quantized parameters:
+FSDP2 keeps a quantized post-forward shard.
 
 With ``reshard_after_forward=k`` each rank keeps, after the forward, its 1/k
 of every gathered inner tensor -- still the stored bytes -- and the backward
 all-gathers those over groups of k ranks
-(:func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard`). Checks:
+(:func:`dtensor_quant.fsdp.reshard_after_forward.install_fsdp_post_forward_reshard`). Checks:
 the backward's weight is bit-identical to the forward's (so a run with k gives
 exactly the losses of a run with ``True``, and both match one process), each
 forward all-gather sends one rank's padded shard and each backward one sends
@@ -16,12 +17,17 @@ k=2 on 2 ranks (torch's ``True``).
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fsdp import expected_bytes, quantized_model
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-from training import (
+
+import dtensor_quant as dq
+from dtensor_quant import wire
+from dtensor_quant.fsdp import fully_shard
+from dtensor_quant.testing import mesh, weight
+from tests.distributed.fsdp.test_all_gather import expected_bytes, quantized_model
+from tests.support.training import (
     batches,
     floor_bytes,
     gather_quantized_model,
@@ -30,11 +36,6 @@ from training import (
     reference_losses,
     train,
 )
-
-import dtensor_quant as dq
-from dtensor_quant import wire
-from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.testing import mesh, weight
 
 STEPS = 4
 
@@ -94,7 +95,7 @@ def test_backward_weight_is_the_forward_weight(ranks, fmt_name, shape):
 
 
 def qlora_train(fmt_name, cfg_name, reshard, mp, layout="fsdp"):
-    from test_qlora import _policy
+    from tests.distributed.model.test_lora import _policy
 
     world = torch.distributed.get_world_size()
     model = qlora_model(fmt_name, cfg_name)
@@ -147,7 +148,7 @@ def check_gathers(gathers, floor, world, k, layers):
     ],
 )
 def test_qlora_reshard_to_2(ranks, world, fmt_name, cfg_name, mp, layout):
-    from test_qlora import TOLERANCE
+    from tests.distributed.model.test_lora import TOLERANCE
 
     pool = ranks(world)
     with_k = pool.run(qlora_train, fmt_name, cfg_name, 2, mp, layout, timeout=300)

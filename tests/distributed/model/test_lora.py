@@ -1,6 +1,7 @@
-"""QLoRA under FSDP2: the loss of every step matches single-process training of the same model.
+"""model/lora on live ranks: QLoRA under FSDP2:
+the loss of every step matches single-process training of the same model.
 
-The model is the tiny LLaMA of ``training.py`` with every Linear of its blocks
+The model is the tiny LLaMA of ``tests/support/training.py`` with every Linear of its blocks
 quantized (frozen) and LoRA-adapted (trainable, fp32 masters). The reference
 trains the same model on one process with the whole batch; FSDP2 ranks take
 slices of it. Variants: 2, 3 and 4 ranks (uneven shards on 3 and 4),
@@ -16,12 +17,12 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from training import batches, floor_bytes, qlora_model, reference_losses, train
 
 from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import lora_tp_plan
 from dtensor_quant.testing import mesh
+from tests.support.training import batches, floor_bytes, qlora_model, reference_losses, train
 
 STEPS = 4
 TOLERANCE = {None: 2e-5, "bfloat16": 5e-3}  # relative, per step

@@ -1,4 +1,4 @@
-"""Trainable quantized weights under FSDP2, tensor parallelism, both, and DCP resharding.
+"""model/trainable on live ranks: trainable quantized weights under FSDP2, tensor parallelism, both, and DCP resharding.
 
 The reference is one process updating the same model with the same
 gradients: every sharded run must hold the same bytes, because each shard

@@ -1,4 +1,5 @@
-"""dq.optim's quantized moments as DTensors: FSDP2, tensor parallelism, both, and DCP across layouts.
+"""optim/adamw on live ranks: dq.optim's quantized moments as DTensors:
+FSDP2, tensor parallelism, both, and DCP across layouts.
 
 The moments of a DTensor parameter are DTensors of QuantizedTensors with the
 parameter's placements. With the same gradients injected everywhere, every

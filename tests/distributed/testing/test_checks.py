@@ -1,11 +1,12 @@
-"""The conformance kit on every built-in format and on the documented custom format."""
+"""testing/checks, the conformance kit, on every built-in format and on the documented custom format
+(examples/custom_format.py)."""
 
 import pytest
 import torch
-from custom_format import Ternary  # examples/custom_format.py, the format docs/custom_format.md writes
 
 import dtensor_quant as dq
 from dtensor_quant.testing import CHECKS, check_format, is_default, run_check, where
+from tests.support.examples.custom_format import Ternary  # the format docs/custom_format.md writes
 
 # every built-in format as a user first meets it (its default parameters), the documented custom one,
 # and the optimizer-state formats of dq.optim (AdamW8bit's and AdamW4bit's moments)

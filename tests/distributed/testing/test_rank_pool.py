@@ -1,4 +1,5 @@
-"""The rank pool never waits for a dead rank: a call fails in seconds with the rank's exit, then the pool restarts.
+"""testing/rank_pool: the rank pool never waits for a dead rank:
+a call fails in seconds with the rank's exit, then the pool restarts.
 
 Before: the parent kept a copy of one rank's pipe end, so that rank's death
 never read as EOF (the call waited the whole ``timeout``, 300 s by default);
@@ -15,8 +16,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
 
-from dtensor_quant.testing import CHECKS, FORMATS, check_format
+import dtensor_quant as dq
+from dtensor_quant.testing import (
+    CHECKS,
+    FORMATS,
+    check_format,
+    mesh,
+    weight,
+)
 from dtensor_quant.testing.rank_pool import RankError, RankPool
 
 
@@ -130,3 +139,13 @@ def test_check_format_starts_the_ranks_once():
     assert failed and all("could not start" in o.detail for o in failed), report
     assert all(o.check.distributed for o in failed)
     assert any(o.ok for o in report.outcomes)  # the single-process checks still ran
+
+
+def test_rank_error_reports_every_rank(ranks):
+    with pytest.raises(RankError) as info:
+        ranks(2).run(partial_refused_raises)
+    assert set(info.value.errors) == {0, 1}
+
+
+def partial_refused_raises():
+    DTensor.from_local(dq.quantize(weight((4, 64)), dq.Int8Rowwise()), mesh(2), [Partial()]).full_tensor()

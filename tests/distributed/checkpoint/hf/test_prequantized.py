@@ -1,6 +1,6 @@
-"""Pre-quantized checkpoints written by their producers, read as stored into sharded transformers models (dq.hf).
+"""checkpoint/hf/prequantized on live ranks: producers' checkpoints read as stored into sharded models (dq.hf).
 
-For each kind (:mod:`producers`): the model is built on meta, quantized by
+For each kind (:mod:`tests.support.producers`): the model is built on meta, quantized by
 ``dq.hf.quantize_like_checkpoint``, sharded (TP 2 with transformers' own
 plan, or FSDP2 over 2 ranks), materialized and loaded. Every quantized weight
 must dequantize bit for bit to the producer's own dequantization of the
@@ -11,7 +11,6 @@ made here from the producer's layout).
 
 from __future__ import annotations
 
-import producers as pr
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -19,80 +18,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.testing import mesh
+from tests.support import producers as pr
+from tests.support.producers import build
 
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
-
-
-# The producer each kind needs (a test extra; auto-gptq and autoawq installed --no-deps, their __init__ never run).
-PRODUCER = {
-    "ct": "compressed_tensors",
-    "gptq": "auto_gptq",
-    "awq": "awq",
-    "bnb": "bitsandbytes",
-    "gptoss": "compressed_tensors",
-}
-
-
-def _needs(kind: str) -> None:
-    import importlib.util
-    import sys
-
-    package = PRODUCER[kind.split("_")[0]]
-    if package not in sys.modules and importlib.util.find_spec(package) is None:
-        pytest.skip(f"{package} (a test extra: pip install '.[test]', see pyproject.toml) writes {kind} checkpoints")
-
-
-class Checkpoints:
-    """Each producer's checkpoint, written once per session on first use."""
-
-    def __init__(self, root):
-        self.root, self.paths = root, {}
-
-    def __getitem__(self, kind: str) -> str:
-        if kind == "dense":
-            if kind not in self.paths:
-                pr.tiny_llama().save_pretrained(self.root / kind)
-                self.paths[kind] = str(self.root / kind)
-            return self.paths[kind]
-        _needs(kind)
-        if kind not in self.paths:
-            self.paths[kind] = pr.write(kind, self.root / kind)
-        return self.paths[kind]
-
-
-@pytest.fixture(scope="session")
-def producer_checkpoints(tmp_path_factory):
-    return Checkpoints(tmp_path_factory.mktemp("producers"))
-
-
-def build(layout: str, path, dtype=torch.bfloat16):
-    """The tiny Llama on meta, quantized like the checkpoint, placed by ``layout``, materialized."""
-    import transformers
-
-    with dq.hf.init_empty():
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
-    model.to(dtype)
-    chosen = dq.hf.quantize_like_checkpoint(model, path)
-    if layout == "tp2":
-        # transformers' plan; a row-parallel layer whose columns the format cannot cut (BnbNF4's flat blocks at
-        # width 768) runs column-parallel on the gathered input instead, as the planner says
-        plan, _ = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), 2)
-        parallelize_module(model, mesh(2), plan)
-    elif layout == "fsdp2":
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh(2))
-        fully_shard(model, mesh=mesh(2))
-    elif layout == "2d":  # FSDP2 over TP on a 2 x 2 mesh
-        m = mesh(2, 2)
-        plan, _ = dq.adapt_tp_plan(model, dq.hf.tp_plan(model), m["tp"])
-        parallelize_module(model, m["tp"], plan)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=m["dp"])
-        fully_shard(model, mesh=m["dp"])
-    return dq.hf.materialize(model, "cpu"), chosen
 
 
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -150,49 +81,6 @@ def test_prequantized_checkpoint_loads_as_stored(ranks, producer_checkpoints, ki
     # each of the 2 ranks reads about half the file: its shards, its half of the dense tensors, small records
     for s in stats:
         assert 0.4 < s["read"] / s["file"] < 0.6, s
-
-
-def test_quantize_like_checkpoint_chooses_per_layer(producer_checkpoints):
-    import transformers
-
-    path = producer_checkpoints["ct_int4"]
-    with dq.hf.init_empty():
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
-    model.to(torch.bfloat16)
-    chosen = dq.hf.quantize_like_checkpoint(model, path)
-    assert len(chosen) == 14 and "lm_head.weight" not in chosen  # 7 Linears x 2 layers; lm_head as the producer left it
-    assert {v.fmt for v in chosen.values()} == {dq.Int4Groupwise(128, scale_dtype=torch.bfloat16)}
-    assert not isinstance(model.lm_head.weight, dq.QuantizedTensor)
-
-
-def test_a_dense_model_is_refused_naming_quantize_like_checkpoint(producer_checkpoints):
-    path = producer_checkpoints["ct_int8"]
-    with dq.hf.init_empty():
-        model = pr.tiny_llama().to("meta")
-    dq.hf.materialize(model)
-    with pytest.raises(ValueError, match="quantize_like_checkpoint"):
-        dq.hf.load(model, path)
-
-
-def test_a_float32_model_reads_bf16_scales_as_stored(producer_checkpoints):
-    """The formats keep the checkpoint's scale dtype: the values are the producer's bf16 ones, in float32."""
-    path = producer_checkpoints["ct_int8"]
-    with dq.hf.init_empty():
-        model = pr.tiny_llama(torch.float32).to("meta")
-    chosen = dq.hf.quantize_like_checkpoint(model, path)
-    dq.hf.materialize(model)
-    dq.hf.load(model, path)
-    ref = pr.reference(path)
-    for key in chosen:
-        w = model.get_parameter(key)
-        assert torch.equal(w.dequantize(torch.float32), ref[key].float()), key
-
-
-def test_gptq_act_order_is_refused_naming_desc_act(producer_checkpoints):
-    path = producer_checkpoints["gptq_actorder"]
-    model = build("single", path)[0]
-    with pytest.raises(ValueError, match="desc_act=True"):
-        dq.hf.load(model, path)
 
 
 def tp2_logits(path: str) -> dict:
@@ -306,33 +194,6 @@ def test_compressed_tensors_checkpoint_saves_back_byte_for_byte(ranks, producer_
     assert quantized and set(quantized) <= set(after)
     for k in quantized:
         assert torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)), k
-
-
-def test_a_format_compressed_tensors_cannot_express_is_refused(tmp_path):
-    model = pr.tiny_llama()
-    dq.quantize_(model, dq.NF4(), filter_fn=lambda m, fqn: fqn.endswith("q_proj"))
-    with pytest.raises(ValueError, match="no scheme for NF4"):
-        dq.hf.save(model, tmp_path / "x", quantization="compressed-tensors")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["bnb", "gptq"])
-def test_hf_tp_inference_example_serves_a_prequantized_checkpoint(producer_checkpoints, kind):
-    """examples/hf_tp_inference.py on a producer's checkpoint: read as stored at TP 2, tokens equal to one process."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run(
-        [sys.executable, str(root / "examples" / "hf_tp_inference.py"), producer_checkpoints[kind], "--world", "2"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "14 quantized weights, 14 read as stored" in out.stdout, out.stdout
-    assert "tokens equal to the one-process quantized model on every rank: True" in out.stdout, out.stdout
 
 
 # -- gpt-oss: fused MXFP4 experts held [E, in, out] by the model ------------------------------------------------

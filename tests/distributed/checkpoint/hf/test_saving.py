@@ -1,4 +1,5 @@
-"""dq.hf.save loses nothing: every placement, LoRA wrappers (the library's and peft's), padded MLPs, failures.
+"""checkpoint/hf/saving on live ranks: dq.hf.save loses nothing:
+every placement, LoRA wrappers (the library's and peft's), padded MLPs, failures.
 
 Each export is read back with the safetensors package (and ``from_pretrained``)
 and compared with the one-process reference: the same checkpoint loaded into
@@ -12,62 +13,21 @@ from __future__ import annotations
 import json
 import time
 
-import hf_cases as hc
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.testing import FORMATS, mesh, rank
+from dtensor_quant.testing import mesh, rank
+from tests.support import hf_cases as hc
+from tests.support.hf_export_cases import build, peft_model
 
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 
-# Tiny, but with every kind of weight: column- and row-parallel Linears, embeddings, norms, an lm_head.
-SMALL = dict(hc.CONFIG, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=2, head_dim=64, vocab_size=128)  # fmt: skip
-SMALL_MOE = dict(SMALL, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
 WORLD = {"single": 1, "tp2": 2, "fsdp2": 2, "2d": 4, "hsdp": 4, "ep2": 2}
-
-
-def config_of(kind: str) -> dict:
-    return SMALL_MOE if kind == "qwen3moe" else SMALL
-
-
-def write_checkpoint(kind: str, path, seed: int = 0) -> str:
-    config_cls, model_cls = hc.model_class(kind)
-    torch.manual_seed(seed)
-    model_cls(config_cls(**config_of(kind))).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
-
-
-def build(kind: str, layout: str, fmt_name: str | None):
-    """The model on meta, quantized, placed by ``layout``, materialized (this rank's shards only)."""
-    config_cls, model_cls = hc.model_class(kind)
-    with dq.hf.init_empty():
-        model = model_cls(config_cls(**config_of(kind)))
-    model.to(torch.bfloat16)
-    if fmt_name is not None:
-        dq.quantize_(model, FORMATS[fmt_name])
-    if layout == "tp2":
-        parallelize_module(model, mesh(2), dq.hf.tp_plan(model))
-    elif layout == "ep2":  # each rank holds half of every fused expert stack: Shard(0)
-        for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                if p.ndim == 3:
-                    dt = distribute_tensor(p.detach(), mesh(2), [Shard(0)], src_data_rank=None)
-                    setattr(module, name, torch.nn.Parameter(dt, requires_grad=False))
-    elif layout in ("fsdp2", "2d", "hsdp"):
-        m = mesh(2) if layout == "fsdp2" else mesh(2, 2)
-        if layout == "2d":  # TP inside, FSDP2 over it: column-parallel weights become _StridedShard(0), Shard(0)
-            parallelize_module(model, m["tp"], dq.hf.tp_plan(model))
-        dp = m["dp"] if layout == "2d" else m  # hsdp: the whole 2x2 mesh, (Replicate, Shard(0))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=dp)
-        fully_shard(model, mesh=dp)
-    return dq.hf.materialize(model, "cpu")
 
 
 def dense_values(model) -> dict[str, torch.Tensor]:
@@ -96,12 +56,6 @@ def assert_export_equals(out, expected: dict[str, torch.Tensor]) -> None:
     for k, v in expected.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, (k, got[k].shape, v.shape)
         assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    root = tmp_path_factory.mktemp("src")
-    return {kind: write_checkpoint(kind, root / kind) for kind in ("llama", "qwen3moe")}
 
 
 SAVE_CASES = [
@@ -150,21 +104,6 @@ def merged_reference(weight: torch.Tensor, pairs) -> torch.Tensor:
     for a, b, s in pairs:
         w = w + (b.detach().float() @ a.detach().float()) * s
     return w.to(torch.bfloat16)
-
-
-def peft_model(src, fmt_name, **lora):
-    """A Llama loaded from ``src`` (quantized if ``fmt_name``), wrapped by peft's LoRA on two kinds of Linear."""
-    import peft
-
-    model = build("llama", "single", fmt_name)
-    dq.hf.load(model, src)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], **lora)
-    wrapped = peft.get_peft_model(model, config)
-    with torch.no_grad():  # lora_B starts at zero: give every adapter values so that merging changes something
-        for i, (name, p) in enumerate(wrapped.named_parameters()):
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
-    return wrapped
 
 
 def peft_expected(wrapped) -> dict[str, torch.Tensor]:
@@ -240,49 +179,6 @@ def save_dq_lora_2d(src, out):
     fully_shard(model, mesh=m2["dp"])
     dq.hf.save(model, out)
     return expected
-
-
-@pytest.mark.parametrize(
-    "lora,words",
-    [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "LoRA bias")],
-    ids=["dora", "lora_bias"],
-)
-def test_unmergeable_peft_adapters_are_refused_by_name(sources, tmp_path, lora, words):
-    pytest.importorskip("peft")
-    wrapped = peft_model(sources["llama"], None, **lora)
-    with pytest.raises(ValueError, match=words) as e:
-        dq.hf.save(wrapped, tmp_path / "out")
-    assert "model.layers.0.self_attn.q_proj.lora_A.default.weight" in str(e.value)
-    assert not (tmp_path / "out" / "model.safetensors").exists()
-
-
-@pytest.mark.parametrize(
-    "config,key",
-    [
-        ({"target_modules": ["embed_tokens"]}, "model.embed_tokens.lora_embedding_A.default"),  # LoRA on an Embedding
-        ({"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "lm_head.modules_to_save.default.weight"),
-    ],
-    ids=["embedding", "modules_to_save"],
-)
-def test_peft_layers_that_are_not_lora_on_a_linear_are_refused(sources, tmp_path, config, key):
-    """Before: written under peft's names (from_pretrained drew the embedding / lm_head at random)."""
-    peft = pytest.importorskip("peft")
-    model = build("llama", "single", None)
-    dq.hf.load(model, sources["llama"])
-    with pytest.raises(ValueError, match="cannot export adapter layers") as e:
-        dq.hf.save(peft.get_peft_model(model, peft.LoraConfig(r=4, **config)), tmp_path / "out")
-    assert key in str(e.value)
-
-
-def test_other_peft_tuners_and_unmerged_peft_are_refused(sources, tmp_path):
-    peft = pytest.importorskip("peft")
-    model = build("llama", "single", None)
-    dq.hf.load(model, sources["llama"])
-    ia3 = peft.get_peft_model(model, peft.IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=[]))
-    with pytest.raises(ValueError, match=r"not a LoRA layer.*q_proj.ia3_l.default"):
-        dq.hf.save(ia3, tmp_path / "out")
-    with pytest.raises(ValueError, match=r"merge_lora=False.*lora_A.default.weight"):
-        dq.hf.save(peft_model(sources["llama"], None), tmp_path / "out", merge_lora=False)
 
 
 # -- padded MLPs: written at the recorded original size -------------------------------------------
@@ -474,3 +370,48 @@ def test_one_rank_loads_and_saves_a_plain_model_alone(ranks, sources, tmp_path):
     reference = build("llama", "single", "int8")
     dq.hf.load(reference, sources["llama"])
     assert_export_equals(out, dense_values(reference))
+
+
+# -- the load tests' checkpoints, exported: dense and FP8 blocks as stored ------------------------------
+
+
+def save_and_report(kind, layout, fmt_name, src, out):
+    model = hc.build(kind, layout, fmt_name)  # the larger models of dq.hf's load tests
+    dq.hf.load(model, src)
+    dq.hf.save(model, out, max_shard_bytes=400_000 if layout == "tp2" else 5 << 30)  # TP-2: an index of files
+    full = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        full[name] = t.dequantize() if isinstance(t, dq.QuantizedTensor) else t.detach().clone()
+    return full
+
+
+@pytest.mark.parametrize("kind,layout", [("qwen2", "tp2"), ("qwen2", "fsdp2"), ("qwen3moe", "ep2")])
+def test_save_dense_export_reads_with_from_pretrained(ranks, checkpoints, tmp_path, kind, layout):
+    _, model_cls = hc.model_class(kind)
+    out = str(tmp_path / "export")
+    fmt_name = "int8" if kind == "qwen3moe" else "int4g128"
+    expected = hc.on(ranks, layout, save_and_report, kind, layout, fmt_name, checkpoints[kind, True], out)[0]
+    from pathlib import Path
+
+    assert (Path(out) / "model.safetensors.index.json").exists() == (layout == "tp2")
+    back = model_cls.from_pretrained(out, dtype=torch.bfloat16)
+    got = dict(back.named_parameters())
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k].detach(), v.to(torch.bfloat16)), k
+    tokens = torch.randint(0, hc.CONFIG["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(back(tokens).logits).all()
+
+
+def test_save_fp8_block_writes_the_stored_bytes(ranks, fp8_checkpoints, tmp_path):
+    out = str(tmp_path / "export")
+    ranks(2).run(save_and_report, "llama", "tp2", "f8block128", fp8_checkpoints[True], out)
+    src, back = hc.read_all(fp8_checkpoints[True]), hc.read_all(out)
+    assert set(src) == set(back)
+    for k, v in src.items():
+        assert v.dtype == back[k].dtype and torch.equal(v.view(torch.uint8), back[k].view(torch.uint8)), k
+    import json
+    from pathlib import Path
+
+    assert json.loads((Path(out) / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
