@@ -1,13 +1,21 @@
-"""dist/shard_quant on one process: a shard quantizes to the whole weight's bytes where the layout needs no
-reduction, NaN bits included, and N-D weights quantize matrix by matrix.
+"""dist/shard_quant on one process: a shard quantizes to the whole weight's bytes -- its own statistics where the
+layout needs no reduction (NaN bits included), the shards' combined ones where it does -- N-D weights quantize
+matrix by matrix, and a format's inner tensors must be what its layout declares.
 """
+
+import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import Shard as TorchShard
 
 import dtensor_quant as dq
+from dtensor_quant.core.format import Reducer, weight_layout
+from dtensor_quant.core.layout import Constant
+from dtensor_quant.dist.shard_quant import quantize_local
 from dtensor_quant.testing import FORMATS, assert_same_bits, pick, weight
 from tests.support.extra_formats import EXTRA_FORMATS
 
@@ -73,3 +81,86 @@ def test_empty_expert_stack():
         assert q.shape == (0, 64, 512) and q.dequantize().shape == (0, 64, 512)
         full = dq.quantize(weight((2, 64, 512)), fmt)
         assert torch.equal(torch.cat([full, q]).dequantize(), full.dequantize())
+
+
+# -- quantize_local: a shard, its statistics combined with the other shards' -----------------------
+
+
+class InProcessMesh:
+    """Two shards quantized in two threads, each statistic all-reduced between them at the same call.
+
+    What :class:`~dtensor_quant.dist.shard_quant.MeshReducer` does over a process group, on one process: a statistic
+    laid out like an inner tensor that is Constant along the cut dim is combined with the other shard's
+    (max, min or sum); the others stay the shard's own.
+    """
+
+    def __init__(self, fmt, full_shape, dim):
+        self.layout, self.dim = weight_layout(fmt, full_shape), dim
+        self.barrier, self.slots = threading.Barrier(2), [None, None]
+
+    def reducer(self, rank, full_shape):
+        mesh = self
+
+        class Shard(Reducer):
+            def __call__(self, stat, op, like):
+                if not isinstance(mesh.layout[like][mesh.dim], Constant):
+                    return stat
+                mesh.slots[rank] = stat
+                mesh.barrier.wait()
+                a, b = mesh.slots
+                out = {"max": torch.maximum, "min": torch.minimum, "sum": torch.add}[op](a, b)
+                mesh.barrier.wait()  # both read before either writes the next statistic
+                return out
+
+        return Shard(full_shape)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_a_shard_with_reduced_statistics_holds_the_whole_weights_bytes(fmt_name, dim):
+    """quantize_local of each half, statistics combined as the mesh would, gives the whole weight's halves."""
+    fmt, shape = FORMATS[fmt_name], (32, 512)
+    try:
+        dq.check_placements(shape, fmt, (2,), [TorchShard(dim)])
+    except dq.LayoutError:
+        pytest.skip(f"{fmt} cannot be cut in two along dim {dim} at {shape}")
+    w = weight(shape, seed=5)
+    whole = dq.quantize(w, fmt)
+    halves, mesh = torch.chunk(w, 2, dim), InProcessMesh(fmt, shape, dim)
+    out = [None, None]
+
+    def run(rank):
+        out[rank] = quantize_local(fmt, halves[rank].contiguous(), mesh.reducer(rank, shape), shape)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for rank, piece in enumerate(torch.chunk(whole, 2, dim)):
+        assert_same_bits(out[rank], piece, f"{fmt_name} half {rank} along dim {dim}")
+
+
+@dataclass(frozen=True)
+class MisdeclaredInt8(dq.QuantFormat):
+    """Declares a scale per row but returns one per tensor, or names its inner tensors otherwise."""
+
+    names: tuple = ("qdata", "scale")
+    layout = {"qdata": (dq.OneToOne(), dq.OneToOne()), "scale": (dq.OneToOne(), dq.Constant())}
+
+    def quantize(self, weight, reduce):
+        scale = (weight.abs().amax() / 127).clamp(min=1e-12).reshape(1, 1)
+        codes = (weight / scale).round().clamp(-127, 127).to(torch.int8)
+        return dict(zip(self.names, (codes, scale.to(weight.dtype))))
+
+    def dequantize(self, inner, dtype):
+        return (inner["qdata"].float() * inner["scale"].float()).to(dtype)
+
+
+def test_inner_tensors_that_break_the_declared_layout_are_refused():
+    with pytest.raises(dq.LayoutError, match=r"returned inner 'scale' of shape \(1, 1\).*layout says \(8, 1\)"):
+        dq.quantize(weight((8, 64)), MisdeclaredInt8())
+    with pytest.raises(
+        dq.LayoutError, match=r"returned inner tensors \('codes', 'scale'\).*declares \('qdata', 'scale'"
+    ):
+        dq.quantize(weight((8, 64)), MisdeclaredInt8(names=("codes", "scale")))

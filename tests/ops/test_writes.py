@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import dtensor_quant as dq
 from dtensor_quant import LayoutError
-from dtensor_quant.testing import FORMATS, pick
+from dtensor_quant.testing import FORMATS, pick, weight
 
 HOSTILE = list(pick("int8", "int4g32", "int4g128", "nf4b32s4", "f8row", "f8tensor"))  # every relation at (16, 256)
 
@@ -114,3 +114,29 @@ def test_slice_writes_are_exact_or_refused(fmt_name, dim, a, b, same_scales):
     expect.narrow(dim, start, stop - start).copy_(src.dequantize())
     assert torch.equal(after.isnan(), expect.isnan())
     assert torch.equal(after.nan_to_num(), expect.nan_to_num())
+
+
+@pytest.mark.parametrize("fmt_name,words", [("int8", "inner 'scale' is"), ("f8tensor", "orientation")])
+def test_a_source_of_the_other_orientation_is_refused(fmt_name, words):
+    """A transposed source lays its inner tensors out along the other dims: refused with nothing written (where the
+    inner shapes match, as a per-tensor scale's do, by the orientation check); the same orientation is exact."""
+    fmt = FORMATS[fmt_name]
+    w = dq.quantize(weight((64, 64), seed=1), fmt)
+    src = dq.quantize(weight((64, 64), seed=2), fmt).t()
+    snap = snapshot(w)
+    with pytest.raises(LayoutError, match=words):
+        w.copy_(src)
+    assert unchanged(w, snap)
+    w.t().copy_(src)
+    assert torch.equal(w.t().dequantize(), src.dequantize())
+
+
+@pytest.mark.parametrize("fmt_name", HOSTILE)
+def test_a_write_bumps_every_written_inner_tensors_version(fmt_name):
+    """What kernel caches key on: each inner tensor written says so (a write inside __torch_dispatch__ does not)."""
+    w = dq.quantize(weight((16, 256), seed=1), FORMATS[fmt_name])
+    before = {n: t._version for n, t in w.inner.items()}
+    w.copy_(dq.quantize(weight((16, 256), seed=2), FORMATS[fmt_name]))
+    assert all(t._version > before[n] for n, t in w.inner.items()), {
+        n: (before[n], t._version) for n, t in w.inner.items()
+    }
