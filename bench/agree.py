@@ -2,7 +2,7 @@
 
     python bench/agree.py [--world 2] [--repeat 200]
 
-The check (dtensor_quant.agree) exchanges an 8-byte fingerprint the first
+The check (dtensor_quant.dist.agree) exchanges an 8-byte fingerprint the first
 time a (process group, layout) pair is seen; after that it builds the layout
 key and looks it up in a set. This times ``full_tensor()`` of a quantized
 DTensor with the check as shipped and with it replaced by a no-op,

@@ -38,6 +38,7 @@ from .model.padding import pad_for_tp
 from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
 from .model.quantize_model import quantize_
 from .model.tp_plan import adapt_tp_plan
+from .model.vocab_padding import pad_vocab_for_tp
 
 # The public modules that live in a layer folder keep their documented names: ``import
 # dtensor_quant.hf``, ``from dtensor_quant.lora import add_lora_`` and ``dq.wire.record()``.
@@ -95,6 +96,7 @@ __all__ = [
     "model",
     "optim",
     "pad_for_tp",
+    "pad_vocab_for_tp",
     "quantize",
     "quantize_",
     "state_dict",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.planner)."""
+"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.model.planner)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from .model.format_spec import parse_format
-from .model.planner import STYLES, Layer, layers_of, plan
+from .model.planner import ALL_STYLES, STYLES, Layer, kind_from_name, layers_of, plan
 
 
 def _load(target: str):
@@ -32,7 +33,7 @@ def _load(target: str):
 
 
 def _shape(text: str) -> list[Layer]:
-    """``[NAME=][EXPERTSx]OUTxIN[:colwise|rowwise]``."""
+    """``[NAME=][EXPERTSx]OUTxIN[:STYLE]``."""
     name, _, rest = text.rpartition("=")
     dims, _, style = rest.partition(":")
     try:
@@ -43,16 +44,43 @@ def _shape(text: str) -> list[Layer]:
             f"bad --shape {text!r}: expected [NAME=][EXPERTSx]OUTxIN[:colwise|rowwise], "
             "e.g. wo=4096x4096:rowwise or experts=8x28672x4096"
         ) from None
-    if style and style not in STYLES:
-        raise SystemExit(f"bad --shape {text!r}: style must be colwise or rowwise")
-    return [Layer(name or dims, shape, s) for s in ([style] if style else STYLES)]
+    if style and style not in ALL_STYLES:
+        raise SystemExit(f"bad --shape {text!r}: style must be one of {', '.join(ALL_STYLES)}")
+    return [Layer(name or dims, shape, s, kind_from_name(name)) for s in ([style] if style else STYLES)]
+
+
+def _from_config(path: str):
+    """A transformers causal LM built from a config (its directory or config.json) on the meta device."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit("--config needs transformers (pip install transformers)") from None
+    config = AutoConfig.from_pretrained(str(Path(path).parent if path.endswith(".json") else path))
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _model_and_plan(args):
+    """The model (on the meta device) and the TP plan to plan it with, with a line saying which plan that is."""
+    with torch.device("meta"):
+        model = _from_config(args.config) if args.config else _load(args.model)()
+    own = getattr(model, "_tp_plan", None) or None
+    if args.tp_plan in (None, "model"):
+        if own is None and args.tp_plan == "model":
+            raise SystemExit(f"{type(model).__name__} declares no TP plan (_tp_plan); give --tp-plan MODULE:FN")
+        if own is None:
+            return model, None, "no TP plan: every matmul weight is listed column- and row-parallel"
+        return model, dict(own), f"TP plan: {type(model).__name__}._tp_plan ({len(own)} keys)"
+    if args.tp_plan == "none":
+        return model, None, "no TP plan: every matmul weight is listed column- and row-parallel"
+    tp_plan = _load(args.tp_plan)(model)
+    return model, tp_plan, f"TP plan: {args.tp_plan} ({len(tp_plan)} keys)"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dtensor_quant")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="which TP/FSDP degrees each quantized weight can take, and why not")
-    p.add_argument("--format", required=True, help="int8, int4, int4:64, Int4Groupwise(32), ...")
+    p.add_argument("--format", required=True, help="int8, int4, int4:64, nf4, Int4Groupwise(32), ...")
     p.add_argument(
         "--shape",
         action="append",
@@ -61,23 +89,56 @@ def main(argv=None) -> int:
         help="a Linear weight [out, in]; STYLE colwise or rowwise (default: both)",
     )
     p.add_argument("--model", metavar="MODULE:FN", help="a function returning the model (built on the meta device)")
-    p.add_argument("--tp-plan", metavar="MODULE:FN", help="a function model -> {fqn: ParallelStyle} (the TP styles)")
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="a Hugging Face config.json (or its directory): the model is built from it on the meta device",
+    )
+    p.add_argument(
+        "--tp-plan",
+        metavar="MODULE:FN|model|none",
+        help="a function model -> {name ('*' allowed): torch ParallelStyle or transformers style name}; "
+        "'model' (the default when the model has one): its own _tp_plan; 'none': list both styles. "
+        "Weights the plan does not name are replicated",
+    )
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="tensor-parallel degrees")
     p.add_argument("--dp", type=int, nargs="+", default=[1], help="FSDP degrees (FSDP2 shards dim 0)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the [EXPERTSxOUTxIN] stacks")
+    p.add_argument("--width", type=int, default=120, help="longest line of the report (0: no limit)")
+    p.add_argument("--csv", metavar="PATH", help="write every layer on every mesh as CSV ('-': to stdout, no table)")
     args = ap.parse_args(argv)
 
     fmt = parse_format(args.format)
+    start = time.perf_counter()
     layers = [layer for s in args.shape for layer in _shape(s)]
-    if args.model:
-        with torch.device("meta"):
-            model = _load(args.model)()
-        tp_plan = _load(args.tp_plan)(model) if args.tp_plan else None
-        layers += layers_of(model, tp_plan)
+    header = None
+    if args.model and args.config:
+        ap.error("give --model or --config, not both")
+    if args.model or args.config:
+        model, tp_plan, header = _model_and_plan(args)
+        layers += layers_of(model, tp_plan, dense=tp_plan is not None)
     if not layers:
-        ap.error("give --model or at least one --shape")
+        ap.error("give --model, --config or at least one --shape")
+    built = time.perf_counter()
     result = plan(layers, fmt, tp=args.tp, dp=args.dp, ep=args.ep)
-    print(result)
+    if args.csv:
+        text = result.csv()
+        if args.csv == "-":
+            sys.stdout.write(text)
+            return 0
+        Path(args.csv).write_text(text)
+    report = result.render(args.width)
+    done = time.perf_counter()
+    if header:
+        print(header)
+    print(report)
+    if args.csv:
+        print(f"\nevery layer on every mesh: {args.csv}")
+    what = "model built (with its imports)" if args.model or args.config else "shapes read"
+    print(
+        f"\n{len(layers)} parameters x {len(result.meshes)} meshes: {what} in {built - start:.1f} s, "
+        f"planned and rendered in {done - built:.1f} s"
+    )
     return 0
 
 

@@ -89,7 +89,7 @@ def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapp
     """The ``__quant__`` record of a weight of ``shape``/``dtype`` in ``fmt`` (JSON-able).
 
     Formerly ``format_spec``, a name it shared with the module
-    :mod:`dtensor_quant.format_spec` (format names from command-line
+    :mod:`dtensor_quant.model.format_spec` (format names from command-line
     strings); the old name stays as an alias.
     """
     # A parameter that is None is left out: a format without an optional parameter added later (a scale

@@ -2,8 +2,8 @@
 
 ``QuantizedTensor.__torch_dispatch__`` calls :func:`dispatch` for every aten
 and c10d op. Handlers register by schema name (``"aten::slice"``) from the
-modules that define them -- :mod:`dtensor_quant.aten` (layout ops by kind),
-:mod:`dtensor_quant.collectives`, :mod:`dtensor_quant.matmul`,
+modules that define them -- :mod:`dtensor_quant.ops` (layout ops by kind),
+:mod:`dtensor_quant.dist.collectives`, :mod:`dtensor_quant.ops.matmul`,
 :mod:`dtensor_quant.custom_ops` -- which the package imports for exactly that.
 Keying by name matches ops torch registers lazily (such as
 ``_c10d_functional::_wrap_tensor_autograd``) when they first arrive, not at

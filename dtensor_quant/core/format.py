@@ -3,7 +3,7 @@
 A format is a frozen dataclass (its parameters are part of its identity and
 of every checkpoint) that says three things about a 2-D weight ``[out, in]``:
 
-* ``layout``: for each inner tensor, one :mod:`~dtensor_quant.layout`
+* ``layout``: for each inner tensor, one :mod:`~dtensor_quant.core.layout`
   relation per logical dim. The library derives every DTensor, FSDP2 and DCP
   op from it. A format whose blocks depend on the weight's shape (NF4's
   blocks of block-scales) overrides ``layout_for(shape)`` instead.
@@ -99,7 +99,7 @@ class QuantFormat:
         The planner offers the same format with a smaller value of one of
         them when a mesh size cuts through a block. Declare it as a class
         attribute; the default takes the int fields whose value is the size
-        of a :class:`~dtensor_quant.layout.Blocked` relation of ``layout``
+        of a :class:`~dtensor_quant.core.layout.Blocked` relation of ``layout``
         (none when the layout depends on the weight's shape).
         """
         try:
@@ -157,7 +157,7 @@ class QuantFormat:
         partial); ``out`` is a preallocated tensor
         of that shape whose dtype is the result's. The bits must equal
         ``dequantize``'s (a table lookup per byte, one broadcast multiply per
-        block). :mod:`dtensor_quant.unpack` calls it.
+        block). :mod:`dtensor_quant.ops.unpack` calls it.
         """
         return False
 
@@ -210,7 +210,7 @@ def dtype_param(fmt: QuantFormat, name: str, allowed=_FLOAT_DTYPES) -> None:
 def compact_repr(fmt: QuantFormat) -> str:
     """``Name(a=1, b=2)`` without the fields that are None: a new optional parameter keeps old formats' reprs.
 
-    The repr is a format's identity (:mod:`~dtensor_quant.format_ids` hashes
+    The repr is a format's identity (:mod:`~dtensor_quant.core.format_ids` hashes
     it) and the checkpoint record omits None parameters the same way, so a
     format without the option is the one it was before the option existed.
     """

@@ -40,6 +40,7 @@ def format_from_id(fid: int) -> QuantFormat:
         return _FORMATS[fid]
     except KeyError:
         raise ValueError(
-            f"dtensor_quant: unknown format id {fid}. Ids are registered by dtensor_quant.format_ids.format_id(fmt) "
-            "(every quantize and every op on a quantized tensor calls it); register the format first."
+            f"dtensor_quant: unknown format id {fid}. Ids are registered by "
+            "dtensor_quant.core.format_ids.format_id(fmt) (every quantize and every op on a quantized tensor "
+            "calls it); register the format first."
         ) from None

@@ -46,7 +46,10 @@ def enabled() -> bool:
 
 
 def source(path: Path, _seen: set[Path] | None = None) -> str:
-    """The text of the kernel source ``path``, each ``#include "x.h"`` of a header beside this module inlined once.
+    """The text of the kernel source ``path``, each ``#include "x.h"`` inlined once.
+
+    A header is looked up beside the including file first (a format's own
+    ``formats/block_float8.h``), then beside this module (``native_prelude.h``).
 
     The inlined text is what the disk cache keys on, so an edit to a header
     rebuilds every kernel that includes it. Other includes (``<immintrin.h>``)
@@ -56,7 +59,9 @@ def source(path: Path, _seen: set[Path] | None = None) -> str:
     seen = set() if _seen is None else _seen
 
     def inline(match: re.Match) -> str:
-        header = _HERE / match.group(1)
+        header = path.parent / match.group(1)  # a header beside the source, else one beside this module
+        if not header.is_file():
+            header = _HERE / match.group(1)
         if not header.is_file():
             return match.group(0)
         if header in seen:

@@ -121,7 +121,7 @@ def reduce_to(x: torch.Tensor, rels, op: str) -> torch.Tensor:
     """Reduce a logical-shaped ``x`` to one value per inner element of an inner tensor laid out by ``rels``.
 
     The statistic a format stores per block (a scale per group, a factor per
-    block of scales), for any of the relations in :mod:`dtensor_quant.layout`
+    block of scales), for any of the relations in :mod:`dtensor_quant.core.layout`
     except packing. Float32 (float64 for ``"sum"``), like :func:`block_reduce`.
     """
     x = x.double() if op == "sum" else x.float()

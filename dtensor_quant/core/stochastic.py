@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -95,7 +96,7 @@ class Noise:
 
     ``uniform()`` is the float32 tensor; a format with a kernel of its own may
     draw the same numbers itself from ``key``, ``offsets``, ``global_shape``
-    and ``wide`` (:data:`NOISE_SOURCE`). ``values``, when given, replaces the
+    and ``wide`` (``core/native_noise.h``). ``values``, when given, replaces the
     hash (tests, or a caller with noise of its own): kernels then step aside.
     """
 
@@ -148,78 +149,7 @@ def uniform(
     return uniform_reference(seed, step, shape, offsets, global_shape, device)
 
 
-#: C++ of the hash, for kernels that draw the noise themselves (after dtensor_quant.core.native.PRELUDE):
-#: ``dq_noise(key, i, wide)`` is element ``i``'s number, the bits :func:`uniform` gives.
-NOISE_SOURCE = r"""
-static inline uint32_t dq_fmix(uint32_t h) {
-    h ^= h >> 16;
-    h *= 0x45D9F3Bu;
-    h ^= h >> 15;
-    h *= 0x2C1B3C6Du;
-    return h ^ (h >> 16);
-}
-
-static inline float dq_unit(uint32_t h) { return float(int32_t(h >> 8)) * (1.0f / 16777216.0f); }
-
-static inline float dq_noise(uint32_t key, uint64_t i, bool wide) {
-    uint32_t h = dq_fmix(uint32_t(i) ^ key);
-    return dq_unit(wide ? dq_fmix(h ^ uint32_t(i >> 32)) : h);
-}
-
-__attribute__((target("avx2")))
-static inline __m256i dq_fmix8(__m256i h) {
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x45D9F3B));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x2C1B3C6D));
-    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-}
-
-// The numbers of the 8 elements first .. first + 7 (dq_noise's bits).
-__attribute__((target("avx2")))
-static inline __m256 dq_noise8(uint32_t key, uint64_t first, bool wide) {
-    const uint32_t lo = uint32_t(first);
-    if (lo > 0xFFFFFFF7u) {  // the low 32 index bits wrap inside these 8: one at a time
-        alignas(32) float u[8];
-        for (int j = 0; j < 8; ++j) u[j] = dq_noise(key, first + uint64_t(j), wide);
-        return _mm256_load_ps(u);
-    }
-    __m256i h = _mm256_add_epi32(_mm256_set1_epi32(int32_t(lo)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    h = dq_fmix8(_mm256_xor_si256(h, _mm256_set1_epi32(int32_t(key))));
-    if (wide) h = dq_fmix8(_mm256_xor_si256(h, _mm256_set1_epi32(int32_t(uint32_t(first >> 32)))));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
-}
-"""
-
-_KERNEL_SOURCE = (
-    NOISE_SOURCE
-    + r"""
-// One row: element j has global index first + j.
-static void dq_noise_row(float* out, int64_t n, uint64_t first, uint32_t key, bool wide) {
-    for (int64_t j = 0; j < n; ++j) out[j] = dq_noise(key, first + uint64_t(j), wide);
-}
-
-// 8 elements at a time.
-__attribute__((target("avx2")))
-static void dq_noise_row_avx2(float* out, int64_t n, uint64_t first, uint32_t key, bool wide) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, dq_noise8(key, first + uint64_t(j), wide));
-    dq_noise_row(out + j, n - j, first + uint64_t(j), key, wide);
-}
-
-// out: a contiguous float32 [rows, cols] block at (row0, col0) of a weight whose rows have gcols elements.
-void kernel(float* out, int64_t key, int64_t row0, int64_t col0, int64_t gcols, int64_t wide,
-            int64_t rows, int64_t cols, int64_t* level) {
-    bool avx2 = __builtin_cpu_supports("avx2");
-    *level = avx2 ? 1 : 0;
-    for (int64_t r = 0; r < rows; ++r) {
-        uint64_t first = uint64_t(row0 + r) * uint64_t(gcols) + uint64_t(col0);
-        if (avx2) dq_noise_row_avx2(out + r * cols, cols, first, uint32_t(key), wide != 0);
-        else dq_noise_row(out + r * cols, cols, first, uint32_t(key), wide != 0);
-    }
-}
-"""
-)
+KERNEL_SOURCE = Path(__file__).with_name("stochastic.cpp")  # loaded by dtensor_quant.core.native
 
 _ARGTYPES = ["float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*"]
 
@@ -234,7 +164,7 @@ _CALLS: dict = {}
 
 
 def _kernel():
-    loaded = native.load("stochastic_noise", _KERNEL_SOURCE, _ARGTYPES, _probe)
+    loaded = native.load("stochastic_noise", KERNEL_SOURCE, _ARGTYPES, _probe)
     if loaded is None:
         return None
     call = _CALLS.get(id(loaded))

@@ -4,7 +4,7 @@ The wrapper carries the *logical* shape, dtype and strides of the weight it
 stands for, so DTensor's sharding propagation, FSDP2's bookkeeping and DCP's
 metadata all see an ordinary ``[out, in]`` tensor of the weight's dtype. The
 bytes live in the inner tensors the format declares. Every op on the wrapper
-goes through :func:`dtensor_quant.dispatch.dispatch`, to the handler that
+goes through :func:`dtensor_quant.core.dispatch.dispatch`, to the handler that
 derives the inner ops from the format's layout; an op without one raises
 instead of dequantizing.
 

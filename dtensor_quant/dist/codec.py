@@ -1,6 +1,6 @@
 """The byte codec every quantized collective uses, and the rule for which inner tensors travel.
 
-DTensor's collectives (:mod:`dtensor_quant.collectives`) and FSDP2's
+DTensor's collectives (:mod:`dtensor_quant.dist.collectives`) and FSDP2's
 all-gather (:mod:`dtensor_quant.fsdp`) send a quantized tensor as one
 ``uint8`` buffer: gloo has no float8, mixed dtypes cannot share one
 collective otherwise, and reinterpreting packed bits as a float dtype on the

@@ -3,10 +3,10 @@
 torch has no per-local-type redistribute hook: DTensor calls the same c10d
 ops on a quantized local tensor as on a dense one, and they arrive here.
 Each one packs the inner tensors that must travel into one ``uint8`` buffer
-(:mod:`dtensor_quant.codec`), runs the same collective on that buffer, and
+(:mod:`dtensor_quant.dist.codec`), runs the same collective on that buffer, and
 unpacks the result with the layout's concatenation rule. The gathers leave
 out an inner tensor that is constant along the joined dims (a per-tensor
-scale: :func:`~dtensor_quant.codec.varies`) -- every piece takes the
+scale: :func:`~dtensor_quant.dist.codec.varies`) -- every piece takes the
 receiver's copy -- and carry only its bytes after the data, as a check: if
 the ranks' copies differ (shards quantized one by one, then
 ``DTensor.from_local``), every rank raises (:func:`agree.constants_differ`).

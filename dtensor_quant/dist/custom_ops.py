@@ -1,6 +1,6 @@
 """quantize, dequantize and linear as ``torch.library`` custom ops that DTensor can shard.
 
-Each op takes the format as an ``int`` id (:mod:`~dtensor_quant.format_ids`)
+Each op takes the format as an ``int`` id (:mod:`~dtensor_quant.core.format_ids`)
 and has three parts:
 
 * a fake implementation (shapes and dtypes only), used by DTensor's sharding

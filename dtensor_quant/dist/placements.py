@@ -11,6 +11,7 @@ others in their next collective.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 
@@ -77,23 +78,41 @@ def _sub(piece: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
     return out
 
 
-def _contiguous(length: int, cuts) -> list[tuple[int, int]] | None:
-    """Every shard's range when each shard is one contiguous range (the common cases), else None.
+def _nested(length: int, cuts) -> tuple[int, ...] | None:
+    """The piece counts of nested ``torch.chunk`` cuts equal to ``cuts`` (outermost first), else None.
 
     Nested ``Shard``s are chunks of chunks; FSDP2's ``_StridedShard(split_factor=tp)``
     on the dp dim followed by ``Shard`` on a tp dim of size tp is, by design, the
-    dp chunk of each tp chunk. Anything else goes through :func:`shard_pieces`.
+    dp chunk of each tp chunk when the tp chunks are equal. Anything else goes
+    through :func:`_strided_bad_cut` or :func:`shard_pieces`.
     """
     if all(type(p) is Shard for p, _ in cuts):
-        ranges = [(0, length)]
-        for _, ways in cuts:
-            ranges = [(s + a, s + b) for s, e in ranges for a, b in chunk_boundaries(e - s, ways)]
-        return ranges
+        return tuple(ways for _, ways in cuts)
     if len(cuts) == 2 and isinstance(cuts[0][0], _StridedShard) and type(cuts[1][0]) is Shard:
         (strided, dp), (_, tp) = cuts
         if strided.split_factor == tp and length % tp == 0:  # equal tp chunks: torch splits each the same way
-            return [(s + a, s + b) for s, e in chunk_boundaries(length, tp) for a, b in chunk_boundaries(e - s, dp)]
+            return tp, dp
     return None
+
+
+def _nested_bad_cut(offset: int, length: int, ways: tuple[int, ...], factor: int) -> int | None:
+    """The first start not on a multiple of ``factor`` among nested chunks of ``[offset, offset + length)``.
+
+    ``offset`` is aligned (a misaligned one was found first, by the caller).
+    Without listing the pieces: the first piece is cut like every other full
+    one, so once the second piece starts aligned only the first and the last
+    (shorter) piece need a look -- two branches a level, not ``ways`` of them.
+    """
+    if not ways or length == 0:
+        return None
+    size = -(-length // ways[0])
+    bad = _nested_bad_cut(offset, size, ways[1:], factor)  # inside the first piece
+    if bad is not None or size >= length:
+        return bad
+    if size % factor:  # the second piece's start
+        return offset + size
+    full, rest = divmod(length, size)  # full pieces start aligned and are cut like the first
+    return _nested_bad_cut(offset + full * size, rest, ways[1:], factor) if rest else None
 
 
 @functools.lru_cache(maxsize=65536)
@@ -104,15 +123,17 @@ def bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
     (a tuple, for the cache), ``factor`` the dim's alignment. None if every
     boundary is aligned. Pure arithmetic, no tensors.
     """
-    ranges = _contiguous(length, cuts)
-    if ranges is not None:
-        return next((s for s, e in ranges if s < e and s % factor), None)
+    ways = _nested(length, cuts)
+    if ways is not None:
+        return _nested_bad_cut(0, length, ways, factor)
     if isinstance(cuts[0][0], _StridedShard) and cuts[0][1] > 1:
         # The second dp shard starts at the end of the first's piece of the first split-factor chunk.
         first = -(-length // cuts[0][0].split_factor)
         end = -(-first // cuts[0][1])
         if end < first and end % factor:
             return end
+    if len(cuts) == 2 and isinstance(cuts[0][0], _StridedShard) and type(cuts[1][0]) is Shard:
+        return _strided_bad_cut(length, cuts[0][0].split_factor, cuts[0][1], cuts[1][1], factor)
     for piece in shard_pieces(length, cuts):
         prev = None
         for s, e in piece:
@@ -120,6 +141,46 @@ def bad_cut(length: int, cuts: tuple, factor: int) -> int | None:
                 return s
             prev = e
     return None
+
+
+def _strided_bad_cut(length: int, split: int, dp: int, tp: int, factor: int) -> int | None:
+    """:func:`bad_cut` for FSDP2 + TP's ``(_StridedShard(split_factor=split), dp), (Shard, tp)`` on one dim.
+
+    The uneven case (``length`` not a multiple of ``tp``) that is no nesting
+    of chunks (:func:`_nested`), without listing every shard's
+    ranges: dp shard ``i`` holds piece ``i`` of each of the ``split`` chunks
+    (at most ``split`` ranges); its tp chunks start at positions of that
+    concatenation, each mapped back to a global index by a prefix sum. A run
+    starts at each tp chunk's first index and wherever a range does not
+    continue the one before it. ``O(dp * (split + tp))`` instead of the
+    ``O(dp * tp * split)`` lists of :func:`shard_pieces` (a 70B model's
+    planner meets this for every uneven tp at dp up to 512).
+    """
+    firsts = _chunks(length, split)
+    for i in range(dp):
+        ranges = []
+        for fa, fb in firsts:
+            a, b = _chunks(fb - fa, dp)[i]
+            if a < b:
+                ranges.append((fa + a, fa + b))
+        starts, total = [], 0
+        for s, e in ranges:
+            starts.append(total)
+            total += e - s
+        candidates = [(starts[r], s) for r, (s, _) in enumerate(ranges) if r == 0 or s != ranges[r - 1][1]]
+        for a, b in _chunks(total, tp):
+            if a < b:
+                r = bisect.bisect_right(starts, a) - 1
+                candidates.append((a, ranges[r][0] + a - starts[r]))
+        bad = [g for _, g in sorted(candidates) if g % factor]
+        if bad:
+            return bad[0]
+    return None
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunks(length: int, pieces: int) -> tuple[tuple[int, int], ...]:
+    return tuple(chunk_boundaries(length, pieces))
 
 
 def check_placements(

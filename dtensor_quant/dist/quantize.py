@@ -6,7 +6,7 @@ maximum under any sharding) is all-reduced over exactly the mesh dims whose
 shards share it, so the result is bit-identical to quantizing the full
 tensor and then distributing it. A statistic whose blocks all fall inside
 one shard needs no collective at all. The per-shard work is
-:mod:`dtensor_quant.shard_quant`; a DTensor goes through the
+:mod:`dtensor_quant.dist.shard_quant`; a DTensor goes through the
 ``dtensor_quant::quantize`` custom op (:mod:`dtensor_quant.custom_ops`),
 whose sharding rule keeps the placements.
 """

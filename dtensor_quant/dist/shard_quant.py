@@ -125,7 +125,7 @@ def agree_before_reducing(fmt, weight, shard_dims, groups, full_shape) -> None:
     """Every rank of every sharded mesh dim must quantize with the same format (else the reductions mix).
 
     Called before the first reduction, on every sharded group whatever the
-    format reduces, so every rank makes the same collectives (dtensor_quant.agree).
+    format reduces, so every rank makes the same collectives (dtensor_quant.dist.agree).
     """
     key = ("quantize", fmt, tuple(full_shape), weight.dtype, tuple(shard_dims))
     for d, g in zip(shard_dims, groups):

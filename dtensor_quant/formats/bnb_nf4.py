@@ -11,7 +11,7 @@ dequantized values, so a bitsandbytes checkpoint (unsloth's ``*-bnb-4bit``
 models, ``transformers`` with ``BitsAndBytesConfig(bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True)``) needs this format to load as stored.
 
-Layout (:func:`~dtensor_quant.layout.flat_blocked`, from the weight's shape),
+Layout (:func:`~dtensor_quant.core.layout.flat_blocked`, from the weight's shape),
 and the checkpoint tensors each inner holds as stored (a loader reshapes
 them; their bytes are already in flat order):
 

@@ -23,7 +23,7 @@ from ..core import native
 from ..core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from ..core.layout import Constant, OneToOne
 from ..core.reductions import block_reduce, canonical_nan, safe_scale, scaled_into
-from ..core.stochastic import NOISE_SOURCE, Noise
+from ..core.stochastic import Noise
 
 _QMAX = 127
 # torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs up to 20x slower
@@ -40,50 +40,7 @@ def _has_kernel(device_type: str) -> bool:
 
 # floor(u + w / s) clamped to +-127 (NaN to 0) with u the hash noise of each element's global index:
 # the torch expression of quantize_stochastic in one pass, the same bits (addcdiv divides, then adds).
-_SR_SOURCE = r"""
-static inline int8_t dq_sr_code(float w, float s, float u) {
-    float v = std::floor(u + w / s);
-    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-    return v == v ? int8_t(v) : 0;
-}
-
-// 8 codes a step: the same divide, add, floor and clamp in vector lanes.
-__attribute__((target("avx2")))
-static void dq_sr_row_avx2(const float* w, float s, int8_t* o, int64_t n, uint32_t key, uint64_t first, bool wide) {
-    const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    int64_t c = 0;
-    for (; c + 8 <= n; c += 8) {
-        const __m256 u = dq_noise8(key, first + uint64_t(c), wide);
-        __m256 v = _mm256_floor_ps(_mm256_add_ps(u, _mm256_div_ps(_mm256_loadu_ps(w + c), sv)));
-        const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-        v = _mm256_blendv_ps(v, _mm256_setzero_ps(), nan);
-        const __m256i q = _mm256_cvttps_epi32(v);
-        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), _mm_packs_epi16(q16, q16));
-    }
-    for (; c < n; ++c) o[c] = dq_sr_code(w[c], s, dq_noise(key, first + uint64_t(c), wide));
-}
-
-void kernel(const float* w, const float* scale, int8_t* out, int64_t rows, int64_t cols, int64_t key,
-            int64_t row0, int64_t col0, int64_t gcols, int64_t wide, int64_t* level) {
-    const bool avx2 = __builtin_cpu_supports("avx2");
-    *level = 1;
-    for (int64_t r = 0; r < rows; ++r) {
-        const float s = scale[r];
-        const uint64_t first = uint64_t(row0 + r) * uint64_t(gcols) + uint64_t(col0);
-        const float* wr = w + r * cols;
-        int8_t* o = out + r * cols;
-        if (avx2) {
-            dq_sr_row_avx2(wr, s, o, cols, uint32_t(key), first, wide != 0);
-        } else {
-            for (int64_t c = 0; c < cols; ++c) {
-                o[c] = dq_sr_code(wr[c], s, dq_noise(uint32_t(key), first + uint64_t(c), wide != 0));
-            }
-        }
-    }
-}
-"""
+SR_KERNEL_SOURCE = Path(__file__).with_name("int8_stochastic.cpp")  # loaded by dtensor_quant.core.native
 _SR_ARGTYPES = ["const float*", "const float*", "int8_t*"] + ["int64_t"] * 7 + ["int64_t*"]
 
 
@@ -98,7 +55,7 @@ def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.T
     from the C++ kernel, or None where it cannot run (given noise values, not the CPU, no compiler)."""
     if noise.values is not None or weight.device.type != "cpu" or weight.ndim != 2 or len(noise.offsets) != 2:
         return None
-    loaded = native.load("int8_stochastic", NOISE_SOURCE + _SR_SOURCE, _SR_ARGTYPES, _sr_probe)
+    loaded = native.load("int8_stochastic", SR_KERNEL_SOURCE, _SR_ARGTYPES, _sr_probe)
     if loaded is None:
         return None
     run, _ = loaded
@@ -121,73 +78,16 @@ def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.T
     return out
 
 
-# Two one-pass helpers of the training path, the bits of their torch expressions: each row's largest |w| (NaN
-# if any; ``block_reduce(w.abs(), 1, None, "max")``) and float32 values ``float(q) * s`` (``unpack`` into float32).
-_ROWS_SOURCE = r"""
-__attribute__((target("avx2")))
-static float dq_row_absmax_avx2(const float* x, int64_t n) {
-    __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        acc = _mm256_max_ps(acc, v);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    float m = j > 0 ? 0.0f : -INFINITY;
-    for (int l = 0; l < 8 && j > 0; ++l) m = lanes[l] > m ? lanes[l] : m;
-    bool any_nan = _mm256_movemask_ps(nan) != 0;
-    for (; j < n; ++j) {
-        const float t = std::fabs(x[j]);
-        if (t != t) any_nan = true;
-        else if (t > m) m = t;
-    }
-    return any_nan ? NAN : m;
+# Two one-pass helpers of the training path (int8_rows.h), the bits of their torch expressions: each row's largest
+# |w| (NaN if any; ``block_reduce(w.abs(), 1, None, "max")``) and float32 values ``float(q) * s`` (``unpack``).
+_ROWS_KERNELS = {  # int8_rows.h's two helpers, an entry point each
+    "row_absmax": ["const float*", "float*", "int64_t", "int64_t", "int64_t*"],
+    "values": ["const int8_t*", "const float*", "float*", "int64_t", "int64_t", "int64_t*"],
 }
-
-void row_absmax(const float* x, float* out, int64_t rows, int64_t cols, int64_t* level) {
-    const bool avx2 = __builtin_cpu_supports("avx2");
-    *level = 1;
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = x + r * cols;
-        if (avx2) {
-            out[r] = dq_row_absmax_avx2(xr, cols);
-            continue;
-        }
-        float m = -INFINITY;
-        bool nan = false;
-        for (int64_t j = 0; j < cols; ++j) {
-            const float t = std::fabs(xr[j]);
-            if (t != t) nan = true;
-            else if (t > m) m = t;
-        }
-        out[r] = nan ? NAN : m;
-    }
-}
-
-void dequant(const int8_t* q, const float* scale, float* out, int64_t rows, int64_t cols, int64_t* level) {
-    *level = 1;
-    for (int64_t r = 0; r < rows; ++r) {
-        const float s = scale[r];
-        for (int64_t j = 0; j < cols; ++j) out[r * cols + j] = float(q[r * cols + j]) * s;
-    }
-}
-"""
 
 
 def _rows_kernel(name: str):
-    if name == "row_absmax":
-        signature, call, args = "(const float* x, float* o, int64_t r, int64_t c, int64_t* l)", "(x, o, r, c, l)", [
-            "const float*", "float*", "int64_t", "int64_t", "int64_t*"]  # fmt: skip
-    else:
-        signature, call, args = (
-            "(const int8_t* q, const float* s, float* o, int64_t r, int64_t c, int64_t* l)",
-            "(q, s, o, r, c, l)",
-            ["const int8_t*", "const float*", "float*", "int64_t", "int64_t", "int64_t*"],
-        )
-    source = _ROWS_SOURCE + f"\nvoid kernel{signature} {{ {name}{call}; }}\n"
+    args = _ROWS_KERNELS[name]
 
     def probe(kernel) -> int:
         level = native.level_out()
@@ -198,7 +98,7 @@ def _rows_kernel(name: str):
             kernel(torch.empty(0, dtype=torch.int8), empty, empty, 0, 0, level)
         return int(level)
 
-    return native.load(f"int8_{name}", source, args, probe)
+    return native.load(f"int8_{name}", Path(__file__).with_name(f"int8_{name}.cpp"), args, probe)
 
 
 def _row_absmax(weight: torch.Tensor) -> torch.Tensor:
@@ -258,7 +158,7 @@ class Int8Rowwise(QuantFormat):
         if self.scale_dtype is not None and out.dtype != self.scale_dtype:
             return unpack_through(self, inner, out, self.scale_dtype)
         q, scale = inner["qdata"], inner["scale"]
-        loaded = _rows_kernel("dequant") if out.dtype == torch.float32 and out.device.type == "cpu" else None
+        loaded = _rows_kernel("values") if out.dtype == torch.float32 and out.device.type == "cpu" else None
         if loaded is not None and out.is_contiguous() and out.ndim == 2:
             q, s = q.contiguous(), scale.float().reshape(-1).contiguous()
             loaded[0](q, s, out, out.shape[0], out.shape[1], native.level_out())

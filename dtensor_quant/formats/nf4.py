@@ -24,7 +24,7 @@ value torch's CPU ``mean`` gives unless its float32 accumulation rounds across
 a dtype rounding boundary (not seen in the tests); it is the same on every
 sharding because float64 sums of the scales are exact.
 
-Layout (:func:`~dtensor_quant.layout.flat_blocked`, from the weight's shape):
+Layout (:func:`~dtensor_quant.core.layout.flat_blocked`, from the weight's shape):
 ``qdata`` packs 2 codes per byte and ``scaler`` blocks ``block_size`` weights,
 ``factor`` blocks ``block_size * scaler_block_size`` weights, all over the flat
 index, and ``mean`` is constant. Where a block fits inside a row (or a factor

@@ -6,7 +6,7 @@ whatever the pre hook returns and lets the post hook build the unsharded
 parameter from the gathered buffers. For a :class:`QuantizedTensor` the pre
 hook returns the stored inner tensors as ``uint8`` views (gloo has no float8,
 and bytes cannot have their NaN payloads rewritten on the wire); the post hook
-concatenates them with the layout's rule (:func:`dtensor_quant.layout_ops.cat_dim`,
+concatenates them with the layout's rule (:func:`dtensor_quant.ops.layout_ops.cat_dim`,
 the rule DTensor's all-gather uses) without copying, and gives the result the
 logical dtype ``mp_policy.param_dtype``. As in DTensor's gather, an inner
 tensor constant along every dim (a per-tensor scale) is the same on every rank
@@ -196,7 +196,7 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
     both use: the memory a bf16 FSDP2 unit holds anyway, and the matmuls run
     at dense speed with no second dequantize in the backward. The gathered
     bytes are freed at once. Otherwise (trainable weights gathered quantized,
-    :mod:`dtensor_quant.gather_quantized`) the weight is a QuantizedTensor whose
+    :mod:`dtensor_quant.fsdp.gather_quantized`) the weight is a QuantizedTensor whose
     inner tensors view FSDP2's buffers; anything that does not (the unsent
     constants) is copied into ``out``.
     """
@@ -233,7 +233,7 @@ def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=
 
 # The storages of the dense unsharded weights the post hook made, by StorageImpl (stable across
 # FSDP2's free and re-allocate), so checks that look for quantized parameters -- a trainable one is
-# refused before its backward (dtensor_quant.nn) -- still find them under plain fully_shard.
+# refused before its backward (dtensor_quant.model) -- still find them under plain fully_shard.
 _DEQUANTIZED: dict[int, object] = {}
 
 

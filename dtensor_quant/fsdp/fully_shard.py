@@ -123,7 +123,7 @@ def _check_reshard_group_size(module, size: int, world: int | None) -> None:
     Torch checks the factor itself (before any collective) but refuses a DTensor
     (tensor-parallel) parameter only at the first post-forward reshard, after the
     forward's all-gathers; with quantized parameters the fix in
-    :func:`dtensor_quant.torch_fixes.install_fsdp_post_forward_reshard` does the rest.
+    :func:`dtensor_quant.fsdp.install_fsdp_post_forward_reshard` does the rest.
     """
     if world is not None and (size < 1 or world % size):
         raise ValueError(

@@ -5,7 +5,7 @@ Like ZeRO++'s quantized weights or torchao's float8 all-gather, but for any
 master shard, and FSDP2 moves only quantized bytes. Before each all-gather,
 every rank quantizes its own shard; a statistic whose block spans shards (a
 per-tensor scale, say) is all-reduced over the FSDP2 mesh first
-(:class:`~dtensor_quant.shard_quant.MeshReducer`), so the gathered weight is
+(:class:`~dtensor_quant.dist.shard_quant.MeshReducer`), so the gathered weight is
 bit-identical to quantizing the whole master. The rest is the frozen path
 (:mod:`dtensor_quant.fsdp`): the gathered weight is a QuantizedTensor that the
 forward uses through the format's kernel.

@@ -158,8 +158,8 @@ def pad_for_tp(
             plans.append((fqn, module, gate, up, down, inter, padded))
     new, originals = {}, {}
     for fqn, module, gate, up, down, inter, padded in plans:  # compute every new weight before changing any
-        originals[fqn] = _original_size(module, inter, fqn)
-        new[fqn] = [_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
+        originals[fqn] = original_size(module, inter, fqn)
+        new[fqn] = [zero_padded(lin.weight, dim, padded, fqn) for lin, dim in ((gate, 0), (up, 0), (down, 1))]
     done = {}
     for fqn, module, gate, up, down, inter, padded in plans:
         for lin, w in zip((gate, up, down), new[fqn]):
@@ -178,10 +178,13 @@ def pad_for_tp(
     return done
 
 
-def _original_size(module: nn.Module, inter: int, fqn: str) -> int:
-    """The intermediate size before any padding: the recorded one when the MLP was padded already."""
+def original_size(module: nn.Module, size: int, fqn: str) -> int:
+    """The size before any padding (an MLP's intermediate size, a vocabulary): the recorded one if padded already.
+
+    ``size`` is the current one, returned when ``module`` records no padding.
+    """
     if not hasattr(module, PADDING_BUFFER):
-        return inter
+        return size
     recorded = module.get_buffer(PADDING_BUFFER)
     if recorded.is_meta:
         raise ValueError(
@@ -191,8 +194,12 @@ def _original_size(module: nn.Module, inter: int, fqn: str) -> int:
     return int(recorded[0])
 
 
-def _padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Tensor:
-    """``w`` with zeros appended along ``dim`` up to ``length``: dense by F.pad, quantized by whole new blocks."""
+def zero_padded(w: torch.Tensor, dim: int, length: int, where: str) -> torch.Tensor:
+    """``w`` with zeros appended along ``dim`` up to ``length``: dense by F.pad, quantized by whole new blocks.
+
+    Raises ``ValueError`` (``where`` names the weight) when a quantized
+    weight cannot be padded without changing its original blocks.
+    """
     w = w.detach()
     amount = length - w.shape[dim]
     if not isinstance(w, QuantizedTensor):

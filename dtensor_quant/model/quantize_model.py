@@ -1,6 +1,6 @@
 """Model-level helpers: quantize the matmul weights of a model (Linears and fused experts) in place.
 
-``dtensor_quant.nn`` is the old name of this module and still re-exports it.
+``dq.quantize_`` is its public name (re-exported by :mod:`dtensor_quant.model` and the package root).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from ..core.layout import LayoutError
 from ..core.tensor import QuantizedTensor
 from ..dist.quantize import quantize
 from ..ops.unpack import whole_blocks
-from .planner import Layer, check
+from .plan_cells import Layer, check
 
 log = logging.getLogger(__name__)
 

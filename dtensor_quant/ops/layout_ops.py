@@ -3,7 +3,7 @@
 Each one maps a logical operation to the same operation on every inner
 tensor, using only the relations in ``QuantizedTensor.rels`` (no format
 knows them, none of them knows a format). They are the vocabulary of
-everything above: the aten handlers (:mod:`dtensor_quant.aten`) are thin
+everything above: the aten handlers (:mod:`dtensor_quant.ops`) are thin
 wrappers over them, the collectives join received pieces with
 :func:`cat_dim`, FSDP2's hooks pad short shards with :func:`pad_end`, the
 matmuls select experts with :func:`select_dim`, and dequantizing hands a

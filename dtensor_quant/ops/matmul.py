@@ -109,7 +109,7 @@ def kernel_linear_impl(
 ):
     """``x @ W.T + bias`` for a 2-D ``x`` and canonical inner tensors: kernel, else dequantize + mm.
 
-    ``blocks`` is :func:`~dtensor_quant.layout_ops.block_sizes` of the weight's relations, ``record``
+    ``blocks`` is :func:`~dtensor_quant.ops.layout_ops.block_sizes` of the weight's relations, ``record``
     the :class:`~dtensor_quant.core.notes.Bytes` of the weight (found from the inner tensors if None).
     """
     shape = (out_features, x.shape[-1])

@@ -1,7 +1,7 @@
 """Dense values of a whole weight at memory speed: the formats' ``unpack`` kernels, in row chunks.
 
 A format's ``dequantize`` is elementwise math on inner tensors repeated to one
-value per element (:func:`dtensor_quant.layout_ops.broadcastable`), which works for
+value per element (:func:`dtensor_quant.ops.layout_ops.broadcastable`), which works for
 any shard, partial block or orientation, but makes a full-size copy of every
 blocked tensor and several passes over the weight. When a weight is in its
 canonical ``[out, in]`` orientation and its packs and column blocks are whole -- a

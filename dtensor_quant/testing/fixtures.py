@@ -13,7 +13,7 @@ from .tools import close_pools, pool
 
 @pytest.fixture(scope="session")
 def ranks():
-    """``ranks(n)`` is a started :class:`~dtensor_quant.launch.RankPool` of ``n`` CPU ranks, shared by
+    """``ranks(n)`` is a started :class:`~dtensor_quant.testing.rank_pool.RankPool` of ``n`` CPU ranks, shared by
     every test of the session and closed at its end."""
     yield pool
     close_pools()

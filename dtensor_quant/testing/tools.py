@@ -12,7 +12,7 @@ The project's own tests use these, and so can a test of your format::
     def test_gather():
         pool(2).run(gather, MyFormat())    # raises, with every rank's traceback, if a rank fails
 
-A rank's failure already raises :class:`~dtensor_quant.launch.RankError` from
+A rank's failure already raises :class:`~dtensor_quant.testing.rank_pool.RankError` from
 ``run``: a function run on the ranks asserts inside and returns nothing, or
 returns a value the test then checks.
 """

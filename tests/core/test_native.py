@@ -15,6 +15,7 @@ rows), with few rows.
 
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,6 +239,36 @@ def test_kernel_sources_ship_with_the_package():
         assert module.KERNEL_SOURCE.is_file() and module.KERNEL_SOURCE.suffix == ".cpp"
         text = native.source(module.KERNEL_SOURCE)
         assert "dq_bf16_rne" in text and '#include "native_prelude.h"' not in text
+
+
+def test_every_kernel_source_resolves_and_the_training_kernels_build(monkeypatch):
+    """Every .cpp in the package inlines all its headers (beside it, then beside core/native.py), and the training
+    paths' kernels build and run here: a build failure there only warns and takes the torch expressions (the same
+    bits), so nothing else would notice that the kernels stopped running."""
+    from dtensor_quant.core.stochastic import Noise, uniform
+
+    package = Path(dq.__file__).parent
+    sources = sorted(package.rglob("*.cpp"))
+    assert len(sources) >= 10, sources
+    for path in sources:
+        text = native.source(path)
+        assert '#include "' not in text, f"{path.name}: a header was not found"
+        assert "void kernel(" in text, f"{path.name}: no entry point"
+    if not native.enabled():
+        pytest.skip("DTENSOR_QUANT_NATIVE=0")
+    asked, load = [], native.load
+    monkeypatch.setattr(native, "load", lambda name, *a: asked.append(name) or load(name, *a))
+    w = weight((8, 512), seed=3, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", native.KernelUnavailableWarning)
+        uniform(0, 0, (8, 512), (0, 0), (8, 512))
+        noise = Noise(0, 0, (8, 512), (0, 0), (8, 512))
+        dq.Int8Rowwise().quantize_stochastic(w, lambda t, *_: t, noise, torch.float32)
+        dq.quantize(w, dq.Int8Rowwise()).dequantize(torch.float32)
+        dq.quantize(w, dq.BlockFloat8(256)).dequantize(torch.float32)
+    expected = {"stochastic_noise", "int8_stochastic", "int8_row_absmax", "int8_values"}
+    expected |= {"block_float8_quantize", "block_float8_unpack"}
+    assert expected <= set(asked), sorted(set(asked))
 
 
 def test_kernel_inputs_are_built_by_the_first_call_that_runs_a_kernel(monkeypatch):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
+from dtensor_quant.core import native
 from dtensor_quant.formats import float8, int4, int4_zero, int8, mxfp4, nf4
 from dtensor_quant.testing import weight
 
@@ -238,3 +239,19 @@ def test_native_off_dequantizes(monkeypatch, fmt):
     for dtype in (torch.bfloat16, torch.float32):
         x = weight((8, 2048), seed=2, dtype=dtype)
         assert torch.equal(F.linear(x, q), x @ q.dequantize(dtype).t())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_native_switched_off_after_a_weight_was_used(monkeypatch, fmt):
+    """DTENSOR_QUANT_NATIVE=0 set after a weight's kernel inputs were prepared: later calls honour it (dequantize +
+    mm, bit for bit) without tripping over the prepared inputs (once a TypeError on every forward), and turning it
+    back on gives the kernel's result again."""
+    if not native.enabled():
+        pytest.skip("DTENSOR_QUANT_NATIVE=0 already")
+    q = dq.quantize(weight((64, 2048), seed=1), fmt)
+    x = weight((8, 2048), seed=2)
+    before = F.linear(x, q)
+    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
+    assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
+    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "1")
+    assert torch.equal(F.linear(x, q), before)

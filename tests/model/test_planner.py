@@ -101,7 +101,7 @@ def test_plan_a_model_with_its_tp_plan():
     assert verdicts["layers.0.feed_forward.w2"] == [True, True, True]  # 1536 / 3 = 512 = 4 groups
     assert verdicts["layers.0.attention.wq"] == [True, True, True]  # rows: any degree
     text = str(result)
-    assert "total per rank" in text and "NO (1)" in text and "(1) layers.0.attention.wo (and 1 more like it)" in text
+    assert "model per rank" in text and "NO (1)" in text and "(1) layers.{0..1}.attention.wo x2 [512x512" in text
 
 
 def test_layers_without_style_are_planned_both_ways():
@@ -125,29 +125,31 @@ def test_parse_format():
         parse_format("int3")
 
 
-def test_command_line():
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtensor_quant",
-        "plan",
-        "--format",
-        "int4:128",
-        "--model",
-        "dtensor_quant.testing.tiny_llama:build",
-        "--tp-plan",
-        "examples/tp_inference.py:tp_plan",
-        "--tp",
-        "1",
-        "2",
-        "3",
-        "4",
-    ]
+def test_command_line(capsys):
+    """The examples' model with the example's TP plan, both as MODULE:FN (the example read from its file)."""
+    from dtensor_quant.__main__ import main
+
+    argv = ["plan", "--format", "int4:128", "--model", "dtensor_quant.testing.tiny_llama:build"]
+    argv += ["--tp-plan", "tests.support.examples.tp_inference:tp_plan"]
+    assert main([*argv, "--tp", "1", "2", "3", "4"]) == 0
+    out = capsys.readouterr().out
+    text = " ".join(out.split())  # notes are wrapped at 120 columns
+    assert "layers.{0..1}.feed_forward.w2 x2" in text and "Nearest legal tp: 2 or 4" in text
+    assert max(map(len, out.splitlines())) <= 120
+
+
+@pytest.mark.slow
+def test_python_dash_m_runs_the_planner():
+    """``python -m dtensor_quant plan`` as docs/tensor_parallel.md runs it (a FILE.py:FN target too), in a fresh
+    process (slow: it imports torch)."""
+    cmd = [sys.executable, "-m", "dtensor_quant", "plan", "--format", "int4:128", "--model",
+           "dtensor_quant.testing.tiny_llama:build", "--tp-plan", "examples/tp_inference.py:tp_plan",
+           "--tp", "1", "3"]  # fmt: skip
     out = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""}
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": ""}
     )
     assert out.returncode == 0, out.stderr
-    assert "layers.1.feed_forward.w2" in out.stdout and "nearest legal tp: 2 or 4" in out.stdout
+    assert "layers.{0..1}.feed_forward.w2 x2" in out.stdout and "NO (1)" in out.stdout
 
 
 def test_command_line_errors(capsys):
@@ -266,3 +268,12 @@ def test_planner_lists_a_models_expert_stacks():
         model = tiny_moe("mixtral")
     names = {layer.name for layer in layers_of(model)}
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= names
+
+
+def test_planner_proposes_vocab_padding():
+    result = plan([("lm_head", (151936, 1536), "colwise")], dq.NF4(), tp=[4, 8])
+    cells = {c.tp: c for c in result.rows[0][1]}
+    assert cells[4].legal and not cells[8].legal
+    assert cells[8].padding[:2] == (0, 152064)
+    text = " ".join(str(result).split())
+    assert "zero-pad the vocabulary from 151936 to 152064" in text and "pad_vocab_for_tp" in text

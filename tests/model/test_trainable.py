@@ -226,3 +226,32 @@ def test_resuming_from_a_state_dict_rounds_as_the_uninterrupted_run():
             assert torch.equal(p.qdata, q.qdata) and torch.equal(p.scale, q.scale)
         else:
             assert torch.equal(p, q)
+
+
+@pytest.mark.slow
+def test_compiled_forward_and_backward_train_like_eager():
+    """torch.compile of a model with trainable weights: the forward and backward trace through the quantized weight
+    (its kernel or dequantize), the optimizer's in-place updates stay eager. The compiled graph may fuse and reorder
+    the float math, so the losses and gradients are compared within a bound, not bit for bit."""
+
+    def run(compiled: bool):
+        model = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=1)
+        forward = torch.compile(model) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = data()
+        seen = []
+        for _ in range(5):
+            loss = F.mse_loss(forward(x).float(), y)
+            loss.backward()
+            seen.append((loss.item(), model[0].weight.grad.float().clone()))
+            opt.step()
+            opt.zero_grad()
+        return seen, model
+
+    eager, _ = run(False)
+    compiled, model = run(True)
+    assert isinstance(model[0].weight, dq.QuantizedTensor) and model[0].weight.qdata.dtype == torch.int8
+    for (loss_e, grad_e), (loss_c, grad_c) in zip(eager, compiled):
+        assert loss_c == pytest.approx(loss_e, rel=1e-3)
+        torch.testing.assert_close(grad_c, grad_e, rtol=2e-2, atol=1e-3)
+    assert compiled[-1][0] < 0.5 * compiled[0][0]

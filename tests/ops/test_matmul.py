@@ -350,8 +350,11 @@ def test_moe_layer_runs_each_experts_tokens_through_kernels_without_a_dense_expe
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+    from dtensor_quant.core import native
     from dtensor_quant.ops.matmul import record_paths
 
+    if not native.enabled():
+        pytest.skip("DTENSOR_QUANT_NATIVE=0: no kernels, so every expert dequantizes (tests/core/test_native_tiles.py)")
     cfg = MixtralConfig(hidden_size=2048, intermediate_size=768, num_local_experts=4)
     torch.manual_seed(0)
     layer = MixtralExperts(cfg).to(torch.bfloat16)

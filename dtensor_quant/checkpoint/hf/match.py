@@ -106,7 +106,7 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
     for key, _, t in model_tensors(model):
         if key is None:  # a LoRA adapter: not in any Hugging Face checkpoint, left as initialized
             continue
-        if id(t) in padding_records:  # pad_for_tp's record: the model's own, in no checkpoint
+        if id(t) in padding_records:  # pad_for_tp's or pad_vocab_for_tp's record: the model's own, in no checkpoint
             continue
         stored = find(qc, ckpt, key, t, is_quantized(t)) if t.ndim >= 2 else None
         if isinstance(stored, str):
@@ -116,7 +116,8 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
             try:
                 local_slice(t)
                 if key in unpadded:
-                    errors.append(f"{key}: a weight padded by pad_for_tp is not read as stored ({describe(t)})")
+                    errors.append(f"{key}: a weight padded by pad_for_tp or pad_vocab_for_tp is not read as stored "
+                                  f"({describe(t)}); load a dense checkpoint into it")  # fmt: skip
                 errors.extend(check(stored, key, t, ckpt))
             except ValueError as e:
                 errors.append(f"{key}: {e}")

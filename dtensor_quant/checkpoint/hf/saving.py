@@ -5,7 +5,7 @@ weight is dense, with LoRA adapters merged into their base weights on the way
 and the padding of :func:`~dtensor_quant.pad_for_tp` left out.
 
 The save runs in steps, and the ranks agree on the outcome of each before the
-next (:func:`~dtensor_quant.agree.raise_together`): a failure on any rank (a
+next (:func:`~dtensor_quant.dist.agree.raise_together`): a failure on any rank (a
 refused model, an unwritable directory, a full disk) raises on every rank
 within one all-gather, never leaving the others in a barrier until the process
 group's timeout. New files are written into a staging directory inside the

@@ -232,12 +232,14 @@ def describe(t: torch.Tensor) -> str:
 
 
 def unpadded_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[int]]:
-    """``{key: shape in a checkpoint}`` for the tensors of MLPs that pad_for_tp padded, and ids of their records.
+    """``{key: shape in a checkpoint}`` for the tensors that pad_for_tp or pad_vocab_for_tp padded, and ids of
+    their records.
 
     A padded MLP's gate and up weights (and biases) have rows, its down
-    weight columns, past the recorded original size; checkpoints hold them
-    at the original size. The ``tp_padding`` buffers themselves are the
-    model's own record, in no checkpoint.
+    weight columns, past the recorded original size; a padded output head
+    (and its bias) or embedding has rows past the original vocabulary;
+    checkpoints hold them at the original size. The ``tp_padding`` buffers
+    themselves are the model's own record, in no checkpoint.
     """
     shapes, buffers = {}, set()
     for fqn, module in unwrap(model).named_modules():
@@ -249,19 +251,27 @@ def unpadded_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[i
         if local.is_meta:
             raise ValueError(f"{fqn}.{PADDING_BUFFER} is on the meta device: it must hold [original, padded]")
         original, padded = (int(v) for v in local.tolist())
-        trio = next((t for t in MLP_NAMES if all(hasattr(module, n) for n in t)), None)
-        if trio is None:
-            raise ValueError(f"{fqn} records padding ({PADDING_BUFFER}) but has none of the MLP children {MLP_NAMES}")
-        prefix = f"{fqn}." if fqn else ""
-        for name, dim in ((trio[0], 0), (trio[1], 0), (trio[2], 1)):
-            for key, t in _linear_tensors(getattr(module, name), with_bias=dim == 0):
+        if isinstance(module, (nn.Linear, nn.Embedding)):  # pad_vocab_for_tp: an output head's or embedding's rows
+            parts = [(fqn, module, 0, isinstance(module, nn.Linear))]
+        else:
+            trio = next((t for t in MLP_NAMES if all(hasattr(module, n) for n in t)), None)
+            if trio is None:
+                raise ValueError(
+                    f"{fqn} records padding ({PADDING_BUFFER}) but is no Linear or Embedding and has none of the "
+                    f"MLP children {MLP_NAMES}"
+                )
+            prefix = f"{fqn}." if fqn else ""
+            parts = [(prefix + n, getattr(module, n), dim, dim == 0) for n, dim in zip(trio, (0, 0, 1))]
+        for owner_key, owner, dim, with_bias in parts:
+            for key, t in _linear_tensors(owner, with_bias=with_bias):
+                name_key = f"{owner_key}.{key}" if owner_key else key
                 if t.shape[dim] != padded:
                     raise ValueError(
-                        f"{prefix}{name}.{key} has {t.shape[dim]} along dim {dim}, the recorded padding says {padded}"
+                        f"{name_key} has {t.shape[dim]} along dim {dim}, the recorded padding says {padded}"
                     )
                 shape = list(t.shape)
                 shape[dim] = original
-                shapes[f"{prefix}{name}.{key}"] = tuple(shape)
+                shapes[name_key] = tuple(shape)
     return shapes, buffers
 
 

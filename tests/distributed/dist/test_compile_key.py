@@ -30,7 +30,7 @@ def two_formats_compiled(cache: bool):
 def test_compiled_formats_each_get_their_own_graph(ranks):
     """Two formats of the same module compiled in one process, with torch's AOT autograd cache on.
 
-    torch 2.13 keys a DTensor input by its spec alone, so without dtensor_quant.torch_fixes the second
+    torch 2.13 keys a DTensor input by its spec alone, so without dtensor_quant.dist.compile_key the second
     model is served the first one's compiled graph (it fails in assert_size_stride, or runs the wrong
     kernel). With the cache off or on, each model must equal its own eager output bit for bit.
     """

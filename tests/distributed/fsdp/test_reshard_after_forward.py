@@ -4,7 +4,7 @@ FSDP2 keeps a quantized post-forward shard.
 With ``reshard_after_forward=k`` each rank keeps, after the forward, its 1/k
 of every gathered inner tensor -- still the stored bytes -- and the backward
 all-gathers those over groups of k ranks
-(:func:`dtensor_quant.fsdp.reshard_after_forward.install_fsdp_post_forward_reshard`). Checks:
+(:func:`dtensor_quant.fsdp.install_fsdp_post_forward_reshard`). Checks:
 the backward's weight is bit-identical to the forward's (so a run with k gives
 exactly the losses of a run with ``True``, and both match one process), each
 forward all-gather sends one rank's padded shard and each backward one sends
