@@ -1,4 +1,4 @@
-"""The planner: every verdict agrees with what DTensor and the layout actually do, and every refusal says why.
+"""model/planner: every verdict agrees with what DTensor and the layout actually do, and every refusal says why.
 
 The planner works from shapes alone; these tests check its verdicts against
 ``check_placements`` (the rule the ops enforce), its byte counts against

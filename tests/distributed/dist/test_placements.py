@@ -1,4 +1,5 @@
-"""Placements a quantized layout cannot take, on live ranks: refused on every rank before any collective.
+"""dist/placements on live ranks: a placement a quantized layout cannot take is refused on every rank,
+before any collective.
 
 A Partial placement meets one error, LayoutError with one message, at every entry point: a quantized tensor
 cannot hold partial sums (adding codes and scales is not adding values), so wherever a Partial placement
