@@ -142,7 +142,7 @@ def test_a_shard_with_reduced_statistics_holds_the_whole_weights_bytes(fmt_name,
 
 
 @dataclass(frozen=True)
-class MisdeclaredInt8(dq.QuantFormat):
+class WronglyDeclaredInt8(dq.QuantFormat):
     """Declares a scale per row but returns one per tensor, or names its inner tensors otherwise."""
 
     names: tuple = ("qdata", "scale")
@@ -159,8 +159,8 @@ class MisdeclaredInt8(dq.QuantFormat):
 
 def test_inner_tensors_that_break_the_declared_layout_are_refused():
     with pytest.raises(dq.LayoutError, match=r"returned inner 'scale' of shape \(1, 1\).*layout says \(8, 1\)"):
-        dq.quantize(weight((8, 64)), MisdeclaredInt8())
+        dq.quantize(weight((8, 64)), WronglyDeclaredInt8())
     with pytest.raises(
         dq.LayoutError, match=r"returned inner tensors \('codes', 'scale'\).*declares \('qdata', 'scale'"
     ):
-        dq.quantize(weight((8, 64)), MisdeclaredInt8(names=("codes", "scale")))
+        dq.quantize(weight((8, 64)), WronglyDeclaredInt8(names=("codes", "scale")))
