@@ -4,7 +4,7 @@
     python bench/decode.py --tp 1 2 --compile               # eager and torch.compile (inductor) side by side
     python bench/decode.py --formats int8 nf4 --rounds 5 --calls 20
 
-The model is examples/llama.py's at TinyLlama-1.1B's widths (dim 2048, MLP
+The model is dtensor_quant/testing/tiny_llama.py's at TinyLlama-1.1B's widths (dim 2048, MLP
 5632, 32 query and 4 key/value heads; ``--layers`` blocks, vocabulary
 ``--vocab``), sharded with torchtitan's plan (examples/tp_inference.py) over
 local gloo ranks, one thread per rank. Every Linear (the output head too) is
@@ -42,20 +42,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import common  # noqa: E402
-import llama  # noqa: E402
 import tp_inference  # noqa: E402
 
 from dtensor_quant.core.layout import LayoutError  # noqa: E402
 from dtensor_quant.model.format_spec import parse_format  # noqa: E402
+from dtensor_quant.testing import tiny_llama  # noqa: E402
 from dtensor_quant.testing.rank_pool import RankPool  # noqa: E402
 
 FORMATS = ["int8", "int4:128", "nf4", "float8rowwise", "float8tensorwise", "float8blockwise:128"]
 GOAL = 0.85
 
 
-def config(layers: int, vocab: int) -> llama.Config:
+def config(layers: int, vocab: int) -> tiny_llama.Config:
     """TinyLlama-1.1B's widths (head_dim 64); few layers and a small vocabulary keep five engineers' RAM free."""
-    return llama.Config(
+    return tiny_llama.Config(
         vocab_size=vocab, dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, hidden_dim=5632, max_seq_len=16
     )
 

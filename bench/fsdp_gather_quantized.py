@@ -2,7 +2,7 @@
 
     python bench/fsdp_gather_quantized.py [--world 2] [--steps 50] [--plot docs/fsdp_gather_quantized.png]
 
-Trains the small LLaMA of examples/llama.py from scratch on synthetic data
+Trains the small LLaMA of dtensor_quant/testing/tiny_llama.py from scratch on synthetic data
 (a noisy successor table, so the loss can fall) under FSDP2 with bf16 mixed
 precision and fp32 masters, three times from the same seed: the plain bf16
 all-gather, and every Linear of the blocks wrapped by
@@ -16,8 +16,6 @@ quantized curve is from bf16. With matplotlib (the ``bench`` extra),
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 import time
 
 import common
@@ -29,12 +27,10 @@ from dtensor_quant import wire
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.fsdp.gather_quantized import gather_quantized_
 from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing import tiny_llama
 from dtensor_quant.testing.rank_pool import run
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import llama
-
-CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=64)
+CFG = tiny_llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=64)
 # The labels (table rows, CSV values) are format specs, read by parse_format.
 FORMATS = {"bf16": None, **{s: parse_format(s) for s in ("Int8Rowwise", "Int4Groupwise(32)")}}
 BATCH, SEQ, LR = 16, 64, 3e-3
@@ -43,7 +39,7 @@ BATCH, SEQ, LR = 16, 64, 3e-3
 def train(fmt_name: str, steps: int):
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     mesh = init_device_mesh("cpu", (world,))
-    model = llama.build(CFG, seed=0, dtype=torch.float32)
+    model = tiny_llama.build(CFG, seed=0, dtype=torch.float32)
     if FORMATS[fmt_name] is not None:
         gather_quantized_(
             model, FORMATS[fmt_name], quant_dtype=torch.bfloat16, filter_fn=lambda m, n: n.startswith("layers.")
@@ -54,9 +50,9 @@ def train(fmt_name: str, steps: int):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, layer_bytes, t0 = [], [], time.perf_counter()
-    for tokens in llama.synthetic_batches(steps, BATCH, SEQ, CFG.vocab_size, noise=0.2):
+    for tokens in tiny_llama.synthetic_batches(steps, BATCH, SEQ, CFG.vocab_size, noise=0.2):
         with wire.record() as log:
-            losses.append(llama.train_step(model, opt, tokens.chunk(world)[rank]))
+            losses.append(tiny_llama.train_step(model, opt, tokens.chunk(world)[rank]))
         # the blocks' all-gathers (the root unit holds embeddings, norm and output, never wrapped)
         layer_bytes.append(sum(t.nbytes for t in log.all_gathers().transfers[1:]))
     return (

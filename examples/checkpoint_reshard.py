@@ -2,7 +2,7 @@
 
     python examples/checkpoint_reshard.py [--format int4|int8] [--dir DIR]
 
-1. TP=2 (2 ranks): the LLaMA-style model of ``examples/llama.py``, each Linear
+1. TP=2 (2 ranks): the LLaMA-style model of ``dtensor_quant/testing/tiny_llama.py``, each Linear
    weight sharded as tensor parallelism shards it (``wq wk wv w1 w3 output``
    column-wise, ``Shard(0)``; ``wo w2`` row-wise, ``Shard(1)``), then quantized
    in place: each rank quantizes its own shard, with the scale reductions the
@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,14 +26,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-sys.path.insert(0, os.path.dirname(__file__))
-import llama
-
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
 from dtensor_quant.core.bits import same_bits
 from dtensor_quant.model import weight_bytes
 from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing import tiny_llama
 from dtensor_quant.testing.rank_pool import run
 
 FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)
@@ -44,7 +40,7 @@ ROW_WISE = ("wo", "w2")  # tensor parallelism splits their inputs
 
 def sharded(seed: int, fmt, plan: str) -> nn.Module:
     """The model from ``seed`` with its Linear weights sharded by ``plan`` ("tp" or "fsdp"), then quantized."""
-    model = llama.build(seed=seed)
+    model = tiny_llama.build(seed=seed)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -55,7 +51,7 @@ def sharded(seed: int, fmt, plan: str) -> nn.Module:
 
 
 def reference(fmt) -> nn.Module:
-    return dq.quantize_(llama.build(seed=0), fmt)
+    return dq.quantize_(tiny_llama.build(seed=0), fmt)
 
 
 def same_weight(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -99,7 +95,7 @@ def main():
     print(f"1. TP=2: quantize with {fmt} shard by shard and save to {path} ...", flush=True)
     run(save_tp, 2, args.format, path)
     on_disk = sum(f.stat().st_size for f in Path(path).iterdir())
-    stored, dense = weight_bytes(reference(fmt)), weight_bytes(llama.build(seed=0))
+    stored, dense = weight_bytes(reference(fmt)), weight_bytes(tiny_llama.build(seed=0))
     print(
         f"   {on_disk / 2**20:.2f} MiB on disk: {on_disk / stored:.3f}x the quantized model's bytes, "
         f"{on_disk / dense:.3f}x the bf16 model's"
@@ -110,10 +106,10 @@ def main():
     print(f"   every weight bit-identical to the single-process quantization: {not wrong} {wrong or ''}")
 
     print("3. One process: load and generate ...", flush=True)
-    model = dq.quantize_(llama.build(seed=2), fmt)
+    model = dq.quantize_(tiny_llama.build(seed=2), fmt)
     ckpt.load(model, path)
     prompt = torch.arange(8)[None]
-    tokens, expected = llama.generate(model, prompt, 8), llama.generate(reference(fmt), prompt, 8)
+    tokens, expected = tiny_llama.generate(model, prompt, 8), tiny_llama.generate(reference(fmt), prompt, 8)
     same_tokens = torch.equal(tokens, expected)
     print(f"   tokens {tokens[0, 8:].tolist()}, reference {expected[0, 8:].tolist()}: equal {same_tokens}")
     if wrong or not same_tokens:

@@ -2,7 +2,7 @@
 
     python examples/demo.py [--format int4] [--steps 8] [--tokens 16]
 
-One small LLaMA-style model (examples/llama.py, random weights from a seed)
+One small LLaMA-style model (dtensor_quant/testing/tiny_llama.py, random weights from a seed)
 goes through the whole story, each stage against the same thing in bf16
 measured in the same run:
 
@@ -28,20 +28,19 @@ import sys
 import tempfile
 import time
 
+# qlora_fsdp2 and tp_inference: the examples beside this one (Python puts a script's folder first on sys.path).
+import qlora_fsdp2
 import torch
 import torch.distributed as dist
+import tp_inference
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llama
-import qlora_fsdp2
-import tp_inference
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant.lora import lora_parameters, lora_tp_plan
 from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant.testing import tiny_llama
 from dtensor_quant.testing.rank_pool import run
 
 CFG = qlora_fsdp2.CFG  # 2 blocks, dim 256, 8 heads (4 kv), SwiGLU 768, vocab 512
@@ -57,7 +56,7 @@ def serve(fmt, mesh, tokens: int) -> dict:
     """Stage 1: tensor-parallel greedy decoding, quantized vs bf16, tokens vs one process."""
     prompt = torch.randint(CFG.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
     window = -(-(8 + tokens) // 2) * 2
-    reference = llama.build(CFG, seed=0)
+    reference = tiny_llama.build(CFG, seed=0)
     dq.quantize_(reference, fmt)
     expected, _ = tp_inference.timed_generate(reference, prompt, tokens, window)
     quantized = tp_inference.build_tp(CFG, fmt, mesh)
@@ -78,7 +77,7 @@ def train(model, steps: int) -> tuple[list[float], wire.WireLog]:
     world, rank, losses = dist.get_world_size(), dist.get_rank(), []
     with wire.record() as log:
         for step, batch in enumerate(qlora_fsdp2.synthetic_batches(steps, 8, 64), start=1):
-            losses.append(llama.train_step(model, opt, batch.chunk(world)[rank]))
+            losses.append(tiny_llama.train_step(model, opt, batch.chunk(world)[rank]))
             if rank == 0:
                 print(
                     f"\r    step {step}/{steps}  loss {losses[-1]:.3f}", end="\n" if step == steps else "", flush=True
@@ -90,7 +89,7 @@ def finetune(fmt, mesh, steps: int):
     """Stage 2: QLoRA under FSDP2; the bf16 base trained the same way is the baseline for the all-gather."""
     model = qlora_fsdp2.shard(qlora_fsdp2.build(fmt, torch.device("cpu")), mesh)
     losses, log = train(model, steps)
-    dense = llama.build(CFG, seed=0)
+    dense = tiny_llama.build(CFG, seed=0)
     from dtensor_quant.lora import add_lora_
 
     dense = qlora_fsdp2.shard(add_lora_(dense, rank=16, alpha=32, filter_fn=qlora_fsdp2.in_blocks, seed=1), mesh)

@@ -3,7 +3,7 @@
     python examples/qlora_fsdp2.py [--ranks 2] [--format int4] [--steps 30] [--out /tmp/qlora_fsdp2]
     python examples/qlora_fsdp2.py --hf path/to/hf_model     # a transformers model from its HF directory
 
-Builds the model of examples/llama.py in bf16, quantizes every Linear of its
+Builds the model of dtensor_quant/testing/tiny_llama.py in bf16, quantizes every Linear of its
 blocks (frozen; Int4Groupwise(128) or Int8Rowwise), adds rank-16 LoRA
 adapters with fp32 masters, and shards each block with FSDP2 (bf16 mixed
 precision, fp32 gradient reduction) over ``--ranks`` local processes: gloo
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 import time
 
 import torch
@@ -40,22 +39,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llama
-
 import dtensor_quant as dq
 from dtensor_quant.core.bits import same_bits
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import add_lora_, lora_parameters
 from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.testing import rank_pool as launch
+from dtensor_quant.testing import tiny_llama
 
-CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
+CFG = tiny_llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
 FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)
 
 
 def in_blocks(module, fqn: str) -> bool:
-    return fqn.startswith(("layers.", "model.layers."))  # examples/llama.py's blocks, or a transformers model's
+    return fqn.startswith(("layers.", "model.layers."))  # tiny_llama's blocks, or a transformers model's
 
 
 def build(fmt: dq.QuantFormat, device: torch.device, seed: int = 0, hf: str | None = None) -> torch.nn.Module:
@@ -65,7 +62,7 @@ def build(fmt: dq.QuantFormat, device: torch.device, seed: int = 0, hf: str | No
     then every rank reads the checkpoint (each weight quantized with the statistics of the whole tensor).
     """
     if hf is None:
-        model = llama.build(CFG, seed=seed, dtype=torch.bfloat16).to(device)
+        model = tiny_llama.build(CFG, seed=seed, dtype=torch.bfloat16).to(device)
         dq.quantize_(model, fmt, filter_fn=in_blocks)
     else:
         import transformers
@@ -98,7 +95,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 def synthetic_batches(steps: int, batch: int, seq: int, seed: int = 0, vocab: int = CFG.vocab_size):
-    return llama.synthetic_batches(steps, batch, seq, vocab, noise=0.1, seed=seed)
+    return tiny_llama.synthetic_batches(steps, batch, seq, vocab, noise=0.1, seed=seed)
 
 
 def progress(step: int, steps: int, loss: float, seconds: float) -> None:
@@ -129,7 +126,7 @@ def finetune(
         log.write("step,loss\n")
     losses, start = [], time.perf_counter()
     for step, tokens in enumerate(synthetic_batches(steps, batch, seq, vocab=vocab), start=1):
-        losses.append(llama.train_step(model, opt, tokens.chunk(world)[rank].to(device)))
+        losses.append(tiny_llama.train_step(model, opt, tokens.chunk(world)[rank].to(device)))
         if rank == 0:
             log.write(f"{step},{losses[-1]:.6f}\n")
             progress(step, steps, losses[-1], time.perf_counter() - start)

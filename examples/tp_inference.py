@@ -4,7 +4,7 @@
     python examples/tp_inference.py --world 4 --format int8 --sequence-parallel --compile aot_eager
     torchrun --nproc-per-node 2 examples/tp_inference.py --format int8
 
-The model is examples/llama.py's (RMSNorm, RoPE, grouped-query attention,
+The model is dtensor_quant/testing/tiny_llama.py's (RMSNorm, RoPE, grouped-query attention,
 SwiGLU), built from a seed: nothing is downloaded. Its Linear weights are
 quantized with ``dtensor_quant.quantize_`` and the model is sharded with
 torch's own ParallelStyles in torchtitan's plan (attention and MLP inputs
@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,18 +36,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import llama
-
 import dtensor_quant as dq
 from dtensor_quant.model import quantized_fqns, weight_bytes
 from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.ops.matmul import record_paths
 from dtensor_quant.testing import rank_pool as launch
+from dtensor_quant.testing import tiny_llama
 
 
-def tp_plan(model: llama.Transformer, sequence_parallel: bool = False) -> dict:
+def tp_plan(model: tiny_llama.Transformer, sequence_parallel: bool = False) -> dict:
     """torchtitan's plan: q/k/v and w1/w3 column-parallel, wo and w2 row-parallel, logits replicated.
 
     With ``sequence_parallel`` the residual stream between blocks stays sharded
@@ -92,7 +88,7 @@ def build_tp(cfg, fmt, mesh, *, seed=0, dtype=torch.bfloat16, quantize_first=Tru
     gathered input (``dq.adapt_tp_plan``); ``model.tp_switched`` maps each
     such layer to the reason.
     """
-    model = llama.build(cfg, seed, dtype).to(mesh.device_type)
+    model = tiny_llama.build(cfg, seed, dtype).to(mesh.device_type)
     model.freqs = model.freqs.to(mesh.device_type)
     if fmt is not None and quantize_first:
         dq.quantize_(model, fmt)
@@ -105,11 +101,11 @@ def build_tp(cfg, fmt, mesh, *, seed=0, dtype=torch.bfloat16, quantize_first=Tru
 
 def timed_generate(model, prompt, new_tokens, pad_to_multiple=1):
     """Tokens and seconds of a second generate (the first builds kernel caches / compiles)."""
-    llama.generate(model, prompt, 1, pad_to_multiple)
+    tiny_llama.generate(model, prompt, 1, pad_to_multiple)
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
-    tokens = llama.generate(model, prompt, new_tokens, pad_to_multiple)
+    tokens = tiny_llama.generate(model, prompt, new_tokens, pad_to_multiple)
     return tokens, time.perf_counter() - start
 
 
@@ -117,7 +113,7 @@ def run(args) -> dict:
     """One rank's part: TP quantized, TP bf16 and single-process quantized runs."""
     world, device = dist.get_world_size(), "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world,))
-    cfg, fmt = llama.Config(n_layers=args.layers), parse_format(args.format)
+    cfg, fmt = tiny_llama.Config(n_layers=args.layers), parse_format(args.format)
     dtype = getattr(torch, args.dtype)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(device)
@@ -127,7 +123,7 @@ def run(args) -> dict:
     window = args.prompt_len + args.tokens
     pad = -(-window // world) * world
 
-    reference = llama.build(cfg, args.seed, dtype).to(device)
+    reference = tiny_llama.build(cfg, args.seed, dtype).to(device)
     reference.freqs = reference.freqs.to(device)
     dq.quantize_(reference, fmt)
     expected, ref_s = timed_generate(reference, prompt, args.tokens, pad)

@@ -2,7 +2,7 @@
 
     python examples/train_int8_fsdp2.py [--ranks 2] [--resume-ranks 3] [--steps 40] [--out /tmp/train_int8_fsdp2]
 
-Builds the model of examples/llama.py in bf16 and makes every Linear of its
+Builds the model of dtensor_quant/testing/tiny_llama.py in bf16 and makes every Linear of its
 blocks a trainable int8 weight (``dq.quantize_(..., trainable=True)``: the
 parameters *are* int8 codes with a bf16 scale per row; there is no bf16
 master copy). Each block is an FSDP2 unit over ``--ranks`` local processes
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 import time
 
 import torch
@@ -36,14 +35,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llama
-
 import dtensor_quant as dq
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.testing import rank_pool as launch
+from dtensor_quant.testing import tiny_llama
 
-CFG = llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
+CFG = tiny_llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
 BATCH, SEQ = 12, 64  # 12 sequences a step, split over 1, 2, 3, 4 or 6 ranks
 
 
@@ -53,7 +50,7 @@ def in_blocks(module, fqn: str) -> bool:
 
 def build(mesh, device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model from scratch (the same on every rank and world size), int8 blocks, FSDP2, 8-bit AdamW."""
-    model = llama.build(CFG, seed=0, dtype=torch.bfloat16).to(device)
+    model = tiny_llama.build(CFG, seed=0, dtype=torch.bfloat16).to(device)
     dq.quantize_(model, dq.Int8Rowwise(), filter_fn=in_blocks, trainable=True, seed=0)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -63,7 +60,7 @@ def build(mesh, device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def batches(first: int, last: int):
     """Steps ``first..last - 1`` of one fixed stream of batches (a resumed run continues the same stream)."""
-    stream = llama.synthetic_batches(last, BATCH, SEQ, CFG.vocab_size, noise=0.1, seed=0)
+    stream = tiny_llama.synthetic_batches(last, BATCH, SEQ, CFG.vocab_size, noise=0.1, seed=0)
     for step, tokens in enumerate(stream):
         if step >= first:
             yield step, tokens

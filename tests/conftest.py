@@ -1,7 +1,12 @@
-"""Session-wide test settings."""
+"""Session-wide test settings, and the checkpoints that tests of both trees read.
+
+The tests mirror the package: ``tests/<layer>/test_<module>.py`` runs on one
+process, ``tests/distributed/<layer>/test_<module>.py`` on live ranks (the
+``ranks`` fixture of tests/distributed/conftest.py); ``tests/distributed/examples/``
+runs the examples. ``tests/support/`` holds what several test modules share.
+"""
 
 import os
-import sys
 import tempfile
 
 # Inductor's on-disk cache can hold graphs compiled against an older signature of this
@@ -9,10 +14,8 @@ import tempfile
 # run keeps the compile tests hermetic. Spawned ranks inherit the variable.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="dtensor_quant_inductor_"))
 
-# examples/ (the model, the scripts and the custom format the tests run) and tests/distributed/
-# (the test-only user formats and case modules) import by name, once for every test module;
-# spawned ranks inherit sys.path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.join(_HERE, "distributed"), os.path.join(os.path.dirname(_HERE), "examples")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+# Hugging Face checkpoints written once per session, on first use, for the one-process and the
+# distributed tests of dq.hf alike.
+from tests.support.hf_cases import checkpoints, fp8_checkpoints  # noqa: F401
+from tests.support.hf_export_cases import sources  # noqa: F401
+from tests.support.producers import producer_checkpoints  # noqa: F401

@@ -30,7 +30,7 @@ def format_id(fmt: QuantFormat) -> int:
 
 # A format is a constant of a compiled graph, so its id is too. This is what
 # torch.compiler.assume_constant_result does; calling it would import all of
-# torch._dynamo (2 s) with the library. tests/test_formats.py checks the two agree.
+# torch._dynamo (2 s) with the library. tests/core/test_format_ids.py checks the two agree.
 format_id._dynamo_marked_constant = True
 
 

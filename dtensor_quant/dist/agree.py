@@ -49,9 +49,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import wire
 from ..core.bits import is_tracing
 from ..core.layout import LayoutError
+from . import wire
 
 # The (group name, layout key) pairs every rank of the group has agreed on: checked once, then a set lookup.
 AGREED: set = set()

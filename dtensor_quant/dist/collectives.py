@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from . import agree, wire
-from ..ops import writes
-from .codec import ALIGN, pack, packed_size, unpack, varies
 from ..core.bits import is_tracing, same_bits
 from ..core.dispatch import implements
 from ..core.layout import Constant, Stacked, partial_refused
 from ..core.memo import layout_key, lookup, remember
 from ..core.notes import new_bytes
-from ..ops.layout_ops import alias, cat_dim, describe, rebuild, slice_dim
 from ..core.tensor import QuantizedTensor
+from ..ops import writes
+from ..ops.layout_ops import alias, cat_dim, describe, rebuild, slice_dim
+from . import agree, wire
+from .codec import ALIGN, pack, packed_size, unpack, varies
 
 functional = torch.ops._c10d_functional
 

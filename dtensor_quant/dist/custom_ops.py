@@ -39,16 +39,16 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from ..ops import matmul
-from ..ops.dequant import dequantize as dequantize_local
 from ..core.dispatch import implements
 from ..core.format import QuantFormat, Reducer, check_weight
 from ..core.format_ids import format_from_id, format_id
 from ..core.layout import LayoutError
+from ..core.tensor import QuantizedTensor
+from ..ops import matmul
+from ..ops.dequant import dequantize as dequantize_local
 from ..ops.layout_ops import describe
 from .placements import check_placements, shard_like
 from .shard_quant import MeshReducer, agree_before_reducing, quantize_local
-from ..core.tensor import QuantizedTensor
 
 # -- quantize -------------------------------------------------------------------
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import custom_ops
 from ..core.format import QuantFormat, Reducer
+from ..core.tensor import QuantizedTensor
+from . import custom_ops
 from .placements import check_placements
 from .shard_quant import quantize_local
-from ..core.tensor import QuantizedTensor
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:

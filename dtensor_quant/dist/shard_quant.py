@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from . import agree, wire
-from ..core.reductions import canonical_nans, reduce_nan_aware
 from ..core.format import QuantFormat, Reducer, check_weight, weight_layout
 from ..core.layout import Constant, LayoutError
-from ..ops.layout_ops import canonical_dims
-from .placements import shard_like
+from ..core.reductions import canonical_nans, reduce_nan_aware
 from ..core.tensor import QuantizedTensor
+from ..ops.layout_ops import canonical_dims
+from . import agree, wire
+from .placements import shard_like
 
 
 def quantize_local(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer, full_shape) -> QuantizedTensor:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..core.tensor import QuantizedTensor
 
 _NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")

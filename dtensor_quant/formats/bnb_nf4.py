@@ -43,7 +43,7 @@ rounds otherwise (seen once in twelve weights, by one ulp). Each 8-bit
 absmax code is the nearest map entry to ``(absmax - offset) /
 nested_absmax``; bitsandbytes' CPU search returns the second-nearest of two
 almost equidistant entries in about 0.3% of blocks, so those codes differ
-by one map step (tests/test_producer_formats.py measures both).
+by one map step (tests/formats/test_bnb_nf4.py measures both).
 A NaN or Inf weight makes its ``nested_absmax`` non-finite, and with it the
 ``block_size * nested_block_size`` values that scale covers, no others; an
 all-zero block dequantizes to zeros.
@@ -51,7 +51,7 @@ all-zero block dequantizes to zeros.
 Kernels: NF4's (the one-token kernel for one bf16 token, the tiles for more
 and for fp32 activations), fed bitsandbytes' float32 levels and block
 scales, so each weight they use is ``dequantize``'s value bit for bit
-(tests/test_fused_kernels.py, tests/test_tiled_kernels.py).
+(tests/core/test_native.py, tests/core/test_native_tiles.py).
 """
 
 from __future__ import annotations

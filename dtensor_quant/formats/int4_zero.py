@@ -30,8 +30,8 @@ Kernels (int4_zero.cpp, built once per machine by
 :mod:`~dtensor_quant.core.native`): a fused one-token ``x @ W.T`` (one bf16
 token) and the tiled matmul of ``core/native_tiles.h`` (more tokens, fp32
 activations), whose every weight is ``dequantize``'s value bit for bit, fp16
-scales rounded there first (tests/test_fused_kernels.py,
-tests/test_tiled_kernels.py).
+scales rounded there first (tests/core/test_native.py,
+tests/core/test_native_tiles.py).
 
 Quantize (min-max, the range widened to include 0 as compressed-tensors'
 observer does): ``scale = (max - min) / 15`` rounded up to the scale's dtype

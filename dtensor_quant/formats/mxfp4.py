@@ -32,7 +32,7 @@ Kernels: NF4's (the one-token kernel for one bf16 token, the tiles for more
 and for fp32 activations) with the e2m1 values as levels and each block's
 power of two as its scale, on a nibble-swapped copy of the codes: each
 weight they use is ``dequantize``'s value bit for bit
-(tests/test_fused_kernels.py, tests/test_tiled_kernels.py). Where the reference would
+(tests/core/test_native.py, tests/core/test_native_tiles.py). Where the reference would
 round a finite block past the weight dtype's maximum (fp16 weights near
 65504; 6 * 2**126 in bf16 or fp32) the block takes the next smaller exponent
 and saturates, so finite weights never dequantize to Inf.

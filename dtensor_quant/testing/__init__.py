@@ -26,6 +26,9 @@ take a subset), :func:`pool` (live ranks per world size; the pytest fixture
 another way (another kernel, summation order or reduction length), :func:`linear_error_bound`
 and :func:`assert_within` (:mod:`dtensor_quant.testing.bounds`: bit-exact comparisons are for
 bytes and for the same computation).
+
+:mod:`dtensor_quant.testing.tiny_llama` is the small LLaMA-style model (random weights, no
+download) that the examples, the tests and the benches build.
 """
 
 from __future__ import annotations

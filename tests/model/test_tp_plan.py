@@ -1,0 +1,84 @@
+"""model/tp_plan on one process: which row-parallel layers adapt_tp_plan switches, and what the planner says."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+)
+
+import dtensor_quant as dq
+from dtensor_quant.model.tp_plan import adapt_tp_plan
+from dtensor_quant.testing import weight
+
+
+def test_legal_row_cut_is_kept():
+    """No rank needed: a format that can cut the columns keeps torchtitan's style, and dense weights are left alone."""
+    model = quantized(MLP(256, 5632), 256, dq.Int8Rowwise())
+    plan, switched = adapt_tp_plan(model, PLAN, 4)
+    assert switched == {} and plan == PLAN
+    plan, switched = adapt_tp_plan(MLP(256, 5632), PLAN, 4)
+    assert switched == {}
+    plan, switched = adapt_tp_plan(MLP(256, 5632), PLAN, 4, fmt=dq.NF4())  # to be quantized after parallelizing
+    assert list(switched) == ["w2"]
+
+
+def test_planner_suggests_the_switch():
+    """The planner's refusal of TinyLlama's NF4 down-projection names the way to keep the degree."""
+    from dtensor_quant.model.planner import plan
+
+    ((_, cells),) = plan([("w2", (2048, 5632), "rowwise")], dq.NF4(), tp=[2, 4]).rows
+    for cell in cells:
+        assert not cell.legal and "column-parallel on a gathered input (dtensor_quant.adapt_tp_plan)" in (
+            cell.alternatives
+        ), cell.alternatives
+    ((_, cells),) = plan([("w2", (64, 5632), "rowwise")], dq.NF4(), tp=[4]).rows  # 16 rows: no whole factor
+    assert "adapt_tp_plan" not in cells[0].alternatives, cells[0].alternatives
+
+
+def test_wildcard_keys_expand_only_where_a_match_is_switched():
+    """transformers' plans name layers by pattern ("layers.*.w2"), as parallelize_module matches them."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(quantized(MLP(256, 5632), 256, dq.NF4()) for _ in range(2))
+    plan = {"layers.*.w1": ColwiseParallel(), "layers.*.w3": ColwiseParallel(), "layers.*.w2": RowwiseParallel()}
+    new, switched = adapt_tp_plan(model, plan, 2)
+    assert list(new) == ["layers.*.w1", "layers.*.w3", "layers.0.w2", "layers.1.w2"]
+    assert sorted(switched) == ["layers.0.w2", "layers.1.w2"]
+    assert all(type(new[k]) is ColwiseParallel and new[k].input_layouts == (Shard(-1),) for k in switched)
+    dense = nn.Module()
+    dense.layers = nn.ModuleList(quantized(MLP(256, 5632), 256, dq.Int8Rowwise()) for _ in range(2))
+    assert adapt_tp_plan(dense, plan, 2) == (plan, {})
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False, dtype=torch.bfloat16)
+        self.w3 = nn.Linear(dim, hidden, bias=False, dtype=torch.bfloat16)
+        self.w2 = nn.Linear(hidden, dim, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A norm on sequence shards before the MLP (sequence parallelism's pattern)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, dtype=torch.bfloat16)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+def quantized(model, dim, fmt):
+    for i, lin in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
+        lin.weight = nn.Parameter(dq.quantize(weight(tuple(lin.weight.shape), seed=i), fmt), requires_grad=False)
+    return model
+
+
+PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
