@@ -35,6 +35,7 @@ torch.save((spec, dense), out)
 """
 
 
+@pytest.mark.slow
 def test_readable_without_the_library(tmp_path):
     """The entries and the format record suffice to rebuild a weight; nothing needs an unsafe unpickle."""
     import subprocess

@@ -124,6 +124,7 @@ def test_memoised_decisions_equal_fresh_ones_across_interleaved_layouts():
     _check_interleaved(_inputs())
 
 
+@pytest.mark.slow
 def test_memoised_decisions_equal_fresh_ones_at_real_widths():
     _check_interleaved(_real_width_inputs())
 

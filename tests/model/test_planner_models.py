@@ -123,6 +123,7 @@ def test_llama3_70b_report_is_readable():
     assert one.total_bytes(1, 1) == sum(c[0].nbytes for _, c in one.rows) and q == one.rows[5][1][0].nbytes
 
 
+@pytest.mark.slow
 def test_many_meshes_fit_the_width_and_csv_has_every_cell():
     model = llama()
     tp, dp = list(range(1, 9)), [8, 16, 32, 64, 128, 256]

@@ -50,6 +50,7 @@ RESHARDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g32"])
 @pytest.mark.parametrize("src,dst", RESHARDS, ids=[f"{a}->{b}" for a, b in RESHARDS])
 def test_reshard_bit_exact(ranks, tmp_path, fmt_name, src, dst):

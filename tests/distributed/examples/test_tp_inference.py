@@ -157,6 +157,7 @@ def compiled_tp(backend, sequence_parallel, dtype):
         pytest.param("inductor", False, torch.bfloat16, marks=pytest.mark.slow),  # the int4 kernel op inside
     ],
 )
+@pytest.mark.slow
 def test_compiled_tp(ranks, backend, sequence_parallel, dtype):
     for same_as_eager, same_as_reference in ranks(2).run(compiled_tp, backend, sequence_parallel, dtype):
         assert same_as_eager and same_as_reference
@@ -165,6 +166,7 @@ def test_compiled_tp(ranks, backend, sequence_parallel, dtype):
 # -- the example, as a user runs it -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_example_generates_the_reference_tokens(capsys):
     argv = ["--world", "2", "--format", "int4:128", "--tokens", "4", "--layers", "1", "--sequence-parallel"]
     assert tp_inference.main(argv) == 0

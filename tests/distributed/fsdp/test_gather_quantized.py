@@ -164,6 +164,7 @@ def tp_fsdp_train(fmt_name, steps):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt_name", ["int8", "pertensor"])
 def test_tensor_parallel_plus_fsdp_2x2(ranks, fmt_name):
     """A row-parallel weight's per-row (or per-tensor) scale spans TP shards: all-reduced over tp as well."""

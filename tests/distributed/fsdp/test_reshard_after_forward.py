@@ -147,6 +147,7 @@ def check_gathers(gathers, floor, world, k, layers):
         pytest.param(2, "int8", "even", None, "fsdp", id="2r-int8-trivial"),
     ],
 )
+@pytest.mark.slow
 def test_qlora_reshard_to_2(ranks, world, fmt_name, cfg_name, mp, layout):
     from tests.distributed.model.test_lora import TOLERANCE
 

@@ -96,6 +96,7 @@ def test_qlora_matches_single_process(ranks, world, fmt_name, cfg_name, mp, resh
         pytest.param("int4g32", "bfloat16", id="int4-bf16", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_tp_plus_fsdp_2x2(ranks, fmt_name, mp):
     """ColwiseParallel/RowwiseParallel on the quantized bases and LoRA adapters, FSDP2 over dp."""
     results = ranks(4).run(fsdp_qlora, fmt_name, "even", mp, True, False, tp=True, timeout=300)
@@ -139,6 +140,7 @@ def fsdp_layout(fmt_name, mp, layout):
         pytest.param(2, "int8", None, "offload", id="cpu-offload-int8"),
     ],
 )
+@pytest.mark.slow
 def test_hsdp_and_cpu_offload(ranks, world, fmt_name, mp, layout):
     results = ranks(world).run(fsdp_layout, fmt_name, mp, layout, timeout=300)
     check(results, fmt_name, "even", mp)

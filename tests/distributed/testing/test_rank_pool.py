@@ -56,6 +56,7 @@ def own_pool():
     pool.close(force=True)
 
 
+@pytest.mark.slow
 def test_dead_rank_fails_the_call_in_seconds_and_the_pool_restarts(own_pool):
     own_pool.start()
     t0 = time.monotonic()
@@ -70,6 +71,7 @@ def test_dead_rank_fails_the_call_in_seconds_and_the_pool_restarts(own_pool):
     assert own_pool.run(rank_and_size) == [(0, 2), (1, 2)]  # the next call restarts the ranks
 
 
+@pytest.mark.slow
 def test_survivor_outside_a_collective_is_not_waited_for(own_pool):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -104,6 +106,7 @@ STDIN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_script_read_from_stdin():
     """``python - < script.py``: ranks start (the main path ``<stdin>`` is no file); its own functions are refused."""
     out = subprocess.run(
@@ -126,6 +129,7 @@ class CountingPool(RankPool):
         return super().start()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="CUDA ranks start here")
 def test_check_format_starts_the_ranks_once():
     pool = CountingPool(2, timeout=300, device="cuda", grace=3)

@@ -45,6 +45,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,sharded,layout,fmt_name", CASES)
 def test_load_dense_checkpoint(ranks, checkpoints, kind, sharded, layout, fmt_name):
     results = on(ranks, layout, load_and_check, kind, layout, fmt_name, checkpoints[kind, sharded])

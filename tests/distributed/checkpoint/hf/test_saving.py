@@ -69,6 +69,7 @@ SAVE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layout,fmt_name,placement", SAVE_CASES, ids=[c[1] for c in SAVE_CASES])
 def test_export_of_every_placement_equals_one_process(ranks, sources, tmp_path, kind, layout, fmt_name, placement):
     out = str(tmp_path / "export")
@@ -128,6 +129,7 @@ def save_peft(src, out, fmt_name, layout):
     return expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,fmt_name", [("single", None), ("fsdp2", "int8")])
 def test_peft_lora_is_merged_on_save(ranks, sources, tmp_path, layout, fmt_name):
     """Before the fix the export held ``base_layer``/``lora_A`` keys and from_pretrained drew random q_proj weights."""
