@@ -85,3 +85,28 @@ static inline __m256 dq_lookup16_256(__m256 t0, __m256 t1, __m256i idx) {
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx),
                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
+
+// The largest |x| of x[0 .. n) (NaN if any; -inf if n == 0), 8 lanes at a time: the bits of torch's
+// NaN-aware abs-max (a row of Int8Rowwise's training path, a block of BlockFloat8).
+__attribute__((target("avx2")))
+static inline float dq_absmax_avx2(const float* x, int64_t n) {
+    __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        acc = _mm256_max_ps(acc, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float m = -INFINITY;
+    for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; j < n; ++j) {
+        const float t = std::fabs(x[j]);
+        if (t != t) any_nan = true;
+        else if (t > m) m = t;
+    }
+    return any_nan ? NAN : (j > 0 ? m : -INFINITY);
+}

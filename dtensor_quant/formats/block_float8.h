@@ -107,30 +107,6 @@ static inline void dq_store8(uint8_t* o, __m256i code) {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(o), _mm_packus_epi16(w, w));
 }
 
-// The block's largest |x| (NaN if any), 8 lanes at a time.
-__attribute__((target("avx2")))
-static float dq_absmax_avx2(const float* x, int64_t n) {
-    __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        acc = _mm256_max_ps(acc, v);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    float m = -INFINITY;
-    for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
-    bool any_nan = _mm256_movemask_ps(nan) != 0;
-    for (; j < n; ++j) {
-        const float t = std::fabs(x[j]);
-        if (t != t) any_nan = true;
-        else if (t > m) m = t;
-    }
-    return any_nan ? NAN : (j > 0 ? m : -INFINITY);
-}
-
 // Codes of the whole groups of 8 of a block; returns how many it wrote.
 __attribute__((target("avx2")))
 static int64_t dq_encode_avx2(const float* x, uint8_t* o, int64_t n, float factor, float tiny, bool nonneg,

@@ -4,36 +4,13 @@
 #pragma once
 #include "native_prelude.h"
 
-__attribute__((target("avx2")))
-static float dq_row_absmax_avx2(const float* x, int64_t n) {
-    __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        acc = _mm256_max_ps(acc, v);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    float m = j > 0 ? 0.0f : -INFINITY;
-    for (int l = 0; l < 8 && j > 0; ++l) m = lanes[l] > m ? lanes[l] : m;
-    bool any_nan = _mm256_movemask_ps(nan) != 0;
-    for (; j < n; ++j) {
-        const float t = std::fabs(x[j]);
-        if (t != t) any_nan = true;
-        else if (t > m) m = t;
-    }
-    return any_nan ? NAN : m;
-}
-
 void row_absmax(const float* x, float* out, int64_t rows, int64_t cols, int64_t* level) {
     const bool avx2 = __builtin_cpu_supports("avx2");
     *level = 1;
     for (int64_t r = 0; r < rows; ++r) {
         const float* xr = x + r * cols;
         if (avx2) {
-            out[r] = dq_row_absmax_avx2(xr, cols);
+            out[r] = dq_absmax_avx2(xr, cols);
             continue;
         }
         float m = -INFINITY;
