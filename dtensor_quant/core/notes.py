@@ -30,6 +30,7 @@ input's (:func:`alias`, :func:`transposed`, :func:`sliced`, :func:`same_bytes`,
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -84,13 +85,17 @@ class Notes(NamedTuple):
 
 
 # Where the compiled kernel op, which sees inner tensors only, finds their Bytes (keyed by the first inner
-# tensor of a tensor whose bytes are new; views share their source's record and add nothing).
+# tensor of a tensor whose bytes are new; views share their source's record and add nothing). The value is
+# a weak reference: the record holds its key (``watched``), and a strong value would keep the key -- the
+# tensor's largest inner tensor -- alive for ever (every quantize, clone and gather leaked one before).
 _BYTES_OF = WeakIdKeyDictionary()
 
 
 def bytes_of(first_inner: torch.Tensor) -> Bytes | None:
-    """The :class:`Bytes` record of the tensor whose first inner tensor is ``first_inner``, if it has one."""
-    return _BYTES_OF.get(first_inner)
+    """The :class:`Bytes` record of the tensor whose first inner tensor is ``first_inner``, while a tensor
+    over those bytes holds it (no tensor left, no prepared kernel inputs to reuse)."""
+    ref = _BYTES_OF.get(first_inner)
+    return ref() if ref is not None else None
 
 
 def new_bytes(inner=()) -> Notes:
@@ -98,7 +103,7 @@ def new_bytes(inner=()) -> Notes:
     gather, device copy): they are watched, and the compiled kernel op finds the record through the first."""
     record = Bytes(inner)
     if record.watched:
-        _BYTES_OF[record.watched[0]] = record
+        _BYTES_OF[record.watched[0]] = weakref.ref(record)
     return Notes(record)
 
 
