@@ -14,9 +14,11 @@ from .layout_ops import describe, map_inner, rebuild
 
 @implements("aten::clone")
 def _clone(func, q, memory_format=None):
+    """New bytes, the same layout (``Replicate -> Shard`` clones its chunk on every call: no checks again)."""
     contiguous = memory_format == torch.contiguous_format or q.is_contiguous()
-    inner = map_inner(q, lambda t: t.clone(memory_format=torch.contiguous_format))
-    return rebuild(q, inner, q.shape, stride=contiguous_strides(q.shape) if contiguous else q.stride())
+    inner = [getattr(q, n).clone(memory_format=torch.contiguous_format) for n in q.fmt.inner_names]
+    stride = contiguous_strides(q.shape) if contiguous else q.stride()
+    return QuantizedTensor.make(inner, q.fmt, q.rels, q.dims, q.shape, stride, q.dtype, rules.new_bytes(inner), q.device)
 
 
 @implements("aten::_to_copy")
