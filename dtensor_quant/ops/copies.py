@@ -18,7 +18,9 @@ def _clone(func, q, memory_format=None):
     contiguous = memory_format == torch.contiguous_format or q.is_contiguous()
     inner = [getattr(q, n).clone(memory_format=torch.contiguous_format) for n in q.fmt.inner_names]
     stride = contiguous_strides(q.shape) if contiguous else q.stride()
-    return QuantizedTensor.make(inner, q.fmt, q.rels, q.dims, q.shape, stride, q.dtype, rules.new_bytes(inner), q.device)
+    return QuantizedTensor.make(
+        inner, q.fmt, q.rels, q.dims, q.shape, stride, q.dtype, rules.new_bytes(inner), q.device
+    )
 
 
 @implements("aten::_to_copy")
