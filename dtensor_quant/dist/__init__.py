@@ -2,7 +2,9 @@
 
 Importing this package registers the collective handlers (``collectives``)
 and the library's custom ops with their sharding strategies (``custom_ops``),
-and keys compiled DTensors by their quantized local tensor (``compile_key``).
+keys compiled DTensors by their quantized local tensor (``compile_key``), and
+cuts a replicated quantized local into this rank's piece in one step
+(``replicate_to_shard``).
 """
 
-from . import collectives, compile_key, custom_ops  # noqa: F401  (registration)
+from . import collectives, compile_key, custom_ops, replicate_to_shard  # noqa: F401  (registration)

@@ -187,7 +187,7 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     factory = q.notes.from_factory
     cuts, rels, shape, stride, outside = memo(
         ("slice", *layout_key(q), dim, start, stop, factory),
-        lambda: _sliced_layout(q, dim, start, stop, factory),
+        lambda: sliced_layout(q, dim, start, stop, factory),
         q.rels,
         q.dims,
         q.fmt,
@@ -197,7 +197,7 @@ def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedT
     return QuantizedTensor.make(inner, q.fmt, rels, q.dims, shape, stride, q.dtype, notes, q.device)
 
 
-def _sliced_layout(q: QuantizedTensor, dim: int, start: int, stop: int, factory: bool):
+def sliced_layout(q: QuantizedTensor, dim: int, start: int, stop: int, factory: bool):
     """Per inner ``(start, length)`` of its narrow, the result's relations, shape and strides, and which inner
     tensors reach outside the range (:func:`dtensor_quant.core.notes.outside_cuts`)."""
     length = q.shape[dim]
@@ -261,7 +261,7 @@ def _split_layout(q: QuantizedTensor, dim: int, sizes: tuple, factory: bool):
     check_cuts(q, dim, sizes)
     pieces, narrows, start = [], [[] for _ in q.rels], 0
     for size in sizes:
-        cuts, rels, shape, stride, outside = _sliced_layout(q, dim, start, start + size, factory)
+        cuts, rels, shape, stride, outside = sliced_layout(q, dim, start, start + size, factory)
         for mine, cut in zip(narrows, cuts):
             mine.append(cut)
         pieces.append((rels, shape, stride, outside))

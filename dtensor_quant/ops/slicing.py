@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import torch
 
+from ..core import notes as rules
 from ..core.bits import is_tracing
 from ..core.dispatch import UnsupportedOpError, implements
 from ..core.layout import LayoutError
-from ..core.tensor import QuantizedTensor
+from ..core.memo import layout_key, memo
+from ..core.tensor import QuantizedTensor, contiguous_strides
 from .layout_ops import (
     canonical_dims,
     cat_dim,
+    check_cuts,
     describe,
     matrix_dims,
     pad_end,
     rebuild,
     select_dim,
     slice_dim,
+    sliced_layout,
     split_dim,
     transposed_dims,
 )
@@ -55,6 +59,54 @@ def _split(func, q, split_size, dim=0):
 @implements("aten::split_with_sizes")
 def _split_sizes(func, q, split_sizes, dim=0):
     return split_dim(q, dim % q.ndim, split_sizes)
+
+
+def chunk_sizes(length: int, chunks: int) -> list[int]:
+    """The piece lengths of ``torch.chunk`` (``ceil(length / chunks)`` each, the last shorter, fewer if short)."""
+    size = -(-length // chunks) if length else 0
+    return [min(size, length - s) for s in range(0, length, size)] if size else [0]
+
+
+def chunk_copy(q: QuantizedTensor, dim: int, chunks: int, index: int) -> QuantizedTensor | None:
+    """``torch.chunk(q, chunks, dim)[index].clone()``, without building the other pieces.
+
+    What ``Replicate -> Shard`` computes on every rank: the same checks first
+    (a cut through a pack or block raises on every rank, whichever piece it
+    keeps), then one narrow and one clone of each inner tensor, decided once
+    per (layout, piece). None where the piece is past the last one
+    (``torch.chunk`` gives fewer pieces when ``dim`` is short; DTensor's own
+    code makes that empty piece).
+    """
+    dim %= q.ndim
+    factory = q.notes.from_factory
+    plan = memo(
+        ("chunk_copy", *layout_key(q), dim, chunks, index, factory),
+        lambda: _chunk_plan(q, dim, chunks, index, factory),
+        q.rels,
+        q.dims,
+        q.fmt,
+    )
+    if plan is None:
+        return None
+    cuts, rels, shape, stride = plan
+    inner = [
+        getattr(q, name).narrow(dim, i0, n).clone(memory_format=torch.contiguous_format)
+        for name, (i0, n) in zip(q.fmt.inner_names, cuts)
+    ]
+    return QuantizedTensor.make(inner, q.fmt, rels, q.dims, shape, stride, q.dtype, rules.new_bytes(inner), q.device)
+
+
+def _chunk_plan(q: QuantizedTensor, dim: int, chunks: int, index: int, factory: bool):
+    """Per inner its narrow, and the piece's relations, shape and strides as ``clone`` leaves them."""
+    sizes = chunk_sizes(q.shape[dim], chunks)
+    check_cuts(q, dim, sizes)
+    if index >= len(sizes):
+        return None
+    start = sum(sizes[:index])
+    cuts, rels, shape, stride, _ = sliced_layout(q, dim, start, start + sizes[index], factory)
+    if torch.empty_strided(shape, stride, device="meta").is_contiguous():  # clone's rule, torch's test
+        stride = contiguous_strides(shape)
+    return cuts, rels, shape, stride
 
 
 @implements("aten::cat")

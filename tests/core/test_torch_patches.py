@@ -2,8 +2,9 @@
 
 The behaviour each real patch fixes has its own test that fails the day torch changes under it:
 tests/distributed/dist/test_compile_key.py::test_dtensor_cache_key_names_the_quantized_local (dist/compile_key)
-and tests/distributed/fsdp/test_reshard_after_forward.py::test_torch_still_needs_the_reshard_patch
-(fsdp/reshard_after_forward).
+tests/distributed/fsdp/test_reshard_after_forward.py::test_torch_still_needs_the_reshard_patch
+(fsdp/reshard_after_forward) and tests/dist/test_replicate_to_shard.py::test_one_step_without_dispatch
+(dist/replicate_to_shard, a patch for speed: torch's code still chunks every piece and clones).
 """
 
 import types
