@@ -45,9 +45,16 @@ implements(
 )(_refuse_partial)
 
 
-@implements("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
-def _identity(func, q, *args, **kwargs):
-    # Our collectives complete before they return, so there is nothing to wait for.
+@implements("_c10d_functional::wait_tensor")
+def _wait(func, q):
+    """Our collectives complete before they return: nothing to wait for, and ``q`` itself back, as
+    torch's ``wait_tensor`` returns its input (an alias only where one changes the notes)."""
+    return q if q.notes.pending is None and not q.notes.from_factory else alias(q)
+
+
+@implements("_c10d_functional::_wrap_tensor_autograd")
+def _wrap(func, q):
+    # A custom op, whose output may not be its input: an alias.
     return alias(q)
 
 

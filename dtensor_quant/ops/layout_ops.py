@@ -308,6 +308,12 @@ def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = N
     piece length, which splitting at piece boundaries undoes. ``joined`` maps
     inner names to tensors that already hold the concatenation (an all-gather
     output the pieces are views of), used as they are instead of copied.
+
+    Decided once per (pieces' layouts, which inner tensors they share): what
+    to join and each relation; whether constant inner tensors of different
+    pieces agree is read from the data on every call, and the result's layout
+    is then decided once per outcome (a gather that reshards ``Shard(1)``
+    concatenates new pieces on every call).
     """
     first = pieces[0]
     for p in pieces[1:]:
@@ -315,33 +321,70 @@ def cat_dim(pieces: Sequence[QuantizedTensor], dim: int, joined: dict | None = N
             raise LayoutError(
                 f"cannot concatenate {describe(first)} with {p!r}: pieces must share format and orientation"
             )
-    inner, rels = {}, []
-    for i, name in enumerate(first.fmt.inner_names):
-        parts = [getattr(p, name) for p in pieces]
-        rel_rows = [p.rels[i] for p in pieces]
-        if len(parts) > 1 and all(t is parts[0] for t in parts) and all(isinstance(r[dim], Constant) for r in rel_rows):
-            # One tensor shared by every piece (a scale no collective sent): equal without
-            # concatenating and comparing copies (a host sync on CUDA); cloned, as a cat would be.
-            inner[name] = parts[0].clone()
-            rels.append(rel_rows[0])
+    names = first.fmt.inner_names
+    parts_by_name = [[getattr(p, name) for p in pieces] for name in names]
+    # One tensor shared by every piece, constant along dim (a scale no collective sent): equal without
+    # concatenating and comparing copies (a host sync on CUDA); cloned, as a cat would be.
+    shared = tuple(len(parts) > 1 and all(t is parts[0] for t in parts) for parts in parts_by_name)
+    key = ("cat", dim, shared, tuple(joined) if joined else (), *(layout_key(p) for p in pieces))
+    pins = [x for p in pieces for x in (p.rels, p.dims, p.fmt)]
+    checked = memo(key, lambda: _cat_checked(pieces, dim, shared), *pins)
+    inner, equal = [], []
+    for name, parts, check in zip(names, parts_by_name, checked):
+        if check == "shared":
+            inner.append(parts[0].clone())
             continue
-        if joined is not None and name in joined:
-            whole = joined[name]
-        else:
-            whole = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
-        rel = _cat_relation(name, dim, pieces, [r[dim] for r in rel_rows], whole)
-        inner[name] = whole.narrow(dim, 0, 1) if isinstance(rel, Constant) else whole
-        rels.append(_with_rel(rel_rows[0], dim, rel))
+        given = joined[name] if joined is not None and name in joined else None
+        if check:  # a constant inner of several pieces: the pieces agree, or the result is Stacked
+            same = is_tracing(parts[0]) or all(same_bits(t, parts[0]) for t in parts[1:])
+            equal.append(same)
+            if same:  # the first piece's copy, as new bytes (a view of the gathered buffer when given)
+                inner.append(given.narrow(dim, 0, 1) if given is not None else parts[0].clone())
+                continue
+        if given is None:
+            given = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+        inner.append(given)
+    rels, shape, stride = memo((*key, tuple(equal)), lambda: _cat_layout(pieces, dim, checked, equal), *pins)
+    # One piece is the piece itself (its bytes); joined pieces are new bytes.
+    notes = rules.same_bytes(first.notes) if len(pieces) == 1 else rules.new_bytes(inner)
+    return QuantizedTensor.make(inner, first.fmt, rels, first.dims, shape, stride, first.dtype, notes, first.device)
+
+
+def _cat_checked(pieces, dim: int, shared: tuple) -> tuple:
+    """Per inner tensor: ``"shared"`` (one tensor in every piece, constant along ``dim``), True if whether
+    the pieces' copies agree decides its relation, else False; raises for pieces that do not concatenate."""
+    out = []
+    for i, name in enumerate(pieces[0].fmt.inner_names):
+        rels = [p.rels[i][dim] for p in pieces]
+        if shared[i] and all(isinstance(r, Constant) for r in rels):
+            out.append("shared")
+            continue
+        rel, runs = _cat_runs(name, dim, pieces, rels)
+        if not isinstance(rel, Constant):
+            _cat_relation(name, dim, pieces, rels, True)  # raises where the grids neither continue nor repeat
+        out.append(isinstance(rel, Constant) and len(runs) > 1)
+    return tuple(out)
+
+
+def _cat_layout(pieces, dim: int, checked: tuple, equal: list) -> tuple:
+    """The concatenation's relations, shape and strides, given which constant inner tensors agreed."""
+    first, outcomes, rels = pieces[0], iter(equal), []
+    for i, (name, check) in enumerate(zip(first.fmt.inner_names, checked)):
+        row = first.rels[i]
+        if check == "shared":
+            rels.append(row)
+            continue
+        same = next(outcomes) if check else True
+        rels.append(_with_rel(row, dim, _cat_relation(name, dim, pieces, [p.rels[i][dim] for p in pieces], same)))
     shape = list(first.shape)
     shape[dim] = sum(p.shape[dim] for p in pieces)
-    # One piece is the piece itself (its bytes); joined pieces are new bytes.
-    notes = rules.same_bytes(first.notes) if len(pieces) == 1 else None
-    return rebuild(first, inner, shape, rels=tuple(rels), notes=notes)
+    shape = torch.Size(shape)
+    return tuple(rels), shape, _strides(first, shape, first.dims)
 
 
-def _cat_relation(name, dim, pieces, rels, joined):
-    """The relation along ``dim`` of the concatenation of ``pieces`` (inner ``name`` joined)."""
-    runs = []  # (logical length, relation) of every run of one grid, in order
+def _cat_runs(name, dim, pieces, rels):
+    """The one relation of every run of one grid along ``dim``, and the runs' ``(length, relation)``."""
+    runs = []
     for piece, rel in zip(pieces, rels):
         length = piece.shape[dim]
         if isinstance(rel, Stacked):
@@ -355,9 +398,15 @@ def _cat_relation(name, dim, pieces, rels, joined):
             f"cannot concatenate along dim {dim}: inner '{name}' is laid out as {sorted(map(str, kinds))}"
         )
     (rel,) = kinds
+    return rel, runs
+
+
+def _cat_relation(name, dim, pieces, rels, equal: bool):
+    """The relation along ``dim`` of the concatenation of ``pieces`` (``equal``: their constant copies agree)."""
+    rel, runs = _cat_runs(name, dim, pieces, rels)
     lengths = [n for n, _ in runs]
     if isinstance(rel, Constant):
-        if len(runs) == 1 or is_tracing(joined) or same_bits(joined, joined.narrow(dim, 0, 1).expand_as(joined)):
+        if len(runs) == 1 or equal:
             return Constant()
     elif all(n % rel.factor == 0 for n in lengths[:-1]):
         return rel

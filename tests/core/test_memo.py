@@ -16,7 +16,7 @@ import torch
 
 import dtensor_quant as dq
 from dtensor_quant.core import memo
-from dtensor_quant.core.layout import LayoutError, Opaque
+from dtensor_quant.core.layout import LayoutError, Opaque, Stacked
 from dtensor_quant.core.tensor import QuantizedTensor
 from dtensor_quant.testing import pick
 
@@ -96,6 +96,9 @@ def _ops(q):
             yield f"split({size}, {dim})", lambda x, s=size, d=dim: x.split(s, d)
         n = q.shape[dim]
         yield f"split_with_sizes({dim})", lambda x, d=dim, n=n: x.split([n // 2, n - n // 2], d)
+        yield f"cat halves({dim})", lambda x, d=dim, n=n: torch.cat(x.split([n // 2, n - n // 2], d), d)
+        yield f"cat twice({dim})", lambda x, d=dim: torch.cat([x, x], d)
+        yield f"cat with a clone({dim})", lambda x, d=dim: torch.cat([x, x.clone()], d)
 
 
 def _outcome(fn, q):
@@ -273,3 +276,28 @@ def test_deferred_transpose_read_from_several_threads():
         for t in threads:
             t.join()
     assert not errors and not any(wrong), errors[:1]
+
+
+def test_concatenations_whose_constants_agree_or_not():
+    """A concatenation's layout depends on whether the pieces' constant inner tensors agree (read from the
+    data on every call): interleaved, memoised and fresh results stay equal for both outcomes."""
+    memo.clear()
+    w = _weight((64, 128), 3)
+    cases = []
+    for fmt in (dq.Int8Rowwise(), dq.Float8Tensorwise(), dq.Int4Groupwise(32)):
+        a, b, c = dq.quantize(w, fmt), dq.quantize(w * 2, fmt), dq.quantize(w, fmt)
+        for dim in (0, 1):
+            cases += [(f"{fmt} differ {dim}", [a, b], dim), (f"{fmt} agree {dim}", [a, c], dim)]
+    random.Random(1).shuffle(cases)
+    stacked = set()
+    for rnd in range(3):
+        for what, pieces, dim in cases:
+            with memo.disabled():
+                want, want_err = _outcome(lambda ps, d=dim: torch.cat(ps, d), pieces)
+            got, got_err = _outcome(lambda ps, d=dim: torch.cat(ps, d), pieces)
+            assert got_err == want_err, what
+            if want_err is None:
+                _same_tensor(got, want, f"round {rnd}, {what}", same_objects=False)
+                if any(isinstance(r, Stacked) for row in got.rels for r in row):
+                    stacked.add(what)
+    assert stacked and all("differ" in what for what in stacked)  # both outcomes were taken
