@@ -128,6 +128,11 @@ TILE_DTYPES = (torch.bfloat16, torch.float32)
 # Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which
 # dequantize the weight once per 128 tokens.
 TILES_MAX_TOKENS = 1024
+# Up to this many tokens (AVX-512 BF16) the tiles multiply a few rows as they are, inner products summed at the
+# end; more, through transposed tiles (outer products): ``DQ_FEW`` of native_tiles.h. Measured crossover on an
+# AVX-512 BF16 CPU (1 thread, 2048x5632 and 5632x2048 NF4/int4 weights, interleaved A/B): the inner products are
+# 7-20% faster at 17-24 tokens, even at 32, slower from 48.
+TILES_FEW_TOKENS = 32
 
 
 def matmul(

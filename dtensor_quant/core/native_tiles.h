@@ -39,7 +39,7 @@ constexpr int64_t DQ_KC = 2048;         // columns per block of K (a multiple of
 constexpr int64_t DQ_LDPAD = 32;        // row stride padding of the row-major buffer: no 4 KiB aliasing of its rows
 constexpr int64_t DQ_PREFETCH = 4096;   // bytes ahead of a row's stored weights that a format's loop prefetches
 constexpr int64_t DQ_MB = 128;          // tokens per pass over the weight: their activations stay in L2
-constexpr int64_t DQ_FEW = 16;          // up to this many tokens, level 3 multiplies rows as they are (no transpose)
+constexpr int64_t DQ_FEW = 32;          // up to this many tokens, level 3 multiplies rows as they are (no transpose)
 
 // The groups of columns [k0, k0 + kc) that share a scale (group size g, a multiple of 32): group b holds [k, end).
 // One division per row, not per group.

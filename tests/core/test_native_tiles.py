@@ -11,6 +11,8 @@ are then compared with dequantize + mm within the bound of an fp32 sum in
 another order (never bit for bit: the order differs).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,6 +132,8 @@ def test_tiled_kernel_weights_are_dequantize_bits(fmt, shape, w_dtype, x_dtype):
         for start in range(0, len(cols), 37):  # a few tokens at a time: the inner-product way on level 3
             few = tiled(q, inputs, x[start : start + 1 + start % 5], level)
             assert torch.equal(few.t(), dense[:, cols[start : start + 1 + start % 5]]), f"level {level}, few"
+        most = native.TILES_FEW_TOKENS  # the most tokens the inner-product way takes
+        assert torch.equal(tiled(q, inputs, x[:most], level).t(), dense[:, cols[:most]]), f"level {level}, {most}"
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -196,11 +200,17 @@ def test_float8_tiles_every_code_and_extreme_scales():
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(fmt):
     """Every token's sum runs in one order whatever the tokens beside it, within each of the two ways the tiles
-    multiply: up to 16 tokens (rows as they are, inner products) and more (transposed tiles, outer products)."""
+    multiply: up to TILES_FEW_TOKENS tokens (rows as they are, inner products) and more (transposed tiles,
+    outer products)."""
+    few = native.TILES_FEW_TOKENS
     q = dq.quantize(weight((40, 2048), seed=1), fmt)
     inputs = tile_inputs(q)
-    x = weight((80, 2048), seed=2)
-    for batch, slices in ((x[:16], ((0, 1), (0, 3), (5, 9), (9, 16))), (x, ((0, 17), (5, 40), (30, 80)))):
+    x = weight((few + 64, 2048), seed=2)
+    ways = (
+        (x[:few], ((0, 1), (0, 3), (5, 9), (9, few))),
+        (x, ((0, few + 1), (5, few + 24), (30, few + 64))),
+    )
+    for batch, slices in ways:
         whole = tiled(q, inputs, batch, None)
         for start, stop in slices:
             assert torch.equal(tiled(q, inputs, batch[start:stop], None), whole[start:stop]), (start, stop)
@@ -255,3 +265,9 @@ def test_native_switched_off_after_a_weight_was_used(monkeypatch, fmt):
     assert torch.equal(F.linear(x, q), x @ q.dequantize().t())
     monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "1")
     assert torch.equal(F.linear(x, q), before)
+
+
+def test_the_few_tokens_threshold_is_the_kernels():
+    """native.TILES_FEW_TOKENS (what the tests and docs name) is the DQ_FEW the C++ tiles use."""
+    header = (Path(native.__file__).parent / "native_tiles.h").read_text()
+    assert f"constexpr int64_t DQ_FEW = {native.TILES_FEW_TOKENS};" in header
