@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import inspect
 import os
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -79,8 +80,17 @@ def _untested_allowed() -> bool:
     return os.environ.get("DTENSOR_QUANT_UNTESTED_TORCH", "") not in ("", "0")
 
 
+def _name(owner) -> str:
+    """``torch.x.Class`` for a class, ``torch.x`` for a module (a patched module-level function)."""
+    return owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+
+
 def replace(
-    name: str, why: str, replacements: dict[tuple[type, str], tuple[str, Callable]], *, strict: bool = True
+    name: str,
+    why: str,
+    replacements: dict[tuple[type | types.ModuleType, str], tuple[str, Callable]],
+    *,
+    strict: bool = True,
 ) -> Patch | None:
     """Install patch ``name``: ``replacements[(owner, member)] = (fingerprint of torch's member, make)``.
 
@@ -96,7 +106,7 @@ def replace(
         return PATCHES[name]
     problems = []
     for (owner, member), (expected, _) in replacements.items():
-        where = f"{owner.__module__}.{owner.__qualname__}.{member}"
+        where = f"{_name(owner)}.{member}"
         value = owner.__dict__.get(member)
         fn = value.fget if isinstance(value, property) else value
         if fn is None or not callable(fn):

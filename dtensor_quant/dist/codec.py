@@ -50,7 +50,7 @@ def unpack(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     out, offset = [], 0
     for t in like:
         n = t.numel() * t.element_size()
-        out.append(buf[offset : offset + n].view(t.dtype).view(t.shape))
+        out.append(buf.narrow(0, offset, n).view(t.dtype).view(t.shape))
         offset += -(-n // ALIGN) * ALIGN
     return out
 

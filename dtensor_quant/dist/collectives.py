@@ -21,7 +21,7 @@ from ..core.bits import is_tracing, same_bits
 from ..core.dispatch import implements
 from ..core.layout import Constant, Stacked, partial_refused
 from ..core.memo import layout_key, lookup, remember
-from ..core.notes import new_bytes
+from ..core.notes import Notes, new_bytes
 from ..core.tensor import QuantizedTensor
 from ..ops import writes
 from ..ops.layout_ops import alias, cat_dim, describe, rebuild, slice_dim
@@ -106,8 +106,9 @@ def all_gather_into_tensor(func, q, group_size, group_name):
     return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, q.dtype, new_bytes(joined), q.device)
 
 
-def _gather_pieces(func, q, group_size, group_name):
-    """The all-gather as pieces: each rank's inner tensors rebuilt, joined by the layout's rule."""
+def _gather_pieces(func, q, group_size, group_name, dim: int = 0):
+    """The all-gather as pieces: each rank's inner tensors (views of the received buffer), joined along
+    ``dim`` by the layout's rule (:func:`~dtensor_quant.ops.layout_ops.cat_dim`: one copy)."""
     agree_layout(q, group_name, "all-gather")
     names = [n for n in q.fmt.inner_names if varies(q, n)]
     kept = [n for n in q.fmt.inner_names if n not in names]
@@ -117,11 +118,23 @@ def _gather_pieces(func, q, group_size, group_name):
     out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
     rank_bufs = [unpack(rank_buf, sent + checked) for rank_buf in out.view(group_size, -1)]
     check_kept(q, kept, [b[len(sent) :] for b in rank_bufs], group_name, "all-gather")
-    pieces = []
+    pieces, stride = [], q.stride()
     for received in rank_bufs:
         received = dict(zip(names, received))
-        pieces.append(rebuild(q, {n: received.get(n, t) for n, t in q.inner.items()}, q.shape))
-    return cat_dim(pieces, 0)
+        inner = [received.get(n, getattr(q, n)) for n in q.fmt.inner_names]
+        # Only joined below (its notes are never read): q's layout, over this rank's bytes.
+        pieces.append(
+            QuantizedTensor.make(inner, q.fmt, q.rels, q.dims, q.shape, stride, q.dtype, Notes(None), q.device)
+        )
+    return cat_dim(pieces, dim)
+
+
+def all_gather_along(q: QuantizedTensor, dim: int, group_size: int, group_name) -> QuantizedTensor:
+    """The ranks' ``q`` concatenated along ``dim``: what ``all_gather_single(q, dim)`` computes, with one
+    collective and one copy (no stacked intermediate to split and concatenate again)."""
+    if group_size == 1:
+        return alias(q)
+    return _gather_pieces(functional.all_gather_into_tensor.default, q, group_size, group_name, dim)
 
 
 def check_kept(q: QuantizedTensor, kept, copies: list[list[torch.Tensor]], group, what: str) -> None:
@@ -276,9 +289,10 @@ def agree_layout(q: QuantizedTensor, group, what: str, shape: bool = True) -> No
     key = agree.layout_key(q)
     if not shape:
         key = key[:4] + (None, tuple(d for d, _ in key[5]))
-    agree.check_same(
-        agree.group_name_of(group), key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key
-    )
+    group = agree.group_name_of(group)
+    if not agree.EVERY_CALL and (group, key) in agree.AGREED:  # agreed before: not even the message to build
+        return
+    agree.check_same(group, key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key)
 
 
 def _describe_key(key) -> str:

@@ -1,0 +1,65 @@
+"""Gathers of a quantized local along a dim other than 0, in one step.
+
+torch 2.13's ``all_gather_single`` (``torch/distributed/_functional_collectives.py``),
+which DTensor calls for every gather of a ``Shard(d)`` tensor, all-gathers
+along dim 0 and then, for ``d != 0``, runs
+``torch.cat(torch.chunk(result, n), dim=d)``: for a quantized local that is
+the all-gather, ``_wrap_tensor_autograd``, an ``AsyncCollectiveTensor`` and
+its wait, a ``split`` and a ``cat`` -- five trips through Python dispatch
+around one collective, and the received bytes copied twice (into the
+stacked result, then by the ``cat``) -- which put ``Shard(1)`` gathers at
+1.21-1.41x a dense DTensor's (issue 24). The patch gathers a quantized local
+outside autograd and dispatch modes with one call
+(:func:`dtensor_quant.dist.collectives.all_gather_along`: the same checks
+and collective as the all-gather handler, then each rank's piece joined
+along ``d`` by the layout's rule, one copy) and leaves everything else
+(dense locals, dim 0, tensors that require grad, traced ones, an active
+dispatch mode such as ``CommDebugMode``) to torch's code. The same bytes on
+the wire, the same result (tests/distributed/dist/test_gather_dim.py
+compares it with torch's path). Installed on import.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import distributed_c10d as c10d
+
+from ..core.bits import is_tracing
+from ..core.tensor import QuantizedTensor
+from ..core.torch_patches import replace
+from .collectives import all_gather_along
+
+#: torch 2.13.0's ``all_gather_single`` (core.torch_patches.fingerprint of its source).
+TORCH_2_13 = "7822d9d52b2791f3"
+
+
+def _in_one_step(q, gather_dim: int) -> bool:
+    return (
+        gather_dim != 0
+        and type(q) is QuantizedTensor
+        and not q.requires_grad
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not is_tracing(next(iter(q.inner.values())))
+    )
+
+
+def _gathered_along_dim(torch_all_gather_single):
+    def all_gather_single(self, gather_dim, group, tag=""):
+        if not _in_one_step(self, gather_dim):
+            return torch_all_gather_single(self, gather_dim, group, tag)
+        group = funcol._resolve_group(group, tag)
+        group_size = c10d._get_group_size_by_name(group)
+        return all_gather_along(self, gather_dim, group_size, funcol._group_or_group_name(group))
+
+    all_gather_single.__doc__ = torch_all_gather_single.__doc__
+    return all_gather_single
+
+
+#: The installed patch (None only on a torch without ``all_gather_single``, with a warning).
+PATCH = replace(
+    "gather_dim",
+    "a gather of a quantized local along dim d != 0 runs its split and concatenation as plain calls",
+    {(funcol, "all_gather_single"): (TORCH_2_13, _gathered_along_dim)},
+    strict=False,
+)

@@ -1,0 +1,88 @@
+"""dist/gather_dim on live ranks: a gather along a dim other than 0 gives what torch's own path gives.
+
+``all_gather_single`` is patched for quantized locals; each case gathers the
+same DTensor with the patch and with torch's code (``PATCH.removed()``) and
+compares the results in full -- inner bytes (NaN payloads included),
+relations, orientation, logical shape and strides -- and against the
+single-process reference ``Q`` (``full_tensor`` must give back its bytes).
+Under a dispatch mode (``CommDebugMode``) the patch leaves the gather to
+torch, so the mode still sees the collective, and the result is the same.
+"""
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import dtensor_quant as dq
+from dtensor_quant.core.layout import LayoutError
+from dtensor_quant.dist.gather_dim import PATCH
+from dtensor_quant.testing import FORMATS, assert_same_bits, legal, mesh, placements, weight
+
+
+def _same(ours, theirs, what):
+    assert ours.fmt == theirs.fmt and ours.rels == theirs.rels and ours.dims == theirs.dims, what
+    assert ours.shape == theirs.shape and ours.stride() == theirs.stride() and ours.dtype == theirs.dtype, what
+    assert_same_bits(ours, theirs, what)
+
+
+def _gathers(fmt_name, shape, mesh_shape, src, transposed):
+    fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
+    q = dq.quantize(weight(shape, 3), fmt)
+    q = q.t() if transposed else q
+    dt = distribute_tensor(q, m, placements(src))
+    swap = {"R": "R", "S0": "S1", "S1": "S0"} if transposed else {t: t for t in ("R", "S0", "S1")}
+    # legality is the weight's: a placement of the transposed view cuts the weight's other dim
+    targets = [t for t in swap if legal(fmt, shape, mesh_shape, swap[t])] if len(mesh_shape) == 1 else []
+    ours = [dt.full_tensor()] + [dt.redistribute(m, placements(t)).to_local() for t in targets]
+    for o, t, what in zip(ours, [None, *targets], ["full_tensor", *targets]):
+        what = f"{fmt_name} {tuple(q.shape)} {src} -> {what}"
+        try:
+            with PATCH.removed():
+                theirs = dt.full_tensor() if t is None else dt.redistribute(m, placements(t)).to_local()
+        except LayoutError:  # torch's stack-then-cut cannot cut the stacked blocks: the one-step gather can
+            theirs = q if t is None else distribute_tensor(q, m, placements(t)).to_local()
+            assert_same_bits(o, theirs, what)
+            continue
+        _same(o, theirs, what)
+    assert_same_bits(ours[0], q, "full_tensor")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_dim1_gathers_are_torchs(ranks, world, fmt_name):
+    shape = (64, 96 * world) if not fmt_name.startswith(("nf4", "bnb", "f8block")) else (256, 256 * world)
+    for transposed in (False, True):
+        if legal(FORMATS[fmt_name], shape, (world,), "S0" if transposed else "S1"):
+            ranks(world).run(_gathers, fmt_name, shape, (world,), "S1", transposed)
+
+
+def test_a_2d_mesh_and_a_3d_stack(ranks):
+    ranks(4).run(_gathers, "int8", (64, 128), (2, 2), "S0,S1", False)
+    ranks(4).run(_gathers, "int4g32", (64, 128), (2, 2), "S1,S1", False)
+    ranks(2).run(_stack)
+
+
+def _stack():
+    m = mesh(2)
+    q = dq.quantize(weight((4, 32, 128), 5), FORMATS["int4g32"])
+    for d in (1, 2):
+        dt = distribute_tensor(q, m, [Shard(d)])
+        ours = dt.full_tensor()
+        with PATCH.removed():
+            theirs = dt.full_tensor()
+        _same(ours, theirs, f"stack Shard({d})")
+        assert_same_bits(ours, q, f"stack Shard({d})")
+
+
+def test_a_dispatch_mode_still_sees_the_collective(ranks):
+    ranks(2).run(_left_to_torch)
+
+
+def _left_to_torch():
+    m = mesh(2)
+    q = dq.quantize(weight((64, 128), 4), FORMATS["int8"])
+    dt = distribute_tensor(q, m, [Shard(1)])
+    with CommDebugMode() as comm:  # a dispatch mode: torch's path, and the mode sees the collective
+        seen = dt.redistribute(m, [Replicate()]).to_local()
+    assert comm.get_total_counts() >= 1
+    assert_same_bits(seen, q, "under CommDebugMode")
