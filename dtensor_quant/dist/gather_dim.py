@@ -14,7 +14,7 @@ outside autograd and dispatch modes with one call
 and collective as the all-gather handler, then each rank's piece joined
 along ``d`` by the layout's rule, one copy) and leaves everything else
 (dense locals, dim 0, tensors that require grad, traced ones, an active
-dispatch mode such as ``CommDebugMode``) to torch's code. The same bytes on
+dispatch mode such as ``CommDebugMode``, torch.compile) to torch's code. The same bytes on
 the wire, the same result (tests/distributed/dist/test_gather_dim.py
 compares it with torch's path). Installed on import.
 """
@@ -37,6 +37,7 @@ TORCH_2_13 = "7822d9d52b2791f3"
 def _in_one_step(q, gather_dim: int) -> bool:
     return (
         gather_dim != 0
+        and not torch.compiler.is_compiling()  # a compiled graph traces torch's ops, not this shortcut
         and type(q) is QuantizedTensor
         and not q.requires_grad
         and torch._C._len_torch_dispatch_stack() == 0

@@ -10,13 +10,15 @@ against 10 (256x256 Int8Rowwise, one thread) and put ``redistribute``
 the same computation for a quantized local -- the split's checks on every
 rank, then this rank's piece cloned (:func:`dtensor_quant.ops.slicing.chunk_copy`)
 -- and leaves every other local tensor, placement (``_StridedShard`` has
-its own method) and traced (symbolic) index to torch's code. Results are the same bytes, layout and
-notes (tests/distributed/dist/test_replicate_to_shard.py compares them with
-torch's own path). Installed on import.
+its own method), traced (symbolic) index and compiled graph to torch's
+code. Results are the same bytes, layout and notes
+(tests/dist/test_replicate_to_shard.py compares them with torch's own
+path). Installed on import.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import Shard
 
 from ..core.tensor import QuantizedTensor
@@ -29,7 +31,12 @@ TORCH_2_13 = "d2f988cd5c48015b"
 
 def _one_piece_for_quantized(torch_replicate_to_shard):
     def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
-        if type(self) is Shard and type(local_tensor) is QuantizedTensor and type(shard_index) is int:
+        if (
+            type(self) is Shard
+            and type(local_tensor) is QuantizedTensor
+            and type(shard_index) is int
+            and not torch.compiler.is_compiling()  # a compiled graph traces torch's ops, not this shortcut
+        ):
             piece = chunk_copy(local_tensor, self.dim, mesh.size(mesh_dim=mesh_dim), shard_index)
             if piece is not None:
                 return piece
