@@ -150,6 +150,7 @@ def test_peft_lora_is_merged_on_save(ranks, sources, tmp_path, layout, fmt_name)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
+@pytest.mark.slow  # 14 s: a 2-D mesh of 4 ranks saving and reloading a merged model
 def test_dq_lora_is_merged_on_save_under_2d(ranks, sources, tmp_path):
     """The library's LoRALinear on a FSDP2 x TP model: the adapters live on other meshes than their weights."""
     out = str(tmp_path / "merged")
