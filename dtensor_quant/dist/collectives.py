@@ -60,29 +60,41 @@ def _wrap(func, q):
 
 @implements("_c10d_functional::all_gather_into_tensor")
 def all_gather_into_tensor(func, q, group_size, group_name):
-    """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ.
+    """Stack the ranks' pieces along dim 0, sending only inner tensors that can differ (:func:`gather`)."""
+    return gather(func, q, group_size, group_name, 0)
+
+
+def all_gather_along(q: QuantizedTensor, dim: int, group_size: int, group_name) -> QuantizedTensor:
+    """The ranks' ``q`` concatenated along ``dim``: what ``all_gather_single(q, dim)`` computes, with one
+    collective and one copy (no stacked intermediate to split and concatenate again)."""
+    return gather(functional.all_gather_into_tensor.default, q, group_size, group_name, dim)
+
+
+def gather(func, q, group_size, group_name, dim: int):
+    """The ranks' pieces joined along ``dim``, from one all-gather of their bytes.
 
     The ranks' bytes travel as one ``uint8`` buffer. Where every sent inner
-    tensor simply stacks (the common case: nothing sent is constant along
-    dim 0), the result's inner tensors are views of the received buffer and
-    its layout is decided once per layout (:func:`_gather_plan`, read off
-    the first call's result); otherwise the pieces are joined with
-    :func:`~dtensor_quant.ops.layout_ops.cat_dim`, which looks at whether
-    sent constants agree.
+    tensor simply joins along ``dim`` (its relation there continues the grid)
+    or is constant along it (every rank's copy must agree), the result is cut
+    straight out of the received buffer -- one copy per inner tensor -- and
+    its layout is decided once per layout (:func:`_gather_plan`, read off the
+    first call's result); otherwise, and whenever sent constants turn out to
+    differ, each rank's piece is joined with
+    :func:`~dtensor_quant.ops.layout_ops.cat_dim`.
     """
     if group_size == 1:
         return alias(q)
     inner = [getattr(q, name) for name in q.fmt.inner_names]
-    key = ("all_gather", *layout_key(q), tuple((t.dtype, t.shape) for t in inner), group_size, group_name)
+    key = ("all_gather", dim, *layout_key(q), tuple((t.dtype, t.shape) for t in inner), group_size, group_name)
     plain = type(inner[0]) is torch.Tensor and not inner[0].is_meta  # not traced, fake or meta
     plan = lookup(key) if plain else None
     if plan is None:
-        out = _gather_pieces(func, q, group_size, group_name)
+        out = _gather_pieces(func, q, group_size, group_name, dim)
         if plain:
-            remember(key, _gather_plan(q, inner, out, group_size, group_name), q.rels, q.dims, q.fmt)
+            remember(key, _gather_plan(q, inner, out, group_size, group_name, dim), q.rels, q.dims, q.fmt)
         return out
     if plan is _PIECES:
-        return _gather_pieces(func, q, group_size, group_name)
+        return _gather_pieces(func, q, group_size, group_name, dim)
     (rels, dims, shape, stride), sent, widths, agreed, checks = plan
     if agree.EVERY_CALL or agreed not in agree.AGREED:
         agree_layout(q, group_name, "all-gather")
@@ -91,7 +103,7 @@ def all_gather_into_tensor(func, q, group_size, group_name):
     wire.note(func._schema.name, buf)
     rows = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
     columns = rows.view(group_size, -1).split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor
-    if checks and not all(torch.equal(columns[c], columns[c][:1].expand_as(columns[c])) for c, _ in checks):
+    if checks and not all(_all_equal(columns[c]) for c, _ in checks):
         copies = [
             [columns[c][r].view(t.dtype).reshape(t.shape) for (c, _), t in zip(checks, kept)] for r in range(group_size)
         ]
@@ -100,41 +112,56 @@ def all_gather_into_tensor(func, q, group_size, group_name):
     for t, s in zip(inner, sent):
         if s is None:
             joined.append(t.clone())  # sent by no rank: the same on all of them (cat_dim clones it)
-        else:
-            column, gathered = s  # every rank's piece stacked along its dim 0 = torch.cat of the pieces
-            joined.append(columns[column].view(t.dtype).reshape(gathered))
+            continue
+        column, whole = s
+        ranks = columns[column].view(t.dtype).view(group_size, *t.shape)
+        if whole is None:  # constant along dim: one copy if every rank's agrees, else a Stacked join
+            if not _all_equal(columns[column]):
+                return _join(q, rows, group_size, group_name, dim)
+            joined.append(ranks[0].clone())
+        else:  # the ranks' pieces side by side along dim = torch.cat of the pieces
+            joined.append(ranks.movedim(0, dim).reshape(whole))
     return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, q.dtype, new_bytes(joined), q.device)
+
+
+def _all_equal(rank_bytes: torch.Tensor) -> bool:
+    """Whether every rank's row of ``rank_bytes`` (``[ranks, bytes]``, uint8) holds the same bytes."""
+    return torch.equal(rank_bytes, rank_bytes[:1].expand_as(rank_bytes))
 
 
 def _gather_pieces(func, q, group_size, group_name, dim: int = 0):
     """The all-gather as pieces: each rank's inner tensors (views of the received buffer), joined along
     ``dim`` by the layout's rule (:func:`~dtensor_quant.ops.layout_ops.cat_dim`: one copy)."""
     agree_layout(q, group_name, "all-gather")
-    names = [n for n in q.fmt.inner_names if varies(q, n)]
-    kept = [n for n in q.fmt.inner_names if n not in names]
-    sent, checked = [getattr(q, n) for n in names], [getattr(q, n) for n in kept]
-    buf = pack(sent + checked)  # the kept tensors' bytes after the data: only to compare them
+    sent, checked = _sent(q)
+    buf = pack([getattr(q, n) for n in sent + checked])  # the kept tensors' bytes after the data: compared
     wire.note(func._schema.name, buf)
     out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
-    rank_bufs = [unpack(rank_buf, sent + checked) for rank_buf in out.view(group_size, -1)]
-    check_kept(q, kept, [b[len(sent) :] for b in rank_bufs], group_name, "all-gather")
+    return _join(q, out, group_size, group_name, dim)
+
+
+def _sent(q) -> tuple[list[str], list[str]]:
+    """The inner tensors a gather sends (those that can differ between ranks), and those it only compares."""
+    names = [n for n in q.fmt.inner_names if varies(q, n)]
+    return names, [n for n in q.fmt.inner_names if n not in names]
+
+
+def _join(q, received: torch.Tensor, group_size: int, group_name, dim: int) -> QuantizedTensor:
+    """``received`` (every rank's :func:`codec.pack` of :func:`_sent`'s tensors) as each rank's piece, the kept
+    tensors compared, the pieces joined along ``dim`` by :func:`~dtensor_quant.ops.layout_ops.cat_dim`."""
+    names, kept = _sent(q)
+    like = [getattr(q, n) for n in names + kept]
+    rank_bufs = [unpack(rank_buf, like) for rank_buf in received.view(group_size, -1)]
+    check_kept(q, kept, [b[len(names) :] for b in rank_bufs], group_name, "all-gather")
     pieces, stride = [], q.stride()
-    for received in rank_bufs:
-        received = dict(zip(names, received))
-        inner = [received.get(n, getattr(q, n)) for n in q.fmt.inner_names]
+    for got in rank_bufs:
+        got = dict(zip(names, got))
+        inner = [got.get(n, getattr(q, n)) for n in q.fmt.inner_names]
         # Only joined below (its notes are never read): q's layout, over this rank's bytes.
         pieces.append(
             QuantizedTensor.make(inner, q.fmt, q.rels, q.dims, q.shape, stride, q.dtype, Notes(None), q.device)
         )
     return cat_dim(pieces, dim)
-
-
-def all_gather_along(q: QuantizedTensor, dim: int, group_size: int, group_name) -> QuantizedTensor:
-    """The ranks' ``q`` concatenated along ``dim``: what ``all_gather_single(q, dim)`` computes, with one
-    collective and one copy (no stacked intermediate to split and concatenate again)."""
-    if group_size == 1:
-        return alias(q)
-    return _gather_pieces(functional.all_gather_into_tensor.default, q, group_size, group_name, dim)
 
 
 def check_kept(q: QuantizedTensor, kept, copies: list[list[torch.Tensor]], group, what: str) -> None:
@@ -154,24 +181,32 @@ def check_kept(q: QuantizedTensor, kept, copies: list[list[torch.Tensor]], group
 _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent constants): always the pieces
 
 
-def _gather_plan(q, inner, out, group_size, group_name):
-    """``(result layout, per inner (its column of the buffer, gathered shape) or None if not sent,
-    the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed, (column, name) of each
-    kept tensor's bytes)``, or ``_PIECES``.
+def _gather_plan(q, inner, out, group_size, group_name, dim):
+    """``(result layout, per inner (its column of the buffer, joined shape, or None where it is constant along
+    dim) or None if not sent, the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed,
+    (column, name) of each kept tensor's bytes)``, or ``_PIECES``.
 
     A rank's buffer is :func:`codec.pack` of the sent tensors, then of the kept ones (not sent: each rank
-    keeps its own; their bytes travel only to be compared): each one's bytes, then padding.
+    keeps its own; their bytes travel only to be compared): each one's bytes, then padding. The layout is
+    ``out``'s, the first call's result: only where that call's sent constants agreed (a ``Constant``
+    relation along ``dim`` in ``out``), so that it is the layout of every call whose constants agree.
     """
     sent, widths, kept = [], [], []
-    for name, t, row in zip(q.fmt.inner_names, inner, q.rels):
+    for i, (name, t, row) in enumerate(zip(q.fmt.inner_names, inner, q.rels)):
         if not varies(q, name):
             sent.append(None)
             kept.append((name, t))
             continue
-        if isinstance(row[0], (Constant, Stacked)) or t.ndim == 0 or 0 in t.shape:
-            return _PIECES  # whether the gathered pieces agree is read from the data; or nothing to view
+        if isinstance(row[dim], Stacked) or t.ndim == 0 or 0 in t.shape:
+            return _PIECES  # runs of several grids, or nothing to cut
+        if isinstance(row[dim], Constant):
+            if not isinstance(out.rels[i][dim], Constant):
+                return _PIECES  # the ranks' copies differed: a Stacked result, read from the data each call
+            whole = None
+        else:
+            whole = (*t.shape[:dim], group_size * t.shape[dim], *t.shape[dim + 1 :])
         nbytes = t.numel() * t.element_size()
-        sent.append((len(widths), (group_size * t.shape[0], *t.shape[1:])))
+        sent.append((len(widths), whole))
         widths += [nbytes, -nbytes % ALIGN] if nbytes % ALIGN else [nbytes]
     if not widths:
         return _PIECES

@@ -33,17 +33,18 @@ def _gathers(fmt_name, shape, mesh_shape, src, transposed):
     swap = {"R": "R", "S0": "S1", "S1": "S0"} if transposed else {t: t for t in ("R", "S0", "S1")}
     # legality is the weight's: a placement of the transposed view cuts the weight's other dim
     targets = [t for t in swap if legal(fmt, shape, mesh_shape, swap[t])] if len(mesh_shape) == 1 else []
-    ours = [dt.full_tensor()] + [dt.redistribute(m, placements(t)).to_local() for t in targets]
-    for o, t, what in zip(ours, [None, *targets], ["full_tensor", *targets]):
-        what = f"{fmt_name} {tuple(q.shape)} {src} -> {what}"
-        try:
-            with PATCH.removed():
-                theirs = dt.full_tensor() if t is None else dt.redistribute(m, placements(t)).to_local()
-        except LayoutError:  # torch's stack-then-cut cannot cut the stacked blocks: the one-step gather can
-            theirs = q if t is None else distribute_tensor(q, m, placements(t)).to_local()
-            assert_same_bits(o, theirs, what)
-            continue
-        _same(o, theirs, what)
+    for round_ in range(3):  # the first gather of a layout decides, the later ones look the decision up
+        ours = [dt.full_tensor()] + [dt.redistribute(m, placements(t)).to_local() for t in targets]
+        for o, t, what in zip(ours, [None, *targets], ["full_tensor", *targets]):
+            what = f"{fmt_name} {tuple(q.shape)} {src} -> {what}, round {round_}"
+            try:
+                with PATCH.removed():
+                    theirs = dt.full_tensor() if t is None else dt.redistribute(m, placements(t)).to_local()
+            except LayoutError:  # torch's stack-then-cut cannot cut the stacked blocks: the one-step gather can
+                theirs = q if t is None else distribute_tensor(q, m, placements(t)).to_local()
+                assert_same_bits(o, theirs, what)
+                continue
+            _same(o, theirs, what)
     assert_same_bits(ours[0], q, "full_tensor")
 
 
@@ -86,3 +87,26 @@ def _left_to_torch():
         seen = dt.redistribute(m, [Replicate()]).to_local()
     assert comm.get_total_counts() >= 1
     assert_same_bits(seen, q, "under CommDebugMode")
+
+
+def test_constants_that_stop_agreeing(ranks):
+    """A layout whose ranks' row scales agreed on its first gather (a one-step plan kept) and differ on a later
+    one (rank 1's written in place): the later gather joins them Stacked, as torch's path does."""
+    ranks(2).run(_diverging_scales)
+
+
+def _diverging_scales():
+    import torch.distributed as dist
+
+    m = mesh(2)
+    q = dq.quantize(weight((64, 128), 6), FORMATS["int8"])
+    dt = distribute_tensor(q, m, [Shard(1)])
+    _same(dt.full_tensor(), q, "agreeing")  # decides: every rank's row scales agree
+    _same(dt.full_tensor(), q, "agreeing, looked up")
+    if dist.get_rank() == 1:
+        dt.to_local().scale.mul_(2)  # this rank's copy of the row scales now differs
+    ours = dt.full_tensor()
+    with PATCH.removed():
+        theirs = dt.full_tensor()
+    _same(ours, theirs, "diverged")
+    assert any(type(r).__name__ == "Stacked" for row in ours.rels for r in row), ours.rels
