@@ -114,13 +114,14 @@ def gather(func, q, group_size, group_name, dim: int):
             joined.append(t.clone())  # sent by no rank: the same on all of them (cat_dim clones it)
             continue
         column, whole = s
-        ranks = columns[column].view(t.dtype).view(group_size, *t.shape)
         if whole is None:  # constant along dim: one copy if every rank's agrees, else a Stacked join
             if not _all_equal(columns[column]):
                 return _join(q, rows, group_size, group_name, dim)
-            joined.append(ranks[0].clone())
+            joined.append(columns[column][0].view(t.dtype).view(t.shape).clone())
+        elif dim == 0:  # every rank's piece stacked along its dim 0 = torch.cat of the pieces
+            joined.append(columns[column].view(t.dtype).reshape(whole))
         else:  # the ranks' pieces side by side along dim = torch.cat of the pieces
-            joined.append(ranks.movedim(0, dim).reshape(whole))
+            joined.append(columns[column].view(t.dtype).view(group_size, *t.shape).movedim(0, dim).reshape(whole))
     return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, q.dtype, new_bytes(joined), q.device)
 
 
