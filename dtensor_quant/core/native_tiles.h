@@ -244,9 +244,9 @@ template <class F>
 static bool dq_tile_few(const F& f, int64_t n0, int64_t rows, int64_t K, int64_t M, const uint16_t* xb,
                         uint16_t* rb, float* C) {
     const int64_t ld = DQ_KC + DQ_LDPAD;
-    for (int64_t k0 = 0; k0 < K; k0 += DQ_KC) {
-        const int64_t kc = K - k0 < DQ_KC ? K - k0 : DQ_KC;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows from end to end (their codes read in order), then the next
+        for (int64_t k0 = 0; k0 < K; k0 += DQ_KC) {
+            const int64_t kc = K - k0 < DQ_KC ? K - k0 : DQ_KC;
             for (int64_t r = r0; r < r0 + 4 && r < rows; ++r)  // rows past the weight's last keep older values
                 if (!f.bf16(n0 + r, k0, kc, rb + (r - r0) * ld)) return false;
             for (int64_t m = 0; m < M; m += 4) {  // the 4 rows stay in L1 for every group of 4 tokens
