@@ -10,7 +10,10 @@ scale: :func:`~dtensor_quant.dist.codec.varies`) -- every piece takes the
 receiver's copy -- and carry only its bytes after the data, as a check: if
 the ranks' copies differ (shards quantized one by one, then
 ``DTensor.from_local``), every rank raises (:func:`agree.constants_differ`).
-``scatter_`` and ``broadcast_`` send every inner tensor.
+A gather along any dim (:func:`gather`; dim 0 for the all-gather op, any
+other through :mod:`dtensor_quant.dist.gather_dim`) cuts its result out of
+the receive buffer by a plan decided once per layout. ``scatter_`` and
+``broadcast_`` send every inner tensor.
 """
 
 from __future__ import annotations

@@ -11,12 +11,13 @@ stacked result, then by the ``cat``) -- which put ``Shard(1)`` gathers at
 1.21-1.41x a dense DTensor's (issue 24). The patch gathers a quantized local
 outside autograd and dispatch modes with one call
 (:func:`dtensor_quant.dist.collectives.all_gather_along`: the same checks
-and collective as the all-gather handler, then each rank's piece joined
-along ``d`` by the layout's rule, one copy) and leaves everything else
-(dense locals, dim 0, tensors that require grad, traced ones, an active
-dispatch mode such as ``CommDebugMode``, torch.compile) to torch's code. The same bytes on
-the wire, the same result (tests/distributed/dist/test_gather_dim.py
-compares it with torch's path). Installed on import.
+and collective as the all-gather handler, then each inner tensor cut out of
+the receive buffer into its place along ``d``, one copy) and leaves
+everything else (dense locals, dim 0, tensors that require grad, traced
+ones, an active dispatch mode such as ``CommDebugMode``, torch.compile) to
+torch's code. The same bytes on the wire, the same result
+(tests/distributed/dist/test_gather_dim.py compares it with torch's path).
+Installed on import.
 """
 
 from __future__ import annotations
