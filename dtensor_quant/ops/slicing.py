@@ -51,9 +51,7 @@ def _slice(func, q, dim=0, start=None, end=None, step=1):
 @implements("aten::split")
 def _split(func, q, split_size, dim=0):
     dim %= q.ndim
-    length = q.shape[dim]
-    sizes = [min(split_size, length - s) for s in range(0, length, split_size)] or [0]
-    return _split_sizes(func, q, sizes, dim)
+    return _split_sizes(func, q, split_lengths(q.shape[dim], split_size), dim)
 
 
 @implements("aten::split_with_sizes")
@@ -61,10 +59,14 @@ def _split_sizes(func, q, split_sizes, dim=0):
     return split_dim(q, dim % q.ndim, split_sizes)
 
 
+def split_lengths(length: int, size: int) -> list[int]:
+    """The piece lengths of ``torch.split(t, size)`` along a dim of ``length`` (``[0]`` for an empty dim)."""
+    return [min(size, length - s) for s in range(0, length, size)] or [0]
+
+
 def chunk_sizes(length: int, chunks: int) -> list[int]:
-    """The piece lengths of ``torch.chunk`` (``ceil(length / chunks)`` each, the last shorter, fewer if short)."""
-    size = -(-length // chunks) if length else 0
-    return [min(size, length - s) for s in range(0, length, size)] if size else [0]
+    """The piece lengths of ``torch.chunk``: a split into ``ceil(length / chunks)`` (fewer pieces if short)."""
+    return split_lengths(length, max(-(-length // chunks), 1))
 
 
 def chunk_copy(q: QuantizedTensor, dim: int, chunks: int, index: int) -> QuantizedTensor | None:
