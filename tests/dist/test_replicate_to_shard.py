@@ -131,3 +131,33 @@ def test_one_step_without_dispatch(monkeypatch):
 def test_dense_locals_keep_torchs_code():
     dense = _weight((8, 8))
     assert torch.equal(Shard(0)._replicate_to_shard(dense, Mesh(2), 0, 1), dense[4:])
+
+
+@pytest.mark.parametrize(
+    "name,shape,dim,counts",
+    [
+        ("nf4", (16, 14336), 0, (2, 4)),  # NF4's 16384-weight factor blocks run across rows: 8 rows = 7 blocks
+        ("int4g128", (32, 11008), 1, (2, 4)),  # 86 groups: 2 pieces of 43, 4 refused (21.5)
+        ("int8", (16, 14336), 1, (3,)),  # uneven: 4779, 4779, 4778
+        ("int4g128", (2, 16, 11008), 2, (2,)),  # a 3-D expert stack cut along its columns
+        ("nf4", (2, 16, 14336), 0, (2,)),  # ... and by experts
+    ],
+)
+def test_real_widths(name, shape, dim, counts):
+    """Widths of real MLPs (14336, 11008) and a 3-D expert stack, where the toy widths above never show
+    NF4's flat factor blocks crossing rows or int4 groups refusing a cut."""
+    q = dq.quantize(_weight(shape, 7), FORMATS[name])
+    for n in counts:
+        try:
+            torch.chunk(q, n, dim)
+        except LayoutError as e:
+            for index in range(n):
+                with pytest.raises(LayoutError) as ours:
+                    Shard(dim)._replicate_to_shard(q, Mesh(n), 0, index)
+                assert str(ours.value) == str(e)
+            continue
+        for index in range(n):
+            what = f"{name} {shape} dim {dim} into {n}, piece {index}"
+            _assert_same_piece(
+                Shard(dim)._replicate_to_shard(q, Mesh(n), 0, index), _torch_piece(Shard(dim), q, n, index), what
+            )

@@ -10,6 +10,7 @@ torch, so the mode still sees the collective, and the result is the same.
 """
 
 import pytest
+import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -96,8 +97,6 @@ def test_constants_that_stop_agreeing(ranks):
 
 
 def _diverging_scales():
-    import torch.distributed as dist
-
     m = mesh(2)
     q = dq.quantize(weight((64, 128), 6), FORMATS["int8"])
     dt = distribute_tensor(q, m, [Shard(1)])
@@ -110,3 +109,22 @@ def _diverging_scales():
         theirs = dt.full_tensor()
     _same(ours, theirs, "diverged")
     assert any(type(r).__name__ == "Stacked" for row in ours.rels for r in row), ours.rels
+
+
+def test_real_widths(ranks):
+    """Widths of real MLPs (11008, 14336, uneven over 3 ranks) and a 3-D expert stack cut along its columns."""
+    ranks(2).run(_real_widths, ((32, 11008), "int4g128"), ((2, 16, 11008), "int4g128"))
+    ranks(3).run(_real_widths, ((16, 14336), "int8"))
+
+
+def _real_widths(*cases):
+    m = mesh(dist.get_world_size())
+    for shape, name in cases:
+        q = dq.quantize(weight(shape, 8), FORMATS[name])
+        dt = distribute_tensor(q, m, [Shard(q.ndim - 1)])
+        for round_ in range(3):  # decided, then looked up
+            ours = dt.full_tensor()
+            with PATCH.removed():
+                theirs = dt.full_tensor()
+            _same(ours, theirs, f"{name} {shape}, round {round_}")
+            assert_same_bits(ours, q, f"{name} {shape}, round {round_}")
