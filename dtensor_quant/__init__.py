@@ -31,9 +31,11 @@ from .formats import (
     Int4Groupwise,
     Int4GroupwiseIntZero,
     Int8Rowwise,
+    NF4BlockScales,
 )
 from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from .model import interop, lora, trainable
+from .model.expand_scales import expand_scales
 from .model.padding import pad_for_tp
 from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
 from .model.quantize_model import quantize_
@@ -75,6 +77,7 @@ __all__ = [
     "Int4GroupwiseIntZero",
     "Int8Rowwise",
     "LayoutError",
+    "NF4BlockScales",
     "OneToOne",
     "Packed",
     "QuantFormat",
@@ -86,6 +89,7 @@ __all__ = [
     "checkpoint",
     "custom_ops",
     "dequantize",
+    "expand_scales",
     "flat_blocked",
     "fsdp",
     "gather_quantized_",

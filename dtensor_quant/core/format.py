@@ -174,6 +174,22 @@ class QuantFormat:
         """``x @ W.T + bias`` from ``prepare``'s result, or None to dequantize instead."""
         return None
 
+    def expanded_format(self) -> QuantFormat | None:
+        """A format that holds exactly this one's values with fewer levels of scale blocks, or None (the default).
+
+        A double-quantized format (NF4's scales of scales) blocks its second-level
+        scales over many weights, which can forbid a tensor-parallel cut that its
+        first-level blocks allow. Its expanded format stores each first-level
+        scale as computed, so every weight dequantizes to the same bits and only
+        the first-level blocks constrain a cut. :func:`dtensor_quant.expand_scales`
+        converts a tensor; the planner and ``adapt_tp_plan`` offer it.
+        """
+        return None
+
+    def expand_inner(self, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+        """``expanded_format``'s inner tensors for a fresh ``[out, in]`` weight's ``inner`` (the same values)."""
+        raise NotImplementedError(f"{self} has no expanded format")
+
     @functools.cached_property
     def inner_names(self) -> tuple[str, ...]:
         """The inner tensors, in the order of every layout (override with ``layout_for``).

@@ -36,7 +36,7 @@ def quantize_local(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer, full
             inner = _quantize_matrices(fmt, weight.detach(), reduce)
         if not weight.is_meta:
             inner = {name: canonical_nans(t) for name, t in inner.items()}
-    return _wrap(fmt, inner, weight.shape, weight.dtype, full_shape)
+    return wrap_quantized(fmt, inner, weight.shape, weight.dtype, full_shape)
 
 
 class _PerMatrix(Reducer):
@@ -73,7 +73,7 @@ def _quantize_matrices(fmt: QuantFormat, weight: torch.Tensor, reduce: Reducer) 
     return {n: torch.stack([p[n] for p in parts]).reshape(*lead, *parts[0][n].shape) for n in parts[0]}
 
 
-def _wrap(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedTensor:
+def wrap_quantized(fmt: QuantFormat, inner: dict, shape, dtype, full_shape) -> QuantizedTensor:
     """Wrap a (local) shard of logical ``shape`` of a weight of ``full_shape``, checking the layout."""
     layout = weight_layout(fmt, full_shape)
     if tuple(inner) != tuple(layout):

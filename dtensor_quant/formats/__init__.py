@@ -9,6 +9,7 @@ from .int4_zero import Int4GroupwiseIntZero
 from .int8 import Int8Rowwise
 from .mxfp4 import MXFP4
 from .nf4 import NF4
+from .nf4_block_scales import NF4BlockScales
 
 __all__ = [
     "MXFP4",
@@ -22,4 +23,5 @@ __all__ = [
     "Int4Groupwise",
     "Int4GroupwiseIntZero",
     "Int8Rowwise",
+    "NF4BlockScales",
 ]

@@ -100,6 +100,21 @@ def _nearest(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.where(values.isnan(), 0, torch.where(pick, right, left)).to(torch.uint8)
 
 
+def nf4_codes(weight: torch.Tensor, absmax: torch.Tensor, layout, shape) -> torch.Tensor:
+    """bitsandbytes' 4-bit codes ``[..., 2]`` (pairs of each byte), nearest level of ``w * (1 / absmax)``.
+
+    ``absmax``: float32, one per block of ``layout["absmax"]`` (or ``"scale"``). Ties go to the
+    lower level, a zero block to level 7 (0.0), a NaN to code 0 -- bitsandbytes' CPU search.
+    """
+    blocks = layout["absmax"] if "absmax" in layout else layout["scale"]
+    levels = torch.tensor(NF4_LEVELS_F32, dtype=torch.float32, device=weight.device)
+    inverse = expand_to(1.0 / absmax.clamp(min=1e-38), blocks, shape)
+    scaled = (weight.float() * inverse).clamp(-1, 1)  # a zero block: 0, level 7
+    codes = torch.bucketize(scaled, (levels[:-1] + levels[1:]) / 2).to(torch.uint8)  # ties to the lower level
+    codes = torch.where(scaled.isnan(), 0, codes).to(torch.uint8)
+    return codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
+
+
 @dataclass(frozen=True)
 class BnbNF4(QuantFormat):
     block_size: int = 64
@@ -138,12 +153,7 @@ class BnbNF4(QuantFormat):
         shape = weight.shape
         layout = self.layout_for(reduce.full_shape)
         absmax = reduce_to(weight.abs(), layout["absmax"], "max")  # float32, one per block
-        levels = torch.tensor(NF4_LEVELS_F32, dtype=torch.float32, device=weight.device)
-        inverse = expand_to(1.0 / absmax.clamp(min=1e-38), layout["absmax"], shape)
-        scaled = (weight.float() * inverse).clamp(-1, 1)  # a zero block: 0, level 7
-        codes = torch.bucketize(scaled, (levels[:-1] + levels[1:]) / 2).to(torch.uint8)  # ties to the lower level
-        codes = torch.where(scaled.isnan(), 0, codes).to(torch.uint8)
-        pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
+        pairs = nf4_codes(weight, absmax, layout, shape)
         # The offset: the mean of the finite block maxima (a NaN or Inf poisons its own nested block only).
         finite = absmax.isfinite()
         stats = torch.stack([torch.where(finite, absmax, 0).double().sum(), finite.double().sum()])
@@ -177,7 +187,7 @@ class BnbNF4(QuantFormat):
         Every inner tensor stores its blocks in flat row-major order, so each
         block's scale is computed once and broadcast over it. Needs whole blocks.
         """
-        b, scale = self.block_size, self._block_scales(inner, out.numel())
+        b, scale = self.block_size, self.block_scales(inner, out.numel())
         if scale is None:
             return False
         fits = out.dtype == torch.float32 and out.is_contiguous()
@@ -188,13 +198,28 @@ class BnbNF4(QuantFormat):
             out.copy_(values)
         return True
 
-    def _block_scales(self, inner: dict[str, torch.Tensor], numel: int) -> torch.Tensor | None:
+    def block_scales(self, inner: dict[str, torch.Tensor], numel: int) -> torch.Tensor | None:
         """Each block's float32 scale in flat order, as ``dequantize`` computes it; None unless the blocks are whole."""
         absmax, nested = inner["absmax"].reshape(-1), inner["nested_absmax"].reshape(-1)
         if numel % self.block_size or absmax.numel() != numel // self.block_size or inner["qdata"].numel() * 2 != numel:
             return None
         per_block = nested.repeat_interleave(self.nested_block_size).narrow(0, 0, absmax.numel())
         return dynamic_map().to(absmax.device)[absmax.long()] * per_block + inner["offset"].reshape(())
+
+    def expanded_format(self):
+        """:class:`~dtensor_quant.formats.nf4_block_scales.NF4BlockScales` with bitsandbytes' levels: each block's
+        float32 scale stored as ``block_scales`` computes it (what vLLM's ``_dequantize_dq`` does), so each weight
+        dequantizes to the same bits and no nested scale spans rows a tensor-parallel cut would split."""
+        from .nf4_block_scales import NF4BlockScales
+
+        return NF4BlockScales(self.block_size, levels="bitsandbytes")
+
+    def expand_inner(self, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+        """The inner tensors of ``expanded_format`` for a fresh ``[out, in]`` weight's ``inner``: the same codes."""
+        scale = self.block_scales(inner, shape[0] * shape[1])
+        assert scale is not None, "expand_inner takes a whole weight laid out as a fresh one"
+        rels = self.expanded_format().layout_for(shape)["scale"]
+        return {"qdata": inner["qdata"], "scale": scale.reshape(*(r.inner_len(n) for r, n in zip(rels, shape)))}
 
     # NF4's kernels (dtensor_quant.formats.nf4) compute each weight as level * scale in fp32 (rounded to bf16 for
     # bf16 activations) from float32 levels and block scales: with bitsandbytes' that is dequantize's value.
@@ -217,7 +242,7 @@ class BnbNF4(QuantFormat):
         rows, cols = qdata.shape[0], qdata.shape[1] * 2
         if not rows or cols % bs or nf4_kernel() is None:
             return None
-        scale = self._block_scales(inner, rows * cols)
+        scale = self.block_scales(inner, rows * cols)
         if scale is None:
             return None
         levels = torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)

@@ -131,7 +131,7 @@ class NF4(QuantFormat):
         per_scale = reduce_to(expand_to(factor, layout["factor"], shape), layout["scaler"], "max").to(dtype)
         scaler = (centred * per_scale).round().clamp(-128, 127)
         scales = expand_to(absmax, layout["scaler"], shape)
-        codes = self._nearest(torch.where(scales == 0, 0, weight / scales))  # a zero block: level 0.0, not 0/0
+        codes = nearest_codes(torch.where(scales == 0, 0, weight / scales))  # a zero block: level 0.0, not 0/0
         pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
         return {
             "qdata": (pairs[..., 0] << 4) | pairs[..., 1],
@@ -162,7 +162,7 @@ class NF4(QuantFormat):
         row-major order, so the scales are computed once per block (not per
         element) and broadcast over it. Needs whole scaler blocks.
         """
-        scale = self._block_scales(inner, out.numel())
+        scale = self.block_scales(inner, out.numel())
         if scale is None:
             return False
         mean = inner["mean"]
@@ -174,7 +174,7 @@ class NF4(QuantFormat):
             out.copy_(values)
         return True
 
-    def _block_scales(self, inner: dict[str, torch.Tensor], numel: int) -> torch.Tensor | None:
+    def block_scales(self, inner: dict[str, torch.Tensor], numel: int) -> torch.Tensor | None:
         """Each block's dequantized scale, in flat order (the weight's dtype); None unless the blocks are whole."""
         mean, scaler, factor = inner["mean"], inner["scaler"].reshape(-1), inner["factor"].reshape(-1)
         if numel % self.block_size or scaler.numel() != numel // self.block_size or inner["qdata"].numel() * 2 != numel:
@@ -211,7 +211,7 @@ class NF4(QuantFormat):
         rows, cols = qdata.shape[0], qdata.shape[1] * 2
         if not rows or cols % bs or kernel() is None:
             return None
-        scale = self._block_scales(inner, rows * cols)
+        scale = self.block_scales(inner, rows * cols)
         if scale is None:
             return None
         levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype).float()
@@ -223,13 +223,29 @@ class NF4(QuantFormat):
         ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
         return kernel_linear(x, prepared, bias, self.block_size)
 
-    @staticmethod
-    def _nearest(normalized: torch.Tensor) -> torch.Tensor:
-        levels = torch.tensor(NF4_LEVELS, dtype=normalized.dtype, device=normalized.device)
-        return (normalized.unsqueeze(-1) - levels).abs().min(dim=-1).indices.to(torch.uint8)
+    def expanded_format(self):
+        """:class:`~dtensor_quant.formats.nf4_block_scales.NF4BlockScales` with torchao's levels: every block's
+        scale stored as ``block_scales`` computes it, so each weight dequantizes to the same bits, and no factor
+        spans rows that a tensor-parallel cut would split."""
+        from .nf4_block_scales import NF4BlockScales
+
+        return NF4BlockScales(self.block_size, levels="torchao")
+
+    def expand_inner(self, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+        """The inner tensors of ``expanded_format`` for a fresh ``[out, in]`` weight's ``inner``: the same codes."""
+        scale = self.block_scales(inner, shape[0] * shape[1])
+        assert scale is not None, "expand_inner takes a whole weight laid out as a fresh one"
+        rels = self.expanded_format().layout_for(shape)["scale"]
+        return {"qdata": inner["qdata"], "scale": scale.reshape(*(r.inner_len(n) for r, n in zip(rels, shape)))}
 
     def __str__(self) -> str:
         return f"NF4(block_size={self.block_size}, scaler_block_size={self.scaler_block_size})"
+
+
+def nearest_codes(normalized: torch.Tensor) -> torch.Tensor:
+    """The index of the NF4 level nearest each value (ties to the lower level), as uint8."""
+    levels = torch.tensor(NF4_LEVELS, dtype=normalized.dtype, device=normalized.device)
+    return (normalized.unsqueeze(-1) - levels).abs().min(dim=-1).indices.to(torch.uint8)
 
 
 # fp16 weights round each product to fp16 first; the kernels round once, to bf16.

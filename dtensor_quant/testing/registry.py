@@ -21,6 +21,7 @@ from ..formats import (
     Int4Groupwise,
     Int4GroupwiseIntZero,
     Int8Rowwise,
+    NF4BlockScales,
 )
 
 FORMATS: dict[str, QuantFormat] = {
@@ -34,6 +35,7 @@ FORMATS: dict[str, QuantFormat] = {
     "nf4b32s16": NF4(32, 16),  # on 256 columns: a scaler factor spans 2 rows
     "nf4b32s4": NF4(32, 4),  # on 256 columns: 2 scaler factors per row
     "bnbnf4": BnbNF4(),  # bitsandbytes' NF4 arithmetic on the same blocks (8-bit dynamic absmax codes)
+    "nf4bs": NF4BlockScales(),  # NF4 without double quantization: a float32 scale per 64 (bitsandbytes')
     "f8row": Float8Rowwise(),
     "f8tensor": Float8Tensorwise(),
     "f8block32": Float8Blockwise(32),

@@ -56,7 +56,9 @@ def assert_close(out, x, dense, bias=None):
     assert_within(out, exact, bound, "kernel vs exact")
 
 
-@pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4(), dq.MXFP4()], ids=str)  # the same kernel, their tables
+@pytest.mark.parametrize(
+    "fmt", [dq.NF4(), dq.BnbNF4(), dq.NF4BlockScales(), dq.NF4BlockScales(levels="torchao"), dq.MXFP4()], ids=str
+)  # the same kernel, their tables
 @pytest.mark.parametrize("shape", [(48, 2048), (40, 5632)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nf4_kernel_weights_are_dequantize_bits(shape, dtype, fmt):
@@ -167,7 +169,7 @@ def test_linear_picks_the_kernel_by_token_count(monkeypatch, fmt):
     """F.linear: 1 bf16 token runs the one-token kernel, more (and fp32 activations) the tiled kernel, each with
     its bias; past native.TILES_MAX_TOKENS (made 8 here), and for fp16 activations, dequantize + mm."""
     module = int4_zero if isinstance(fmt, dq.Int4GroupwiseIntZero) else float8
-    module = nf4 if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.MXFP4)) else module
+    module = nf4 if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.NF4BlockScales, dq.MXFP4)) else module
     q = dq.quantize(weight((64, 2048), seed=1), fmt)
     bias = weight((64,), seed=3)
     ran = []

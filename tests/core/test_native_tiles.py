@@ -25,6 +25,8 @@ from dtensor_quant.testing import weight
 FORMATS = [
     dq.NF4(),
     dq.BnbNF4(),
+    dq.NF4BlockScales(),
+    dq.NF4BlockScales(levels="torchao"),
     dq.MXFP4(),
     dq.Float8Rowwise(),
     dq.Float8Rowwise(scale_dtype=torch.bfloat16),
@@ -42,7 +44,7 @@ SHAPES = [(40, 2048), (33, 5632), pytest.param((24, 14336), marks=pytest.mark.sl
 
 
 def module_of(fmt):
-    if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.MXFP4)):
+    if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.NF4BlockScales, dq.MXFP4)):
         return nf4  # BnbNF4 and MXFP4 run NF4's kernels
     if isinstance(fmt, dq.Int4GroupwiseIntZero):
         return int4_zero
@@ -77,7 +79,7 @@ def tiled(q, inputs, x, level):
     fmt, module = q.fmt, module_of(q.fmt)
     if isinstance(fmt, dq.MXFP4):
         return module.tiled_linear(x, inputs, mxfp4.BLOCK, max_level=level)
-    if isinstance(fmt, (dq.NF4, dq.BnbNF4)):
+    if isinstance(fmt, (dq.NF4, dq.BnbNF4, dq.NF4BlockScales)):
         return module.tiled_linear(x, inputs, fmt.block_size, max_level=level)
     if isinstance(fmt, dq.Int4GroupwiseIntZero):
         return module.tiled_linear(x, inputs, fmt.group_size, max_level=level)

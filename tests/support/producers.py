@@ -67,7 +67,7 @@ CT = {
     "ct_fp8_block": ("FP8_BLOCK", "float-quantized", None),
     "ct_mxfp4": ("MXFP4A16", "mxfp4-pack-quantized", None),
 }
-KINDS = (*CT, "gptq", "gptq_actorder", "awq", "bnb", "gptoss")
+KINDS = (*CT, "gptq", "gptq_actorder", "awq", "bnb", "bnb_single", "gptoss")
 # A tiny gpt-oss: 4 experts of width 256 (gate_up [E, 256, 512], down [E, 256, 256] as transformers holds them).
 GPTOSS = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 4,
@@ -241,8 +241,8 @@ def write_awq(path) -> dict[str, torch.Tensor]:
     return ref
 
 
-def write_bnb(path) -> dict[str, torch.Tensor]:
-    """bitsandbytes NF4 with double quantization, as transformers quantizes and saves it on CPU."""
+def write_bnb(path, double_quant: bool = True) -> dict[str, torch.Tensor]:
+    """bitsandbytes NF4 (with double quantization unless told), as transformers quantizes and saves it on CPU."""
     import tempfile
 
     import bitsandbytes as bnb
@@ -251,7 +251,7 @@ def write_bnb(path) -> dict[str, torch.Tensor]:
     config = transformers.BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
+        bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
     with tempfile.TemporaryDirectory() as dense:
@@ -343,8 +343,8 @@ def write(kind: str, path) -> str:
     elif kind == "awq":
         ref = write_awq(path)
         ref.update(_dense_of(path))
-    elif kind == "bnb":
-        ref = write_bnb(path)
+    elif kind in ("bnb", "bnb_single"):
+        ref = write_bnb(path, double_quant=kind == "bnb")
     elif kind == "gptoss":
         ref = write_gptoss(path)
     else:
@@ -377,6 +377,8 @@ def file_bytes(kind: str, offset, local_shape, full_shape) -> int:
         return math.prod(local_shape) // 2 + math.prod(local_shape) // 32
     r, c = local_shape
     full_shape = tuple(full_shape)
+    if kind == "bnb_single":  # codes, one fp32 absmax per 64 flat values; map and state read once
+        return r * c // 2 + 4 * _blocks_touched(offset, local_shape, full_shape, 64)
     if kind == "bnb":  # codes, one absmax code per 64 flat values, one fp32 per 16384; maps and state read once
         return (
             r * c // 2
@@ -403,7 +405,7 @@ def file_bytes(kind: str, offset, local_shape, full_shape) -> int:
 
 def metadata_bytes(kind: str, path) -> int:
     """Bytes of the per-weight records every rank reads whole once: bitsandbytes' maps and quant_state JSON."""
-    if kind != "bnb":
+    if not kind.startswith("bnb"):
         return 0  # compressed-tensors' weight_shape and GPTQ's g_idx are counted per weight in file_bytes
     from safetensors import safe_open
 

@@ -24,7 +24,16 @@ from torch.distributed.tensor import DTensor
 
 from ...core.format import QuantFormat, weight_layout
 from ...core.tensor import contiguous_strides
-from ...formats import MXFP4, BnbNF4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
+from ...formats import (
+    MXFP4,
+    BnbNF4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+    NF4BlockScales,
+)
 from ...formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
 from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
 from .safetensors_io import Checkpoint
@@ -218,14 +227,17 @@ def _fp8_blocks(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | 
 
 
 def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
-    """bitsandbytes NF4 with double quantization, as transformers saves it (unsloth's ``*-bnb-4bit`` models).
+    """bitsandbytes NF4 as transformers saves it (unsloth's ``*-bnb-4bit`` models), double-quantized or not.
 
     ``weight`` uint8 ``[n/2, 1]`` (codes over the flat weight, first in the
-    high nibble), ``.absmax`` uint8 (dynamic-map codes, one per 64 values),
-    ``.nested_absmax`` float32 (one per 256 blocks), the offset in the
-    ``.quant_state.bitsandbytes__nf4`` JSON: :class:`~dtensor_quant.BnbNF4`'s
-    inner tensors, row-major, as they are. ``quant_map`` and
-    ``nested_quant_map`` must be bitsandbytes' (they are checked, not stored).
+    high nibble) and ``.absmax``. Double quantization
+    (``bnb_4bit_use_double_quant=True``): ``.absmax`` uint8 (dynamic-map
+    codes, one per 64 values), ``.nested_absmax`` float32 (one per 256
+    blocks), the offset in the ``.quant_state.bitsandbytes__nf4`` JSON:
+    :class:`~dtensor_quant.BnbNF4`'s inner tensors. Without it: ``.absmax``
+    float32, one per 64 values: :class:`~dtensor_quant.NF4BlockScales`'.
+    Row-major, as they are. ``quant_map`` (and ``nested_quant_map``) must be
+    bitsandbytes' (they are checked, not stored).
     """
     if not key.endswith(".weight") or len(shape) != 2:
         return None
@@ -238,27 +250,31 @@ def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout 
         kind = states[0].rpartition("__")[2] if states else "no quant_state"
         raise ValueError(f"{key}: bitsandbytes {kind}: only NF4 (bnb_4bit_quant_type='nf4') is read as stored")
     state = json_of(small(ckpt, states[0]))
-    if key + ".nested_absmax" not in ckpt.tensors or state.get("nested_blocksize") is None:
-        raise ValueError(f"{key}: bitsandbytes NF4 without double quantization (bnb_4bit_use_double_quant=False) "
-                         "is not read; BnbNF4 holds the double-quantized layout")  # fmt: skip
-    fmt = BnbNF4(int(state["blocksize"]), int(state["nested_blocksize"]))
-    inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("absmax", Flat("{key}.absmax", torch.uint8)),
-             ("nested_absmax", Flat("{key}.nested_absmax", torch.float32)),
-             ("offset", JsonField("{key}.quant_state.bitsandbytes__nf4", torch.uint8, "nested_offset")))  # fmt: skip
+    nested = key + ".nested_absmax" in ckpt.tensors and state.get("nested_blocksize") is not None
+    if nested:
+        fmt = BnbNF4(int(state["blocksize"]), int(state["nested_blocksize"]))
+        offset = JsonField("{key}.quant_state.bitsandbytes__nf4", torch.uint8, "nested_offset")
+        inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("absmax", Flat("{key}.absmax", torch.uint8)),
+                 ("nested_absmax", Flat("{key}.nested_absmax", torch.float32)), ("offset", offset))  # fmt: skip
+    else:
+        fmt = NF4BlockScales(int(state["blocksize"]), levels="bitsandbytes")
+        inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("scale", Flat("{key}.absmax", torch.float32)))
 
     def same(want):
-        return lambda t, shape: None if torch.equal(t, want) else "not bitsandbytes' map; BnbNF4 computes with that"
+        return lambda t, shape: None if torch.equal(t, want) else f"not bitsandbytes' map; {fmt} computes with that"
 
     def state_fits(t, shape):
         js = json_of(t)
-        want = {"quant_type": "nf4", "shape": list(shape), "nested_dtype": "float32"}
+        want = {"quant_type": "nf4", "shape": list(shape)} | ({"nested_dtype": "float32"} if nested else {})
         bad = {k: js.get(k) for k, v in want.items() if js.get(k) != v}
         return f"{bad} (expected {want})" if bad else None
 
-    extras = (Extra("{key}.quant_map", same(torch.tensor(NF4_LEVELS_F32, dtype=torch.float32))),
-              Extra("{key}.nested_quant_map", same(dynamic_map())),
-              Extra("{key}.quant_state.bitsandbytes__nf4", state_fits))  # fmt: skip
-    return StoredLayout(fmt, f"bitsandbytes nf4 (double quantization, blocks {fmt.block_size})", inner, extras)
+    maps = [Extra("{key}.quant_map", same(torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)))]
+    if nested:
+        maps.append(Extra("{key}.nested_quant_map", same(dynamic_map())))
+    extras = (*maps, Extra("{key}.quant_state.bitsandbytes__nf4", state_fits))
+    scheme = "double quantization" if nested else "no double quantization"
+    return StoredLayout(fmt, f"bitsandbytes nf4 ({scheme}, blocks {fmt.block_size})", inner, extras)
 
 
 def _mxfp4_experts(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:

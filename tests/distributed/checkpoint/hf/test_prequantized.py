@@ -63,7 +63,7 @@ def load_and_check(kind: str, layout: str, path: str) -> dict:
     return {"read": result.bytes_read, "file": result.file_bytes, "formats": formats}
 
 
-KINDS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4", "ct_int4_asym", "ct_mxfp4", "gptq", "awq", "bnb"]
+KINDS = ["ct_int8", "ct_fp8", "ct_fp8_block", "ct_int4", "ct_int4_asym", "ct_mxfp4", "gptq", "awq", "bnb", "bnb_single"]
 
 
 @pytest.mark.slow
