@@ -131,7 +131,7 @@ def served_cells(model: str, fmt) -> dict[str, list[tuple[str, int]]]:
     """The (layer kind, TP) cells vLLM serves, by verdict: legal, padded, switched (adapt_tp_plan) or refused."""
     _, *cfg = MODELS[model]
     heads, kv_heads = cfg[2], cfg[3]
-    out: dict[str, list[tuple[str, int]]] = {"legal": [], "padded": [], "switched": [], "refused": []}
+    out: dict[str, list[tuple[str, int]]] = {"legal": [], "padded": [], "switched": [], "expanded": [], "refused": []}
     for name, shape, style in block(*cfg):
         for tp in TP:
             degree = served_degree(name, tp, heads, kv_heads)
@@ -145,6 +145,8 @@ def served_cells(model: str, fmt) -> dict[str, list[tuple[str, int]]]:
                 verdict = "padded"
             elif style == "rowwise" and plan([Layer(name, shape, "colwise")], fmt, tp=[degree]).rows[0][1][0].legal:
                 verdict = "switched"  # what adapt_tp_plan checks: the column cut at the same degree
+            elif fmt.expanded_format() and plan([layer], fmt.expanded_format(), tp=[degree]).rows[0][1][0].legal:
+                verdict = "expanded"  # what adapt_tp_plan does next: the same values with expanded scales
             else:
                 verdict = "refused"
             out[verdict].append((name.split(".")[-1], tp))
@@ -162,14 +164,17 @@ def served_table() -> tuple[str, int]:
             got = served_cells(model, fmt)
             n = sum(len(v) for v in got.values())
             text = f"{len(got['legal'])}/{n}"
-            text += "".join(f" +{len(got[k])}{k[0]}" for k in ("padded", "switched", "refused") if got[k])
+            text += "".join(f" +{len(got[k])}{k[0]}" for k in ("padded", "switched", "expanded", "refused") if got[k])
             row.append(text)
-            for k in ("padded", "switched", "refused"):
+            for k in ("padded", "switched", "expanded", "refused"):
                 if got[k]:
                     notes.append(f"{model}, {fmt}, {k}: " + ", ".join(f"{name}@TP{tp}" for name, tp in got[k]))
             refused += len(got["refused"])
         rows.append(row)
-    legend = "legal/served cells; +Np padded (pad_for_tp, pad_vocab_for_tp), +Ns switched (adapt_tp_plan), +Nr refused"
+    legend = (
+        "legal/served cells; +Np padded (pad_for_tp, pad_vocab_for_tp), +Ns switched (adapt_tp_plan), "
+        "+Ne scales expanded (expand_scales, adapt_tp_plan), +Nr refused"
+    )
     return markdown(rows) + "\n\n" + legend + "\n\n" + "\n".join(notes), refused
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -175,20 +176,26 @@ class QuantFormat:
         return None
 
     def expanded_format(self) -> QuantFormat | None:
-        """A format that holds exactly this one's values with fewer levels of scale blocks, or None (the default).
+        """A format that holds exactly this one's values with fewer levels of scale blocks, or None.
 
         A double-quantized format (NF4's scales of scales) blocks its second-level
         scales over many weights, which can forbid a tensor-parallel cut that its
         first-level blocks allow. Its expanded format stores each first-level
         scale as computed, so every weight dequantizes to the same bits and only
-        the first-level blocks constrain a cut. :func:`dtensor_quant.expand_scales`
-        converts a tensor; the planner and ``adapt_tp_plan`` offer it.
+        the first-level blocks constrain a cut. The expanded format declares
+        which formats it expands (:func:`expansion_of`);
+        :func:`dtensor_quant.expand_scales` converts a tensor, the planner and
+        ``adapt_tp_plan`` offer it.
         """
-        return None
+        make = _EXPANSIONS.get(type(self))
+        return make(self) if make is not None else None
 
     def expand_inner(self, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
         """``expanded_format``'s inner tensors for a fresh ``[out, in]`` weight's ``inner`` (the same values)."""
-        raise NotImplementedError(f"{self} has no expanded format")
+        wider = self.expanded_format()
+        if wider is None:
+            raise ValueError(f"{self} has no expanded format")
+        return wider.inner_expanded_from(self, inner, shape)
 
     @functools.cached_property
     def inner_names(self) -> tuple[str, ...]:
@@ -197,6 +204,24 @@ class QuantFormat:
         Cached on the (frozen) format: every QuantizedTensor construction checks it.
         """
         return tuple(self.layout)
+
+
+_EXPANSIONS: dict[type, Callable[[QuantFormat], QuantFormat]] = {}
+
+
+def expansion_of(*formats: type):
+    """Register ``make(fmt) -> expanded format`` for the format classes given (see ``expanded_format``).
+
+    The expanded format's module declares it, next to its ``inner_expanded_from(fmt, inner, shape)``: the
+    formats it expands need not know it.
+    """
+
+    def register(make):
+        for cls in formats:
+            _EXPANSIONS[cls] = make
+        return make
+
+    return register
 
 
 # -- optional parameters shared by formats ---------------------------------------------------------------------

@@ -206,21 +206,6 @@ class BnbNF4(QuantFormat):
         per_block = nested.repeat_interleave(self.nested_block_size).narrow(0, 0, absmax.numel())
         return dynamic_map().to(absmax.device)[absmax.long()] * per_block + inner["offset"].reshape(())
 
-    def expanded_format(self):
-        """:class:`~dtensor_quant.formats.nf4_block_scales.NF4BlockScales` with bitsandbytes' levels: each block's
-        float32 scale stored as ``block_scales`` computes it (what vLLM's ``_dequantize_dq`` does), so each weight
-        dequantizes to the same bits and no nested scale spans rows a tensor-parallel cut would split."""
-        from .nf4_block_scales import NF4BlockScales
-
-        return NF4BlockScales(self.block_size, levels="bitsandbytes")
-
-    def expand_inner(self, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
-        """The inner tensors of ``expanded_format`` for a fresh ``[out, in]`` weight's ``inner``: the same codes."""
-        scale = self.block_scales(inner, shape[0] * shape[1])
-        assert scale is not None, "expand_inner takes a whole weight laid out as a fresh one"
-        rels = self.expanded_format().layout_for(shape)["scale"]
-        return {"qdata": inner["qdata"], "scale": scale.reshape(*(r.inner_len(n) for r, n in zip(rels, shape)))}
-
     # NF4's kernels (dtensor_quant.formats.nf4) compute each weight as level * scale in fp32 (rounded to bf16 for
     # bf16 activations) from float32 levels and block scales: with bitsandbytes' that is dequantize's value.
     kernel_needs_whole_blocks = True

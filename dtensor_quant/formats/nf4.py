@@ -223,21 +223,6 @@ class NF4(QuantFormat):
         ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
         return kernel_linear(x, prepared, bias, self.block_size)
 
-    def expanded_format(self):
-        """:class:`~dtensor_quant.formats.nf4_block_scales.NF4BlockScales` with torchao's levels: every block's
-        scale stored as ``block_scales`` computes it, so each weight dequantizes to the same bits, and no factor
-        spans rows that a tensor-parallel cut would split."""
-        from .nf4_block_scales import NF4BlockScales
-
-        return NF4BlockScales(self.block_size, levels="torchao")
-
-    def expand_inner(self, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
-        """The inner tensors of ``expanded_format`` for a fresh ``[out, in]`` weight's ``inner``: the same codes."""
-        scale = self.block_scales(inner, shape[0] * shape[1])
-        assert scale is not None, "expand_inner takes a whole weight laid out as a fresh one"
-        rels = self.expanded_format().layout_for(shape)["scale"]
-        return {"qdata": inner["qdata"], "scale": scale.reshape(*(r.inner_len(n) for r, n in zip(rels, shape)))}
-
     def __str__(self) -> str:
         return f"NF4(block_size={self.block_size}, scaler_block_size={self.scaler_block_size})"
 

@@ -53,11 +53,11 @@ from dataclasses import dataclass
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import QuantFormat, Reducer, expansion_of
 from ..core.layout import flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
-from .bnb_nf4 import NF4_LEVELS_F32, nf4_codes
-from .nf4 import NF4_LEVELS, kernel_linear, nearest_codes
+from .bnb_nf4 import NF4_LEVELS_F32, BnbNF4, nf4_codes
+from .nf4 import NF4, NF4_LEVELS, kernel_linear, nearest_codes
 from .nf4 import kernel as nf4_kernel
 
 LEVELS = {"bitsandbytes": NF4_LEVELS_F32, "torchao": NF4_LEVELS}
@@ -135,6 +135,14 @@ class NF4BlockScales(QuantFormat):
             return None
         return scale
 
+    def inner_expanded_from(self, fmt: QuantFormat, inner: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+        """The inner tensors for a fresh ``[out, in]`` weight of NF4 or BnbNF4 ``fmt``: the same codes, and each
+        block's scale as ``fmt.block_scales`` (the math of its dequantize) computes it."""
+        scale = fmt.block_scales(inner, shape[0] * shape[1])
+        assert scale is not None, "inner_expanded_from takes a whole weight laid out as a fresh one"
+        rels = self.layout_for(shape)["scale"]
+        return {"qdata": inner["qdata"], "scale": scale.reshape(*(r.inner_len(n) for r, n in zip(rels, shape)))}
+
     kernel_needs_whole_blocks = True
 
     def prepare(self, inner):
@@ -170,3 +178,9 @@ class NF4BlockScales(QuantFormat):
 
     def __str__(self) -> str:
         return f"NF4BlockScales(block_size={self.block_size}, levels={self.levels!r})"
+
+
+@expansion_of(NF4, BnbNF4)
+def _expanded(fmt: NF4 | BnbNF4) -> NF4BlockScales:
+    """NF4's and BnbNF4's scales expanded: their blocks, their levels and arithmetic."""
+    return NF4BlockScales(fmt.block_size, levels="torchao" if isinstance(fmt, NF4) else "bitsandbytes")

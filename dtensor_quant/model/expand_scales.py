@@ -29,7 +29,8 @@ from ..ops.layout_ops import canonical_dims
 def expand_scales(weight: torch.Tensor) -> QuantizedTensor:
     """``weight`` (a quantized ``[..., out, in]`` weight, not a view of one) in ``weight.fmt.expanded_format()``.
 
-    Every element dequantizes to the same bits. Raises ``ValueError`` for a
+    Every element dequantizes to the same bits; a matrix's result shares
+    ``weight``'s codes (no copy), an expert stack's are stacked anew. Raises ``ValueError`` for a
     format without an expanded one, a DTensor (expand before
     ``parallelize_module``, or the ``full_tensor()``), and a view or slice
     (expand the weight it came from).

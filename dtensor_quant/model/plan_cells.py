@@ -284,6 +284,13 @@ def _hints(shape, style: str, fmt: QuantFormat, ep: int, dp: int, tp: int) -> st
         out.append(f"{smaller} would be legal here")
     if style == "rowwise" and len(shape) == 2 and tp > 1 and legal_at(shape, "colwise", fmt, dp, tp, ep):
         out.append(f"or keep tp={tp} with this layer column-parallel on a gathered input (dtensor_quant.adapt_tp_plan)")
+    expanded = fmt.expanded_format()
+    if expanded is not None and legal_at(shape, style, expanded, dp, tp, ep):
+        extra = stored_bytes(expanded, shape) - stored_bytes(fmt, shape)
+        out.append(
+            f"or store its scales expanded, {expanded}: the same values, {size(extra)} more for the whole weight "
+            "(dtensor_quant.expand_scales; adapt_tp_plan does it)"
+        )
     return "; ".join(out)
 
 
@@ -349,6 +356,14 @@ def _smaller_block(shape, fmt: QuantFormat, mesh, placements) -> QuantFormat | N
             except ValueError:
                 size //= 2
     return None
+
+
+def size(n: int) -> str:
+    """``n`` bytes for a reader: ``1.5 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def numel(shape) -> int:

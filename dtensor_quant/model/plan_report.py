@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .plan_cells import DENSE_BYTES, Cell, Layer, local_shape, mesh_and_placements, numel, stored_bytes
+from .plan_cells import DENSE_BYTES, Cell, Layer, local_shape, mesh_and_placements, numel, size, stored_bytes
 
 WIDTH = 120
 _NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")  # an atom of a dotted name that is a number: a layer or expert index
@@ -70,13 +70,6 @@ def groups(rows: Sequence[tuple[Layer, list[Cell]]]) -> list[Group]:
             group = out[key] = Group(template, layer, cells)
         group.indices.append(tuple(int(n) for n in _NUMBER.findall(layer.name)))
     return list(out.values())
-
-
-def size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def mesh_label(dp: int, tp: int) -> str:

@@ -21,8 +21,15 @@ all-reduce, and a rank holds ``1/tp`` of the weight as before.
 
 :func:`adapt_tp_plan` makes that switch for exactly the layers that need it
 and says which and why; it never switches a layer whose row-parallel cut
-is legal, and refuses (on every rank alike, before any collective) a layer
-that neither cut can hold.
+is legal.
+
+Where neither cut is legal because of a double-quantized format's
+second-level blocks (NF4's and BnbNF4's factors of 16,384 weights:
+Qwen2.5-0.5B's 896-wide attention at TP 2, column- and row-parallel alike),
+it stores that weight's block scales expanded (:func:`~.expand_scales.expand_scales`:
+:class:`~dtensor_quant.NF4BlockScales`, every weight the same bits, 1-3
+bytes more per 64 weights) and keeps the planned style. What still cannot
+be cut is refused, on every rank alike and before any collective.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ..core.layout import LayoutError
 from ..core.tensor import QuantizedTensor
 from ..dist.quantize import quantize
 from ..ops.unpack import whole_blocks
+from .expand_scales import expand_scales
 from .plan_cells import Layer, check
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ def adapt_tp_plan(
     tp: int | DeviceMesh,
     fmt: QuantFormat | None = None,
     kernels: bool = False,
+    expand_scales: bool = True,
 ) -> tuple[dict[str, ParallelStyle], dict[str, str]]:
     """``plan`` with every row-parallel Linear whose weight cannot take ``Shard(1)`` at ``tp`` made column-parallel.
 
@@ -60,8 +69,14 @@ def adapt_tp_plan(
     format, and ``fmt`` (if given) is the format dense weights will be
     quantized to after ``parallelize_module``. ``tp``: the TP degree or the
     1-D TP mesh. Returns ``(new plan, {fqn: why})``: the switched layers, each
-    with the planner's reason the row-parallel cut was refused. Raises
-    :class:`LayoutError` naming every layer that neither cut can hold.
+    with the planner's reason the row-parallel cut was refused, and the layers
+    whose scales were expanded. Raises :class:`LayoutError` naming every layer
+    that no cut can hold.
+
+    ``expand_scales``: a quantized weight that neither cut can hold, but whose
+    format's ``expanded_format`` can take the planned cut, is replaced in
+    ``model`` by :func:`dtensor_quant.expand_scales` of it (the same values;
+    False: refuse it instead). Column-parallel layers are checked for this too.
 
     ``kernels``: also switch a layer whose column shards are legal but not
     laid out as a fresh weight, where its format's kernel needs that
@@ -74,13 +89,15 @@ def adapt_tp_plan(
         raise ValueError(f"adapt_tp_plan takes the 1-D tensor-parallel mesh, got a {tp.ndim}-D mesh {tp.mesh.shape}")
     new, switched, refused = {}, {}, []
     for key, style in plan.items():
-        if type(style) is not RowwiseParallel or degree == 1:
+        if type(style) not in (RowwiseParallel, ColwiseParallel) or degree == 1:
             new[key] = style
             continue
         # A key with "*" (transformers' _tp_plan: "model.layers.*.mlp.down_proj") stays one key unless
         # some module it matches is switched; then every match gets its own entry, in the same place.
         fqns = _matching(model, key) if "*" in key else [key]
-        styles = {fqn: _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) for fqn in fqns}
+        styles = {
+            fqn: _adapted(model, fqn, style, degree, fmt, kernels, expand_scales, switched, refused) for fqn in fqns
+        }
         if all(s is style for s in styles.values()):
             new[key] = style
         else:
@@ -105,8 +122,11 @@ def _matching(model: nn.Module, pattern: str) -> list[str]:
     ]
 
 
-def _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) -> ParallelStyle:
-    """``style`` for the module ``fqn``, or its column-parallel replacement (noted in ``switched``)."""
+def _adapted(model, fqn, style, degree, fmt, kernels, expand, switched, refused) -> ParallelStyle:
+    """``style`` for the module ``fqn``, or its column-parallel replacement (noted in ``switched``).
+
+    A weight no cut can hold gets its scales expanded where that makes the planned cut legal (``expand``).
+    """
     module = model.get_submodule(fqn)
     if not isinstance(module, nn.Linear):  # an Embedding: row-parallel means Shard(0) there
         return style
@@ -119,6 +139,11 @@ def _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) -> Para
     shape = tuple(weight.shape)
     row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
     col = check(Layer(fqn, shape, "colwise"), wfmt, 1, degree)
+    if type(style) is ColwiseParallel:
+        if not col.legal:
+            why = f"column-parallel: {col.why}"
+            _expand_or_refuse(module, fqn, "colwise", wfmt, degree, expand, why, switched, refused)
+        return style
     if row.legal:
         if not (kernels and col.legal and wfmt.kernel_needs_whole_blocks):
             return style
@@ -130,7 +155,8 @@ def _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) -> Para
             row, why=f"its column shards are not laid out as a fresh weight: {wfmt}'s kernel would dequantize them"
         )
     elif not col.legal:
-        refused.append(f"{fqn} {list(shape)} in {wfmt}: row-parallel: {row.why}; column-parallel: {col.why}")
+        why = f"row-parallel: {row.why}; column-parallel: {col.why}"
+        _expand_or_refuse(module, fqn, "rowwise", wfmt, degree, expand, why, switched, refused)
         return style
     switched[fqn] = row.why
     log.info("%s: column-parallel with a gathered input at TP %d, not row-parallel: %s", fqn, degree, row.why)
@@ -139,6 +165,22 @@ def _adapted(model, fqn, style, degree, fmt, kernels, switched, refused) -> Para
         output_layouts=style.output_layouts[0] or Replicate(),
         use_local_output=style.use_local_output,
     )
+
+
+def _expand_or_refuse(module, fqn, planned, fmt, degree, expand, why, switched, refused) -> None:
+    """Expand ``module.weight``'s scales where that makes the ``planned`` cut legal; else note the refusal."""
+    weight, shape = module.weight, tuple(module.weight.shape)
+    wider = fmt.expanded_format()
+    legal = wider is not None and check(Layer(fqn, shape, planned), wider, 1, degree).legal
+    if legal and expand and isinstance(weight, QuantizedTensor):
+        module.weight = nn.Parameter(expand_scales(weight), requires_grad=weight.requires_grad)
+        switched[fqn] = f"scales stored expanded as {wider} (the same values): {why}"
+        log.info("%s: scales expanded to %s for TP %d: %s", fqn, wider, degree, why)
+        return
+    if legal:
+        how = "quantize it as" if not isinstance(weight, QuantizedTensor) else "expand_scales=True stores it as"
+        why += f" ({how} {wider}, the same values, to keep TP {degree})"
+    refused.append(f"{fqn} {list(shape)} in {fmt}: {why}")
 
 
 def _kernel_ready(shape, fmt: QuantFormat, tp: int, dim: int, dtype) -> bool:

@@ -35,7 +35,12 @@ def test_planner_suggests_the_switch():
             cell.alternatives
         ), cell.alternatives
     ((_, cells),) = plan([("w2", (64, 5632), "rowwise")], dq.NF4(), tp=[4]).rows  # 16 rows: no whole factor
-    assert "adapt_tp_plan" not in cells[0].alternatives, cells[0].alternatives
+    assert "column-parallel on a gathered input" not in cells[0].alternatives, cells[0].alternatives
+    # but the 64-weight blocks alone allow the column cut: the expanded scales, with their cost
+    assert cells[0].alternatives.endswith(
+        "or store its scales expanded, NF4BlockScales(block_size=64, levels='torchao'): the same values, 5.5 KiB "
+        "more for the whole weight (dtensor_quant.expand_scales; adapt_tp_plan does it)"
+    ), cells[0].alternatives
 
 
 def test_wildcard_keys_expand_only_where_a_match_is_switched():

@@ -34,8 +34,8 @@ from tests.support.format_cases import int8_codes
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
 # dtensor_quant.core.native's kernels (tests/core/test_native.py, tests/core/test_native_tiles.py): bf16 and fp32
 # activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1 (int4: 1-2) bf16 tokens.
-NATIVE = {dq.NF4: nf4, dq.BnbNF4: nf4, dq.NF4BlockScales: nf4, dq.MXFP4: nf4, dq.Int4GroupwiseIntZero: int4_zero, dq.Float8Rowwise: float8,
-          dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8, dq.Int4Groupwise: int4,
+NATIVE = {dq.NF4: nf4, dq.BnbNF4: nf4, dq.NF4BlockScales: nf4, dq.MXFP4: nf4, dq.Int4GroupwiseIntZero: int4_zero,
+          dq.Float8Rowwise: float8, dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8, dq.Int4Groupwise: int4,
           dq.Int8Rowwise: int8}  # fmt: skip
 
 

@@ -16,6 +16,7 @@ summation's bound (:mod:`dtensor_quant.testing.bounds`).
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -29,6 +30,7 @@ import dtensor_quant as dq
 from dtensor_quant.formats import nf4
 from dtensor_quant.model.tp_plan import adapt_tp_plan
 from dtensor_quant.testing import assert_within, linear_error_bound, mesh, weight
+from dtensor_quant.testing.bounds import unit_roundoff
 from tests.model.test_tp_plan import MLP, PLAN, Block, quantized
 
 
@@ -132,18 +134,78 @@ def test_sequence_parallel_output_stays_sequence_sharded(ranks):
     assert all(ranks(2).run(switched_sequence_parallel, 256, 5632))
 
 
-def unswitchable(dim, hidden):
+def unswitchable(dim, hidden, fmt):
     """Neither cut legal: the error, on every rank, before parallelize_module or any collective."""
-    model = quantized(MLP(dim, hidden), dim, dq.NF4())
+    model = quantized(MLP(dim, hidden), dim, fmt)
     try:
-        adapt_tp_plan(model, PLAN, dist.get_world_size())
+        adapt_tp_plan(model, PLAN, dist.get_world_size(), expand_scales=False)
     except dq.LayoutError as e:
         return str(e)
     raise AssertionError("a layer no cut can hold was not refused")
 
 
 def test_unswitchable_refused_on_every_rank(ranks):
-    errors = ranks(4).run(unswitchable, 64, 5632)
+    errors = ranks(4).run(unswitchable, 64, 5632, dq.NF4())
     assert len(set(errors)) == 1, errors
-    assert "no tensor-parallel cut is legal at TP 4 for w2 [64, 5632]" in errors[0], errors[0]
-    assert "row-parallel: the 5632 columns" in errors[0] and "column-parallel: the 64 rows" in errors[0], errors[0]
+    assert errors[0].startswith("no tensor-parallel cut is legal at TP 4 for w1 [5632, 64]"), errors[0]
+    # w1 and w3 column-parallel: 1408 rows are no whole number of 256-row factors; w2 neither way
+    assert "w2 [64, 5632] in NF4(block_size=64, scaler_block_size=256): row-parallel: the 5632 columns" in errors[0]
+    assert "column-parallel: the 64 rows" in errors[0], errors[0]
+    assert errors[0].count("expand_scales=True stores it as NF4BlockScales(block_size=64, levels='torchao')") == 3
+
+
+class Attention(nn.Module):
+    """Qwen2.5-0.5B's attention projections (hidden 896, 14 heads, 2 KV heads of 64), without the attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(896, 896, bias=False, dtype=torch.bfloat16)
+        self.k_proj = nn.Linear(896, 128, bias=False, dtype=torch.bfloat16)
+        self.v_proj = nn.Linear(896, 128, bias=False, dtype=torch.bfloat16)
+        self.o_proj = nn.Linear(896, 896, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x)), self.k_proj(x), self.v_proj(x)
+
+
+ATTENTION_PLAN = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+                  "o_proj": RowwiseParallel()}  # fmt: skip
+
+
+def expanded_attention(fmt):
+    """At TP 2 no cut of the four is legal in NF4/BnbNF4 (a 16384-value factor spans 18.3 rows of 896);
+    adapt_tp_plan expands their scales, keeps the plan, and the outputs are one process's."""
+    model, reference = quantized(Attention(), 896, fmt), quantized(Attention(), 896, fmt)
+    before = {n: p.dequantize() for n, p in model.named_parameters()}
+    plan, changed = adapt_tp_plan(model, ATTENTION_PLAN, mesh(2))
+    assert plan == ATTENTION_PLAN and sorted(changed) == sorted(ATTENTION_PLAN), changed
+    assert all(type(p.fmt) is dq.NF4BlockScales and torch.equal(p.dequantize(), before[n])
+               for n, p in model.named_parameters())  # fmt: skip
+    parallelize_module(model, mesh(2), plan)
+    rank, out, seen = dist.get_rank(), {}, {}
+    model.o_proj.register_forward_pre_hook(lambda mod, args: seen.__setitem__("h", args[0]))
+    w_o = reference.o_proj.weight.dequantize().double()
+    for tokens in (1, 6):
+        x = weight((1, tokens, 896), seed=10 + tokens)
+        with torch.no_grad():
+            (o, k, v), (o_ref, k_ref, v_ref) = model(x), reference(x)
+            h_ref = reference.q_proj(x)
+        # column-parallel: each rank's rows of the output, computed from the same bytes as in one process
+        mine = [h_ref.chunk(2, -1)[rank], k_ref.chunk(2, -1)[rank], v_ref.chunk(2, -1)[rank]]
+        h = seen["h"].to_local() if isinstance(seen["h"], DTensor) else seen["h"]  # as RowwiseParallel wraps it
+        out[tokens] = [torch.equal(a, b) for a, b in zip((h, k, v), mine)]
+        # row-parallel o_proj (its input is q_proj's, as checked): two bf16 partial sums added in bf16 by the
+        # all-reduce, where one process sums once
+        halves = [linear_error_bound(a, b) for a, b in zip(h_ref.chunk(2, -1), w_o.chunk(2, -1))]
+        exact = h_ref.double() @ w_o.t()
+        tp_bound = sum(halves) + unit_roundoff(torch.bfloat16) * (exact.abs() + sum(halves))
+        assert_within(o, o_ref, tp_bound + linear_error_bound(h_ref, w_o), f"o_proj at {tokens} tokens")
+    return changed["o_proj"], out
+
+
+@pytest.mark.parametrize("fmt", [dq.NF4(), dq.BnbNF4()], ids=str)
+def test_double_quantized_attention_runs_at_tp2_expanded(ranks, fmt):
+    results = ranks(2).run(expanded_attention, fmt)
+    assert len({why for why, _ in results}) == 1 and "the same values" in results[0][0], results
+    for _, out in results:
+        assert all(all(v) for v in out.values()), out
