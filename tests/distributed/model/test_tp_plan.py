@@ -190,10 +190,19 @@ def expanded_attention(fmt):
         with torch.no_grad():
             (o, k, v), (o_ref, k_ref, v_ref) = model(x), reference(x)
             h_ref = reference.q_proj(x)
-        # column-parallel: each rank's rows of the output, computed from the same bytes as in one process
+        # column-parallel: each rank's rows of the output, computed from the same bytes as in one process -- bit
+        # for bit through NF4's kernel (each row summed by itself); a GEMM of fewer rows may block its sums
+        # otherwise (DTENSOR_QUANT_NATIVE=0), so there within the bound
         mine = [h_ref.chunk(2, -1)[rank], k_ref.chunk(2, -1)[rank], v_ref.chunk(2, -1)[rank]]
         h = seen["h"].to_local() if isinstance(seen["h"], DTensor) else seen["h"]  # as RowwiseParallel wraps it
-        out[tokens] = [torch.equal(a, b) for a, b in zip((h, k, v), mine)]
+        out[tokens] = []
+        for got, want, lin in zip((h, k, v), mine, (reference.q_proj, reference.k_proj, reference.v_proj)):
+            if nf4.kernel() is not None:
+                out[tokens].append(torch.equal(got, want))
+            else:
+                rows = lin.weight.dequantize().chunk(2, 0)[rank]
+                assert_within(got, want, 2 * linear_error_bound(x, rows), f"column-parallel at {tokens} tokens")
+                out[tokens].append(True)
         # row-parallel o_proj (its input is q_proj's, as checked): two bf16 partial sums added in bf16 by the
         # all-reduce, where one process sums once
         halves = [linear_error_bound(a, b) for a, b in zip(h_ref.chunk(2, -1), w_o.chunk(2, -1))]
