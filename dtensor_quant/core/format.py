@@ -206,6 +206,31 @@ class QuantFormat:
         return tuple(self.layout)
 
 
+class FlatBlockedFormat(QuantFormat):
+    """A format whose blocks of ``block_size`` run over the row-major *flattened* weight (NF4 and its kin).
+
+    Its layout depends on the weight's shape (a block inside a row, or one
+    across rows: :func:`~dtensor_quant.core.layout.flat_blocked`), so it
+    implements ``layout_for``; it holds any weight whose element count is a
+    multiple of ``block_size``.
+    """
+
+    block_size: int
+
+    def check_shape(self, shape):
+        super().check_shape(shape)
+        numel = shape[0] * shape[1]
+        if numel % self.block_size:
+            raise ValueError(
+                f"{self}: a {tuple(shape)} weight has {numel} elements, not a multiple of block_size "
+                f"{self.block_size} (the blocks run over the flattened weight)"
+            )
+
+    @property
+    def layout(self):
+        raise ValueError(f"{self}'s layout depends on the weight's shape: use layout_for(shape)")
+
+
 _EXPANSIONS: dict[type, Callable[[QuantFormat], QuantFormat]] = {}
 
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import FlatBlockedFormat, Reducer
 from ..core.layout import Constant, flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
 from .nf4 import kernel as nf4_kernel
@@ -116,7 +116,7 @@ def nf4_codes(weight: torch.Tensor, absmax: torch.Tensor, layout, shape) -> torc
 
 
 @dataclass(frozen=True)
-class BnbNF4(QuantFormat):
+class BnbNF4(FlatBlockedFormat):
     block_size: int = 64
     nested_block_size: int = 256
 
@@ -127,15 +127,6 @@ class BnbNF4(QuantFormat):
         if self.block_size < 2 or self.block_size % 2 or self.nested_block_size < 1:
             raise ValueError(f"BnbNF4 needs an even block_size >= 2 and nested_block_size >= 1, got {self}")
 
-    def check_shape(self, shape):
-        super().check_shape(shape)
-        numel = shape[0] * shape[1]
-        if numel % self.block_size:
-            raise ValueError(
-                f"{self}: a {tuple(shape)} weight has {numel} elements, not a multiple of block_size "
-                f"{self.block_size} (the blocks run over the flattened weight)"
-            )
-
     def layout_for(self, shape):
         self.check_shape(torch.Size(shape))
         return {
@@ -144,10 +135,6 @@ class BnbNF4(QuantFormat):
             "nested_absmax": flat_blocked(self.block_size * self.nested_block_size, shape),
             "offset": (Constant(), Constant()),
         }
-
-    @property
-    def layout(self):
-        raise ValueError(f"{self}'s layout depends on the weight's shape: use layout_for(shape)")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         shape = weight.shape

@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer
+from ..core.format import FlatBlockedFormat, Reducer
 from ..core.layout import Constant, flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
 
@@ -75,7 +75,7 @@ NF4_LEVELS = (
 
 
 @dataclass(frozen=True)
-class NF4(QuantFormat):
+class NF4(FlatBlockedFormat):
     block_size: int = 64
     scaler_block_size: int = 256
 
@@ -86,15 +86,6 @@ class NF4(QuantFormat):
         if self.block_size < 2 or self.block_size % 2 or self.scaler_block_size < 1:
             raise ValueError(f"NF4 needs an even block_size >= 2 and scaler_block_size >= 1, got {self}")
 
-    def check_shape(self, shape):
-        super().check_shape(shape)
-        numel = shape[0] * shape[1]
-        if numel % self.block_size:
-            raise ValueError(
-                f"{self}: a {tuple(shape)} weight has {numel} elements, not a multiple of block_size "
-                f"{self.block_size} (the blocks run over the flattened weight)"
-            )
-
     def layout_for(self, shape):
         self.check_shape(torch.Size(shape))
         return {
@@ -103,10 +94,6 @@ class NF4(QuantFormat):
             "factor": flat_blocked(self.block_size * self.scaler_block_size, shape),
             "mean": (Constant(), Constant()),
         }
-
-    @property
-    def layout(self):
-        raise ValueError(f"{self}'s layout depends on the weight's shape: use layout_for(shape)")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         dtype, shape = weight.dtype, weight.shape

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import native
-from ..core.format import QuantFormat, Reducer, expansion_of
+from ..core.format import FlatBlockedFormat, QuantFormat, Reducer, expansion_of
 from ..core.layout import flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
 from .bnb_nf4 import NF4_LEVELS_F32, BnbNF4, nf4_codes
@@ -64,7 +64,7 @@ LEVELS = {"bitsandbytes": NF4_LEVELS_F32, "torchao": NF4_LEVELS}
 
 
 @dataclass(frozen=True)
-class NF4BlockScales(QuantFormat):
+class NF4BlockScales(FlatBlockedFormat):
     block_size: int = 64
     levels: str = "bitsandbytes"
 
@@ -77,22 +77,9 @@ class NF4BlockScales(QuantFormat):
         if self.levels not in LEVELS:
             raise ValueError(f"NF4BlockScales: levels must be one of {sorted(LEVELS)}, got {self.levels!r}")
 
-    def check_shape(self, shape):
-        super().check_shape(shape)
-        numel = shape[0] * shape[1]
-        if numel % self.block_size:
-            raise ValueError(
-                f"{self}: a {tuple(shape)} weight has {numel} elements, not a multiple of block_size "
-                f"{self.block_size} (the blocks run over the flattened weight)"
-            )
-
     def layout_for(self, shape):
         self.check_shape(torch.Size(shape))
         return {"qdata": flat_blocked(2, shape, packed=True), "scale": flat_blocked(self.block_size, shape)}
-
-    @property
-    def layout(self):
-        raise ValueError(f"{self}'s layout depends on the weight's shape: use layout_for(shape)")
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         shape, layout = weight.shape, self.layout_for(reduce.full_shape)
