@@ -7,8 +7,7 @@
 // each code picks its weight with a permute and an FMA adds weight * x in fp32. The codes are read once, at memory
 // speed; no dense weight is written. Several tokens: native_tiles.h's tiled matmul, a row at a time from the same
 // 16-weight tables (with AVX-512 BF16, vpermw picks 32 bf16 weights at once).
-#include "native_prelude.h"
-#include "native_tiles.h"
+#include "int4_rows.h"
 
 __attribute__((target("avx512f,avx512bw,f16c")))
 static float dq_i4z_row(const uint8_t* row, const float* scale, const float* zero, const float* xe, const float* xo,
@@ -85,84 +84,26 @@ static void dq_i4z(const uint8_t* codes, const float* scale, const float* zero, 
     delete[] xs;
 }
 
-// Row n of the weight for native_tiles.h: in each chunk of 32 columns, the 16 low nibbles' weights (the even
-// columns), then the 16 high nibbles' (the odd ones).
-struct Int4ZeroRows {
-    const uint8_t* codes;  // [N, K / 2], column 2j in byte j's low nibble
-    const float* scale;    // [N, K / g]
-    const float* zero;     // [N, K / g]
-    int64_t K, g;
-    bool half;             // fp16 scales: each product rounds to fp16 first
-
-    static int64_t perm(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
+// Int4GroupwiseIntZero's 16 weights of a group for the row writers of int4_rows.h: (c - z) * s, exact in fp32,
+// rounded to fp16 first for fp16 scales (half).
+struct Int4ZeroRows : Int4RowWriters<Int4ZeroRows> {
+    bool half;
 
     __attribute__((target("avx512f,avx512bw")))
-    __m512 table(float s, float z) const {  // the group's 16 weights (c - z) * s, exact in fp32, fp16 if half
+    __m512 table(float s, float z) const {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512 t = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(s));
         return half ? _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)) : t;
     }
 
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
-    bool bf16(int64_t n, int64_t k0, int64_t kc, uint16_t* dst) const {
-        const uint8_t* row = codes + n * (K / 2);
-        const float *s = scale + n * (K / g), *z = zero + n * (K / g);
-        const __m256i mask = _mm256_set1_epi16(15);
-        __mmask16 bad = 0;
-        dst -= k0;
-        for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
-            const __m512 t = table(s[gr.b], z[gr.b]);
-            bad |= dq_bf16_unsafe_512(t);
-            const __m512i words = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
-            for (int64_t k = gr.k; k < gr.end; k += 32) {
-                _mm_prefetch(reinterpret_cast<const char*>(row + k / 2) + DQ_PREFETCH, _MM_HINT_T0);
-                const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-                const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, mask)),
-                                                       _mm256_srli_epi16(c, 4), 1);
-                _mm512_storeu_si512(dst + k, _mm512_permutexvar_epi16(idx, words));
-            }
-        }
-        return bad == 0;
-    }
-
-    __attribute__((target("avx512f,avx512bw")))
-    void f32_512(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const {
-        const uint8_t* row = codes + n * (K / 2);
-        const float *s = scale + n * (K / g), *z = zero + n * (K / g);
-        const __m512i mask = _mm512_set1_epi32(15);
-        dst -= k0;
-        for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
-            __m512 t = table(s[gr.b], z[gr.b]);
-            if (round) t = dq_round_bf16_512(t);
-            for (int64_t k = gr.k; k < gr.end; k += 32) {
-                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-                _mm512_storeu_ps(dst + k, _mm512_permutexvar_ps(_mm512_and_si512(c, mask), t));
-                _mm512_storeu_ps(dst + k + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), t));
-            }
-        }
-    }
-
     __attribute__((target("avx2,fma,f16c")))
-    void f32_256(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const {
-        const uint8_t* row = codes + n * (K / 2);
-        const float *s = scale + n * (K / g), *z = zero + n * (K / g);
-        const __m256i mask = _mm256_set1_epi32(15);
-        const __m256 iota0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
-        dst -= k0;
-        for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
-            const __m256 vs = _mm256_set1_ps(s[gr.b]), vz = _mm256_set1_ps(z[gr.b]);
-            __m256 t0 = _mm256_mul_ps(_mm256_sub_ps(iota0, vz), vs), t1 = _mm256_mul_ps(_mm256_sub_ps(iota1, vz), vs);
-            if (half) {
-                t0 = _mm256_cvtph_ps(_mm256_cvtps_ph(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                t1 = _mm256_cvtph_ps(_mm256_cvtps_ph(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            }
-            if (round) t0 = dq_round_bf16_256(t0), t1 = dq_round_bf16_256(t1);
-            for (int64_t k = gr.k; k < gr.end; k += 32)
-                for (int h = 0; h < 2; ++h) {  // bytes 8h..8h+7: the chunk's columns 16h..16h+15
-                    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2 + 8 * h)));
-                    _mm256_storeu_ps(dst + k + 8 * h, dq_lookup16_256(t0, t1, _mm256_and_si256(c, mask)));
-                    _mm256_storeu_ps(dst + k + 16 + 8 * h, dq_lookup16_256(t0, t1, _mm256_srli_epi32(c, 4)));
-                }
+    void table(float s, float z, __m256& t0, __m256& t1) const {
+        const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+        t0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), vz), vs);
+        t1 = _mm256_mul_ps(_mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), vz), vs);
+        if (half) {
+            t0 = _mm256_cvtph_ps(_mm256_cvtps_ph(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            t1 = _mm256_cvtph_ps(_mm256_cvtps_ph(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
     }
 };
@@ -179,7 +120,7 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const float* ze
     level[0] = best < max_level ? best : max_level;
     if (level[0] <= 0 || M <= 0) return;
     if (tiles)
-        dq_tiles(Int4ZeroRows{codes, scale, zero, K, g, half != 0}, x, out, M, N, K, flags & 1, flags & 4, level[0],
+        dq_tiles(Int4ZeroRows{{codes, scale, zero, K, g}, half != 0}, x, out, M, N, K, flags & 1, flags & 4, level[0],
                  threads);
     else if (!(flags & 1))
         dq_i4z(codes, scale, zero, static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), M, N, K, g, half,
