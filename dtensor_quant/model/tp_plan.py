@@ -102,13 +102,14 @@ def adapt_tp_plan(
             new[key] = style
         else:
             new.update(styles)
-    if refused:
+    if refused:  # nothing has changed in the model yet
         raise LayoutError(
             f"no tensor-parallel cut is legal at TP {degree} for "
             + "; ".join(refused)
             + ". Choose another degree (python -m dtensor_quant plan), a smaller block size, "
             "dtensor_quant.pad_for_tp, or leave the layer unquantized or replicated."
         )
+    _expand_noted(model, switched, degree)
     return new, switched
 
 
@@ -168,19 +169,39 @@ def _adapted(model, fqn, style, degree, fmt, kernels, expand, switched, refused)
 
 
 def _expand_or_refuse(module, fqn, planned, fmt, degree, expand, why, switched, refused) -> None:
-    """Expand ``module.weight``'s scales where that makes the ``planned`` cut legal; else note the refusal."""
+    """Note ``module.weight`` for its scales expanded where that makes the ``planned`` cut legal (``switched``
+    holds the module until :func:`_expand_noted` replaces its weight); else note the refusal."""
     weight, shape = module.weight, tuple(module.weight.shape)
     wider = fmt.expanded_format()
     legal = wider is not None and check(Layer(fqn, shape, planned), wider, 1, degree).legal
     if legal and expand and isinstance(weight, QuantizedTensor):
-        module.weight = nn.Parameter(expand_scales(weight), requires_grad=weight.requires_grad)
-        switched[fqn] = f"scales stored expanded as {wider} (the same values): {why}"
-        log.info("%s: scales expanded to %s for TP %d: %s", fqn, wider, degree, why)
+        switched[fqn] = _Expand(module, f"scales stored expanded as {wider} (the same values): {why}")
         return
     if legal:
         how = "quantize it as" if not isinstance(weight, QuantizedTensor) else "expand_scales=True stores it as"
         why += f" ({how} {wider}, the same values, to keep TP {degree})"
     refused.append(f"{fqn} {list(shape)} in {fmt}: {why}")
+
+
+@dataclasses.dataclass
+class _Expand:
+    module: nn.Module
+    why: str
+
+
+def _expand_noted(model: nn.Module, switched: dict, degree: int) -> None:
+    """Replace each noted weight by its expanded scales, wherever the model holds it (a tied weight stays tied)."""
+    for fqn, note in list(switched.items()):
+        if not isinstance(note, _Expand):
+            continue
+        old = note.module.weight
+        new = nn.Parameter(expand_scales(old), requires_grad=old.requires_grad)
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is old:
+                    m._parameters[name] = new
+        switched[fqn] = note.why
+        log.info("%s: %s at TP %d", fqn, note.why, degree)
 
 
 def _kernel_ready(shape, fmt: QuantFormat, tp: int, dim: int, dtype) -> bool:

@@ -1,5 +1,6 @@
 """model/tp_plan on one process: which row-parallel layers adapt_tp_plan switches, and what the planner says."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,3 +88,29 @@ def quantized(model, dim, fmt):
 
 
 PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
+
+def test_expanded_scales_keep_ties_and_wait_for_every_verdict():
+    """adapt_tp_plan expands a weight no cut can hold (NF4 [896, 896] at TP 2) only once every layer is legal, and
+    replaces it wherever the model holds it."""
+    model = nn.Module()
+    model.q = nn.Linear(896, 896, bias=False, dtype=torch.bfloat16)
+    model.o = nn.Linear(896, 896, bias=False, dtype=torch.bfloat16)
+    model.q.weight = nn.Parameter(dq.quantize(weight((896, 896), seed=1), dq.NF4()), requires_grad=False)
+    model.tied = nn.Linear(896, 896, bias=False, dtype=torch.bfloat16)
+    model.tied.weight = model.q.weight  # the same parameter in two modules
+    model.o.weight = nn.Parameter(dq.quantize(weight((896, 896), seed=2), dq.Int4Groupwise(128)), requires_grad=False)
+    before = model.q.weight
+    plan = {"q": ColwiseParallel(), "o": RowwiseParallel()}
+    # at TP 2: q's 448-row halves are no whole 16384-weight factors (expanded); o in int4 g128 cannot cut its 896
+    # columns (448 is no multiple of 128) but can cut its rows (switched to column-parallel)
+    _, changed = adapt_tp_plan(model, plan, 2)
+    assert sorted(changed) == ["o", "q"] and changed["q"].startswith("scales stored expanded as NF4BlockScales")
+    assert model.q.weight is model.tied.weight and model.q.weight is not before
+    assert torch.equal(model.q.weight.dequantize(), before.dequantize())
+    # a layer no cut can hold and no expansion helps (Float8Blockwise(128): 448 rows, 448 columns): nothing changes
+    model.q.weight = model.tied.weight = before
+    model.o.weight = nn.Parameter(dq.quantize(weight((896, 896), seed=2), dq.Float8Blockwise(128)), requires_grad=False)
+    with pytest.raises(dq.LayoutError, match=r"legal at TP 2 for o \[896, 896\] in Float8Blockwise"):
+        adapt_tp_plan(model, plan, 2)
+    assert model.q.weight is before and model.tied.weight is before
