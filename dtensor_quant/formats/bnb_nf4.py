@@ -139,7 +139,8 @@ class BnbNF4(FlatBlockedFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         shape = weight.shape
         layout = self.layout_for(reduce.full_shape)
-        absmax = reduce_to(weight.abs(), layout["absmax"], "max")  # float32, one per block
+        # float32, one per block; a block of whole rows spans a column cut: its maximum over every shard
+        absmax = reduce(reduce_to(weight.abs(), layout["absmax"], "max"), "max", "absmax")
         pairs = nf4_codes(weight, absmax, layout, shape)
         # The offset: the mean of the finite block maxima (a NaN or Inf poisons its own nested block only).
         finite = absmax.isfinite()

@@ -98,7 +98,8 @@ class NF4(FlatBlockedFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         dtype, shape = weight.dtype, weight.shape
         layout = self.layout_for(reduce.full_shape)
-        absmax = reduce_to(weight.abs(), layout["scaler"], "max").to(dtype)
+        # a block of whole rows spans a column cut: its maximum over every shard holding part of it
+        absmax = reduce(reduce_to(weight.abs(), layout["scaler"], "max"), "max", "scaler").to(dtype)
         # The mean of the finite block scales: a NaN or Inf weight poisons its own factor's blocks, not all.
         finite = absmax.isfinite()
         stats = torch.stack([torch.where(finite, absmax, 0).double().sum(), finite.double().sum()])

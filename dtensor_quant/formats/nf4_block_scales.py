@@ -83,11 +83,13 @@ class NF4BlockScales(FlatBlockedFormat):
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         shape, layout = weight.shape, self.layout_for(reduce.full_shape)
+        # each block's maximum (over every shard holding part of it, where a block of whole rows spans a column cut)
+        absmax = reduce(reduce_to(weight.abs(), layout["scale"], "max"), "max", "scale")
         if self.levels == "bitsandbytes":
-            scale = reduce_to(weight.abs(), layout["scale"], "max")  # float32, as bitsandbytes' absmax
+            scale = absmax  # float32, as bitsandbytes' absmax
             pairs = nf4_codes(weight, scale, layout, shape)
         else:
-            scale = reduce_to(weight.abs(), layout["scale"], "max").to(weight.dtype)
+            scale = absmax.to(weight.dtype)
             scales = expand_to(scale, layout["scale"], shape)
             codes = nearest_codes(torch.where(scales == 0, 0, weight / scales))  # a zero block: level 0.0
             pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)

@@ -57,6 +57,13 @@ def test_quantize_sharded_dtensor(ranks, fmt_name, src, collectives):
     assert counts == [collectives] * 4
 
 
+@pytest.mark.parametrize("fmt_name", ["nf4", "bnbnf4", "nf4bs"])
+def test_quantize_sharded_where_a_block_is_whole_rows(ranks, fmt_name):
+    """Rows of 32 under blocks of 64: a block is two whole rows, so a column cut puts half of every block on each
+    rank; each block's maximum must be the whole block's (it was each rank's half's, silently other bytes)."""
+    ranks(2).run(quantize_sharded, fmt_name, (64, 32), (2,), "S1")
+
+
 def test_quantize_sharded_2d(ranks):
     # rows over mesh dim 0 (nothing to reduce), columns over mesh dim 1: one all-reduce of the row maxima
     assert ranks(4).run(quantize_sharded, "int8", (12, 256), (2, 2), "S0,S1") == [1] * 4
