@@ -22,7 +22,7 @@ def test_format_passes_kit(ranks, fmt, check):
 # The formats pre-quantized checkpoints load into (issue 22): the registry's defaults above run at 2 ranks;
 # here the same kit at 1, 3 and 4 ranks (uneven shards, an empty rank for 3 experts over 4), and the
 # scale-dtype options at 2.
-PREQUANTIZED = [dq.Int4GroupwiseIntZero(128), dq.MXFP4(), dq.BnbNF4()]
+PREQUANTIZED = [dq.Int4GroupwiseIntZero(128), dq.MXFP4(), dq.BnbNF4(), dq.NF4BlockScales()]
 SCALE_DTYPES = [
     dq.Int4GroupwiseIntZero(64, scale_dtype=torch.float16),
     dq.Int4Groupwise(128, scale_dtype=torch.float16),
@@ -30,6 +30,7 @@ SCALE_DTYPES = [
     dq.Float8Rowwise(scale_dtype=torch.bfloat16),
     dq.Float8Tensorwise(scale_dtype=torch.float32),
     dq.Float8Blockwise(128, scale_dtype=torch.bfloat16),
+    dq.NF4BlockScales(levels="torchao"),  # NF4's scales expanded: in the weight's dtype, torchao's arithmetic
 ]
 
 
