@@ -65,8 +65,7 @@ from ..core import native
 from ..core.format import FlatBlockedFormat, Reducer
 from ..core.layout import Constant, flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
-from .nf4 import kernel as nf4_kernel
-from .nf4 import kernel_linear
+from .nf4 import flat_kernel_inputs, kernel_linear
 
 # The QLoRA paper's NF4 levels in float32 (bitsandbytes' quant_map for "nf4").
 NF4_LEVELS_F32 = (
@@ -209,18 +208,8 @@ class BnbNF4(FlatBlockedFormat):
         It needs blocks inside each row (``in % block_size == 0``, ``block_size % 32 == 0``; the library
         checks the rest: ``kernel_needs_whole_blocks``) and an x86 CPU with AVX2 or AVX-512.
         """
-        qdata, bs = inner["qdata"], self.block_size
-        if qdata.device.type != "cpu" or qdata.ndim != 2 or bs % 32:
-            return None
-        rows, cols = qdata.shape[0], qdata.shape[1] * 2
-        if not rows or cols % bs or nf4_kernel() is None:
-            return None
-        scale = self.block_scales(inner, rows * cols)
-        if scale is None:
-            return None
-        levels = torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)
         # dequantize rounds the fp32 product once, to the output's dtype: only bf16 activations round to bf16
-        return qdata.contiguous(), scale.reshape(rows, cols // bs).contiguous(), levels, False
+        return flat_kernel_inputs(self, inner, NF4_LEVELS_F32, torch.float32, rounds=False)
 
     def linear(self, x, prepared, bias):
         """NF4's kernels: one bf16 token through the one-token kernel, bf16 or fp32 activations up to

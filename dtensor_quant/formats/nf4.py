@@ -193,18 +193,10 @@ class NF4(FlatBlockedFormat):
         product to fp16 before the activation's dtype), and an x86 CPU with AVX2
         or AVX-512 where they were built.
         """
-        qdata, mean, bs = inner["qdata"], inner["mean"], self.block_size
-        if qdata.device.type != "cpu" or qdata.ndim != 2 or mean.dtype not in _KERNEL_WEIGHT_DTYPES or bs % 32:
+        dtype = inner["mean"].dtype
+        if dtype not in _KERNEL_WEIGHT_DTYPES:
             return None
-        rows, cols = qdata.shape[0], qdata.shape[1] * 2
-        if not rows or cols % bs or kernel() is None:
-            return None
-        scale = self.block_scales(inner, rows * cols)
-        if scale is None:
-            return None
-        levels = torch.tensor(NF4_LEVELS, dtype=mean.dtype).float()
-        scale = scale.float().reshape(rows, cols // bs).contiguous()
-        return qdata.contiguous(), scale, levels, mean.dtype == torch.bfloat16
+        return flat_kernel_inputs(self, inner, NF4_LEVELS, dtype, rounds=dtype == torch.bfloat16)
 
     def linear(self, x, prepared, bias):
         """bf16 or fp32 activations: the one-token kernel for one bf16 token, the tiles for up to
@@ -213,6 +205,28 @@ class NF4(FlatBlockedFormat):
 
     def __str__(self) -> str:
         return f"NF4(block_size={self.block_size}, scaler_block_size={self.scaler_block_size})"
+
+
+def flat_kernel_inputs(fmt, inner: dict[str, torch.Tensor], levels: tuple[float, ...], dtype, rounds: bool):
+    """``(codes, block scales in fp32, levels in fp32, rounds)`` for NF4's kernels, or None where they cannot run.
+
+    For a format of 4-bit codes over the flat weight (NF4, BnbNF4, NF4BlockScales) whose
+    ``fmt.block_scales(inner, numel)`` gives each block's scale as its dequantize computes it; ``levels`` are
+    the format's table, rounded to ``dtype`` as its dequantize holds them. The kernels need whole blocks
+    inside each row (``in % block_size == 0``, ``block_size % 32 == 0``; the library checks the rest:
+    ``kernel_needs_whole_blocks``) and an x86 CPU with AVX2 or AVX-512 where they were built.
+    """
+    qdata, bs = inner["qdata"], fmt.block_size
+    if qdata.device.type != "cpu" or qdata.ndim != 2 or bs % 32:
+        return None
+    rows, cols = qdata.shape[0], qdata.shape[1] * 2
+    if not rows or cols % bs or kernel() is None:
+        return None
+    scale = fmt.block_scales(inner, rows * cols)
+    if scale is None:
+        return None
+    scale = scale.float().reshape(rows, cols // bs).contiguous()
+    return qdata.contiguous(), scale, torch.tensor(levels, dtype=dtype).float(), rounds
 
 
 def nearest_codes(normalized: torch.Tensor) -> torch.Tensor:

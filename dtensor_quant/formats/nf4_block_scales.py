@@ -57,8 +57,7 @@ from ..core.format import FlatBlockedFormat, QuantFormat, Reducer, expansion_of
 from ..core.layout import flat_blocked
 from ..core.reductions import expand_to, nibbles_into, reduce_to
 from .bnb_nf4 import NF4_LEVELS_F32, BnbNF4, nf4_codes
-from .nf4 import NF4, NF4_LEVELS, kernel_linear, nearest_codes
-from .nf4 import kernel as nf4_kernel
+from .nf4 import NF4, NF4_LEVELS, flat_kernel_inputs, kernel_linear, nearest_codes
 
 LEVELS = {"bitsandbytes": NF4_LEVELS_F32, "torchao": NF4_LEVELS}
 
@@ -147,18 +146,10 @@ class NF4BlockScales(FlatBlockedFormat):
         checks the rest: ``kernel_needs_whole_blocks``), no fp16 scale (dequantize
         rounds each product to fp16 first) and an x86 CPU with AVX2 or AVX-512.
         """
-        qdata, scale, bs = inner["qdata"], inner["scale"], self.block_size
-        if qdata.device.type != "cpu" or qdata.ndim != 2 or scale.dtype == torch.float16 or bs % 32:
+        dtype = inner["scale"].dtype
+        if dtype == torch.float16:
             return None
-        rows, cols = qdata.shape[0], qdata.shape[1] * 2
-        if not rows or cols % bs or nf4_kernel() is None:
-            return None
-        flat = self.block_scales(inner, rows * cols)
-        if flat is None:
-            return None
-        levels = torch.tensor(LEVELS[self.levels], dtype=scale.dtype).float()
-        scale = flat.float().reshape(rows, cols // bs).contiguous()
-        return qdata.contiguous(), scale, levels, inner["scale"].dtype == torch.bfloat16
+        return flat_kernel_inputs(self, inner, LEVELS[self.levels], dtype, rounds=dtype == torch.bfloat16)
 
     def linear(self, x, prepared, bias):
         """NF4's kernels: one bf16 token through the one-token kernel, bf16 or fp32 activations up to
