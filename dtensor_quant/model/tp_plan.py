@@ -138,13 +138,13 @@ def _adapted(model, fqn, style, degree, fmt, kernels, expand, switched, refused)
     if wfmt is None:
         return style
     shape = tuple(weight.shape)
-    row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
     col = check(Layer(fqn, shape, "colwise"), wfmt, 1, degree)
     if type(style) is ColwiseParallel:
         if not col.legal:
             why = f"column-parallel: {col.why}"
             _expand_or_refuse(module, fqn, "colwise", wfmt, degree, expand, why, switched, refused)
         return style
+    row = check(Layer(fqn, shape, "rowwise"), wfmt, 1, degree)
     if row.legal:
         if not (kernels and col.legal and wfmt.kernel_needs_whole_blocks):
             return style
@@ -190,16 +190,20 @@ class _Expand:
 
 
 def _expand_noted(model: nn.Module, switched: dict, degree: int) -> None:
-    """Replace each noted weight by its expanded scales, wherever the model holds it (a tied weight stays tied)."""
+    """Replace each noted weight by its expanded scales, wherever the model holds it (a tied weight stays tied,
+    expanded once however many of its holders the plan names)."""
+    made: list[nn.Parameter] = []  # the replacements: a later holder of a tied weight already holds one
     for fqn, note in list(switched.items()):
         if not isinstance(note, _Expand):
             continue
         old = note.module.weight
-        new = nn.Parameter(expand_scales(old), requires_grad=old.requires_grad)
-        for m in model.modules():
-            for name, p in m._parameters.items():
-                if p is old:
-                    m._parameters[name] = new
+        if not any(old is p for p in made):
+            new = nn.Parameter(expand_scales(old), requires_grad=old.requires_grad)
+            made.append(new)
+            for m in model.modules():
+                for name, p in m._parameters.items():
+                    if p is old:
+                        m._parameters[name] = new
         switched[fqn] = note.why
         log.info("%s: %s at TP %d", fqn, note.why, degree)
 

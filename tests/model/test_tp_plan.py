@@ -108,6 +108,11 @@ def test_expanded_scales_keep_ties_and_wait_for_every_verdict():
     assert sorted(changed) == ["o", "q"] and changed["q"].startswith("scales stored expanded as NF4BlockScales")
     assert model.q.weight is model.tied.weight and model.q.weight is not before
     assert torch.equal(model.q.weight.dequantize(), before.dequantize())
+    # both holders of the tied weight in the plan: expanded once, still tied
+    model.q.weight = model.tied.weight = before
+    _, changed = adapt_tp_plan(model, {**plan, "tied": ColwiseParallel()}, 2)
+    assert sorted(changed) == ["o", "q", "tied"] and model.q.weight is model.tied.weight
+    assert type(model.q.weight.fmt) is dq.NF4BlockScales
     # a layer no cut can hold and no expansion helps (Float8Blockwise(128): 448 rows, 448 columns): nothing changes
     model.q.weight = model.tied.weight = before
     model.o.weight = nn.Parameter(dq.quantize(weight((896, 896), seed=2), dq.Float8Blockwise(128)), requires_grad=False)
