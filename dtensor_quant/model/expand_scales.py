@@ -29,8 +29,8 @@ from ..ops.layout_ops import canonical_dims
 def expand_scales(weight: torch.Tensor) -> QuantizedTensor:
     """``weight`` (a quantized ``[..., out, in]`` weight, not a view of one) in ``weight.fmt.expanded_format()``.
 
-    Every element dequantizes to the same bits; a matrix's result shares
-    ``weight``'s codes (no copy), an expert stack's are stacked anew. Raises ``ValueError`` for a
+    Every element dequantizes to the same bits; the result shares ``weight``'s
+    codes (no copy), its scales are new. Raises ``ValueError`` for a
     format without an expanded one, a DTensor (expand before
     ``parallelize_module``, or the ``full_tensor()``), and a view or slice
     (expand the weight it came from).
@@ -58,7 +58,12 @@ def expand_scales(weight: torch.Tensor) -> QuantizedTensor:
         raise ValueError(f"expand_scales: the {list(shape)} expert stack holds no matrix")
     inner, lead = weight.inner, shape[:-2]
     # each [out, in] matrix of an expert stack on its own, as the format quantized it
-    pieces = [fmt.expand_inner({n: t[i] for n, t in inner.items()}, shape[-2:]) for i in product(*map(range, lead))]
-    out = {n: torch.stack([p[n] for p in pieces]).unflatten(0, lead) if lead else pieces[0][n]
-           for n in expanded.inner_names}  # fmt: skip
+    given = [{n: t[i] for n, t in inner.items()} for i in product(*map(range, lead))]
+    pieces = [fmt.expand_inner(g, shape[-2:]) for g in given]
+    out = {}
+    for n in expanded.inner_names:
+        if n in inner and all(p[n] is g[n] for p, g in zip(pieces, given)):
+            out[n] = inner[n]  # passed through unchanged (the codes): the stack's own tensor, not a copy
+        else:
+            out[n] = torch.stack([p[n] for p in pieces]).unflatten(0, lead) if lead else pieces[0][n]
     return wrap_quantized(expanded, out, shape, weight.dtype, shape)

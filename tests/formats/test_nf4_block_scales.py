@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
+from dtensor_quant.formats.nf4 import kernel as nf4_kernel
+from dtensor_quant.ops.matmul import record_paths
 from dtensor_quant.testing import same_bits
 from tests.support.format_cases import OUT_DTYPES
 
@@ -66,7 +68,7 @@ def test_expand_scales_keeps_every_value(fmt, dtype, shape):
     q = dq.quantize(w, fmt)
     e = dq.expand_scales(q)
     assert e.fmt == fmt.expanded_format() and e.shape == q.shape and e.dtype == q.dtype
-    assert len(shape) > 2 or e.qdata.data_ptr() == q.qdata.data_ptr()  # a matrix's codes are shared, not copied
+    assert e.qdata.data_ptr() == q.qdata.data_ptr()  # the codes are shared, not copied (an expert stack's too)
     for out in OUT_DTYPES:
         assert same_bits(e.dequantize(out), q.dequantize(out)), out
 
@@ -92,7 +94,11 @@ def test_expanded_weight_runs_the_same_kernel_to_the_same_bits(fmt, tokens):
     """F.linear: the same NF4 kernel with the same levels and block scales gives the same output bits."""
     q = dq.quantize(_weight((96, 2048), torch.bfloat16), fmt)
     x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    assert same_bits(F.linear(x, dq.expand_scales(q)), F.linear(x, q))
+    e = dq.expand_scales(q)
+    with record_paths() as paths:
+        assert same_bits(F.linear(x, e), F.linear(x, q))
+    if nf4_kernel() is not None:  # both through the kernel, not one of them dequantized
+        assert paths == {(str(e.fmt), "kernel"): 1, (str(fmt), "kernel"): 1}, paths
 
 
 def test_expand_scales_refuses_what_it_cannot_expand():
