@@ -250,7 +250,13 @@ def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout 
         kind = states[0].rpartition("__")[2] if states else "no quant_state"
         raise ValueError(f"{key}: bitsandbytes {kind}: only NF4 (bnb_4bit_quant_type='nf4') is read as stored")
     state = json_of(small(ckpt, states[0]))
-    nested = key + ".nested_absmax" in ckpt.tensors and state.get("nested_blocksize") is not None
+    nested = key + ".nested_absmax" in ckpt.tensors
+    if nested != (state.get("nested_blocksize") is not None):
+        has = "a .nested_absmax tensor but no" if nested else "no .nested_absmax tensor but a"
+        raise ValueError(
+            f"{key}: bitsandbytes NF4 with {has} nested_blocksize in its quant_state: neither double-quantized "
+            "(BnbNF4) nor plain (NF4BlockScales); the checkpoint is inconsistent"
+        )
     if nested:
         fmt = BnbNF4(int(state["blocksize"]), int(state["nested_blocksize"]))
         offset = JsonField("{key}.quant_state.bitsandbytes__nf4", torch.uint8, "nested_offset")

@@ -41,3 +41,22 @@ def test_gptq_act_order_is_refused_naming_desc_act(producer_checkpoints):
     model = build("single", path)[0]
     with pytest.raises(ValueError, match="desc_act=True"):
         dq.hf.load(model, path)
+
+
+def test_bitsandbytes_with_half_of_its_double_quantization_is_refused(producer_checkpoints, tmp_path):
+    """A file whose quant_state names nested blocks but holds no .nested_absmax is neither format: refused, not
+    read as the plain layout (its uint8 absmax codes as float32 scales)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = producer_checkpoints["bnb"]
+    dst = tmp_path / "bnb_half"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".nested_absmax")}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    with dq.hf.init_empty():
+        model = pr.tiny_llama().to("meta")
+    with pytest.raises(ValueError, match=r"no \.nested_absmax tensor but a nested_blocksize"):
+        dq.hf.quantize_like_checkpoint(model, str(dst))
