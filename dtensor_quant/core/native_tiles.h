@@ -240,10 +240,10 @@ static void dq_dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
 }
 
 // One tile for at most DQ_FEW tokens on level 3: 4 rows at a time dequantized whole, in the order their codes are
-// stored (a stream the CPU prefetches; a block of columns of every row at a time jumps between rows and took 10-40%
-// longer on 5632 and 14336 columns), into rb (4 rows of K + DQ_LDPAD), then multiplied a block of DQ_KC columns at
-// a time: the block's 4 rows stay in L1 for every group of 4 tokens. False (nothing usable written) if a weight is
-// one vdpbf16ps cannot read.
+// stored (a stream the CPU prefetches; a block of columns of every row at a time jumps between rows, and the whole
+// call took 3-35% longer on 5632 and 14336 columns), into rb (4 rows of K + DQ_LDPAD), then multiplied a block of
+// DQ_KC columns at a time: the block's 4 rows stay in L1 for every group of 4 tokens. False (nothing usable
+// written) if a weight is one vdpbf16ps cannot read.
 template <class F>
 static bool dq_tile_few(const F& f, int64_t n0, int64_t rows, int64_t K, int64_t M, const uint16_t* xb,
                         uint16_t* rb, float* C) {
