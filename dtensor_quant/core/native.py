@@ -123,6 +123,8 @@ class KernelUnavailableWarning(RuntimeWarning):
 # The flags every kernel's entry point takes: x and out are fp32 (else bf16); several tokens through the tiled
 # matmul of native_tiles.h (else the one-token kernel); every weight rounded to bf16 (the tiles).
 F32, TILES, ROUND = 1, 2, 4
+# The highest vector level a kernel may report: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only).
+BEST_LEVEL = 4
 # The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 # Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which

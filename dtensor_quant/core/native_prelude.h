@@ -2,6 +2,11 @@
 // bf16 helpers that round as c10::BFloat16 does, and run-time checks of the CPU's vector ISA.
 #pragma once
 #include <immintrin.h>
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>

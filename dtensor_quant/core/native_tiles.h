@@ -12,11 +12,13 @@
 // weight is dequantized once per call (per DQ_MB tokens), read from memory once, and never written to memory as a
 // dense weight; and a token's result does not depend on the tokens beside it (for a given way).
 //
-// Three vector paths (the kernel's level): 3, AVX-512 BF16: bf16 activations times the bf16 weights in pairs
-// (vdpbf16ps: exact products, fp32 sums); 2, AVX-512: fp32 weights and activations, FMA; 1, AVX2 with FMA, the
-// same on 8 lanes. vdpbf16ps reads subnormal inputs as zero and flushes subnormal results, as oneDNN's bf16 GEMM
-// does on such a CPU: a tile holding a weight that is subnormal, infinite or NaN in bf16 takes level 2 instead, so
-// every weight is still the format's; a subnormal activation (below 1.2e-38) is read as zero there.
+// Four paths (the kernel's level): 4, AMX (bf16 activations): the format's rows as they are, 32 columns by 16
+// tokens per TDPBF16PS, no transpose (dq_tile_amx); 3, AVX-512 BF16: bf16 activations times the bf16 weights in
+// pairs (vdpbf16ps: exact products, fp32 sums); 2, AVX-512: fp32 weights and activations, FMA; 1, AVX2 with FMA,
+// the same on 8 lanes. vdpbf16ps and TDPBF16PS read subnormal inputs as zero and flush subnormal results, as
+// oneDNN's bf16 GEMM does on such a CPU: a tile holding a weight that is subnormal, infinite or NaN in bf16 takes
+// level 2 instead, so every weight is still the format's; a subnormal activation (below 1.2e-38) is read as zero
+// there.
 //
 // A format may store a 32-column chunk of a row in any order of its columns (NF4: the high nibbles, then the low
 // ones): its perm(p) says which column position p holds, and the activations are permuted the same way. Only the
@@ -33,6 +35,7 @@
 #pragma once
 #include "native_prelude.h"
 
+#include <cstdlib>
 #include <memory>
 
 constexpr int64_t DQ_TR = 32;           // weight rows per tile
@@ -358,15 +361,189 @@ static void dq_store_512(const float* C, int64_t M, int64_t rows, bool out_f32, 
 }
 
 // This thread's buffer `which` of at least n floats, kept for its next calls (a fresh one would cost page faults
-// on every call). Zeroed when made: rows of a tile past the weight's last row read it, their sums unused.
+// on every call), 64-byte aligned (a tile row or vector that straddles two cache lines loads both). Zeroed when
+// made: rows of a tile past the weight's last row read it, their sums unused.
+struct DqFree {
+    void operator()(float* p) const { std::free(p); }
+};
 static float* dq_buffer(int which, int64_t n) {
-    static thread_local std::unique_ptr<float[]> buffers[3];
+    static thread_local std::unique_ptr<float[], DqFree> buffers[3];
     static thread_local int64_t sizes[3] = {0, 0, 0};
     if (sizes[which] < n) {
-        buffers[which].reset(new float[n]());
+        const int64_t bytes = (n * 4 + 63) / 64 * 64;
+        buffers[which].reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+        std::memset(buffers[which].get(), 0, bytes);
         sizes[which] = n;
     }
     return buffers[which].get();
+}
+
+// Level 4, AMX (Intel's tile registers, Sapphire Rapids on): TDPBF16PS multiplies a tile of 16 weight rows by 32
+// columns -- the format's bf16 rows exactly as it writes them, no transpose -- by 16 tokens' activations in pairs of
+// columns (the VNNI layout dq_prepare_x_amx builds once per call), adding the exact products to 16 x 16 fp32 sums.
+// Its numerics are vdpbf16ps's (subnormal inputs read as zero, fp32 sums), so the same tiles fall back to level 2.
+// Linux hands a process the tile registers only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, once).
+constexpr int64_t DQ_AMX_KB = 512;  // columns per block: the tile's 32 decoded rows of a block (34 KB) fit in L1
+
+static inline bool dq_amx() {
+#if defined(__linux__) && defined(__x86_64__)
+    static const bool usable = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // bf16, tile
+        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }();
+    return usable && dq_avx512_bf16();
+#else
+    return false;
+#endif
+}
+
+// The best level of the tiled matmul here (the one-token kernels stop lower).
+static inline int64_t dq_tiles_best() {
+    return dq_amx() ? 4 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+}
+
+// This thread's tile configuration while in scope: tmm0-3 the sums (16 rows x 16 tokens), tmm4-5 two blocks of 16
+// weight rows x 32 columns, tmm6-7 two groups of 16 tokens x 32 columns. The configuration found (oneDNN's, in the
+// same thread) is put back on leaving. ldtilecfg/sttilecfg as inline assembly with memory operands: GCC 12's
+// builtins do not tell the compiler that they read or write the 64 bytes, and it dropped the stores that fill them.
+struct DqAmxScope {
+    struct alignas(64) Config {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+        uint8_t reserved2[16];
+    };
+    Config saved;
+
+    DqAmxScope() {
+        asm volatile("sttilecfg %0" : "=m"(saved));
+        Config cfg;
+        std::memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+        asm volatile("ldtilecfg %0" : : "m"(cfg));
+    }
+    ~DqAmxScope() {
+        if (saved.palette)
+            asm volatile("ldtilecfg %0" : : "m"(saved));
+        else
+            asm volatile("tilerelease" ::: "memory");
+    }
+};
+
+// xb [M, K] (permuted bf16 activations) -> xv [G][K / 2][16] 32-bit pairs, G = ceil(M / 16) groups of 16 tokens,
+// the tokens past M zero: each group's rows of pairs are a TDPBF16PS operand.
+__attribute__((target("avx512f,avx512bw")))
+static void dq_prepare_x_amx(const uint16_t* xb, int64_t M, int64_t K, uint32_t* xv) {
+    __m512i r[16], c[16];
+    for (int64_t g = 0; g < (M + 15) / 16; ++g)
+        for (int64_t k = 0; k < K; k += 32) {
+            for (int i = 0; i < 16; ++i)
+                r[i] = 16 * g + i < M ? _mm512_loadu_si512(xb + (16 * g + i) * K + k) : _mm512_setzero_si512();
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(xv + (g * (K / 2) + k / 2 + j) * 16, c[j]);
+        }
+}
+
+// Ct[32][Mp] (+)= rows[32][kc] . x over columns [k0, k0 + kc) (rows: the tile's decoded bf16 rows, stride ld), for
+// token groups [g0, g0 + 1 or 2); first: the sums start at zero. Each sum runs over the columns in order, whatever
+// the other tokens.
+template <bool TWO, class W>
+__attribute__((target("amx-tile,amx-bf16")))
+static void dq_amx_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int64_t K, int64_t k0, int64_t kc,
+                         int64_t g0, float* Ct, int64_t Mp, bool first, W&& work) {
+    float* c0 = Ct + 16 * g0;
+    float* c1 = Ct + 16 * Mp + 16 * g0;
+    const int64_t cs = Mp * 4;
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(2);
+        if (TWO) {
+            _tile_zero(1);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, c0, cs);
+        _tile_loadd(2, c1, cs);
+        if (TWO) {
+            _tile_loadd(1, c0 + 16, cs);
+            _tile_loadd(3, c1 + 16, cs);
+        }
+    }
+    const uint32_t* x0 = xv + (g0 * (K / 2) + k0 / 2) * 16;
+    const uint32_t* x1 = x0 + (K / 2) * 16;
+    for (int64_t k = 0; k < kc; k += 32) {
+        _tile_loadd(4, rows + k, ld * 2);
+        _tile_loadd(5, rows + 16 * ld + k, ld * 2);
+        _tile_loadd(6, x0 + k * 8, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (TWO) {
+            _tile_loadd(7, x1 + k * 8, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        work(k / 32);
+    }
+    _tile_stored(0, c0, cs);
+    _tile_stored(2, c1, cs);
+    if (TWO) {
+        _tile_stored(1, c0 + 16, cs);
+        _tile_stored(3, c1 + 16, cs);
+    }
+}
+
+// One tile on level 4: rows [n0, n0 + rows) for M tokens into Ct[32][Mp] (Mp: M rounded up to 16), DQ_AMX_KB
+// columns at a time. The 32 rows of a block of columns are decoded while the tile unit multiplies the block before
+// (two rows after each step of its first group of tokens: the vector units and the tile unit run at once), into
+// the other of two buffers rb[2][32][DQ_AMX_KB + DQ_LDPAD]. False (nothing usable written) if a weight
+// is one TDPBF16PS cannot read.
+template <class F>
+static bool dq_tile_amx(const F& f, int64_t n0, int64_t rows, int64_t K, int64_t M, const uint32_t* xv,
+                        uint16_t* rb, float* Ct) {
+    const int64_t ld = DQ_AMX_KB + DQ_LDPAD, G = (M + 15) / 16, Mp = 16 * G, size = DQ_TR * ld;
+    bool ok = true;
+    auto decode = [&](int64_t k0, uint16_t* dst, int64_t r0, int64_t r1) {
+        const int64_t kb = K - k0 < DQ_AMX_KB ? K - k0 : DQ_AMX_KB;
+        for (int64_t r = r0; r < r1 && r < rows; ++r) ok &= f.bf16(n0 + r, k0, kb, dst + r * ld);
+    };
+    decode(0, rb, 0, DQ_TR);  // rows past the weight's last keep older values: their sums are unused
+    for (int64_t k0 = 0, b = 0; k0 < K && ok; k0 += DQ_AMX_KB, ++b) {
+        const int64_t kb = K - k0 < DQ_AMX_KB ? K - k0 : DQ_AMX_KB, steps = kb / 32;
+        const uint16_t* cur = rb + (b & 1) * size;
+        uint16_t* next = rb + ((b + 1) & 1) * size;
+        const bool more = k0 + DQ_AMX_KB < K;
+        // the next block's rows, two after each step of this block's first group of tokens
+        for (int64_t g = 0; g < G; g += 2) {
+            auto ahead = [&](int64_t step) {
+                if (more && g == 0) decode(k0 + DQ_AMX_KB, next, step * DQ_TR / steps, (step + 1) * DQ_TR / steps);
+            };
+            if (g + 1 < G)
+                dq_amx_block<true>(cur, ld, xv, K, k0, kb, g, Ct, Mp, k0 == 0, ahead);
+            else
+                dq_amx_block<false>(cur, ld, xv, K, k0, kb, g, Ct, Mp, k0 == 0, ahead);
+        }
+    }
+    return ok;
+}
+
+// out[m, n0 + r] = bf16(Ct[r][m]) for the tile's rows and the M tokens: 16 x 16 blocks transposed.
+__attribute__((target("avx512f,avx512bw")))
+static void dq_store_amx(const float* Ct, int64_t M, int64_t rows, uint16_t* out, int64_t N, int64_t n0) {
+    const int64_t Mp = (M + 15) / 16 * 16;
+    __m512i r[16], c[16];
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const __mmask16 k = rows - r0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r0)) - 1);
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (r0 + i) * Mp + m0);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16 && m0 + j < M; ++j) {
+                const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(_mm512_castsi512_ps(c[j]))), 16);
+                _mm256_mask_storeu_epi16(out + (m0 + j) * N + n0 + r0, k, _mm512_cvtepi32_epi16(bits));
+            }
+        }
+    }
 }
 
 // One tile (rows [n0, n0 + rows)) for M tokens, all of K, on one vector level. xb/xf: the permuted activations of
@@ -408,6 +585,9 @@ static bool dq_tile(const F& f, int64_t level, bool round, int64_t n0, int64_t r
 // out = x @ W^T for the format's rows f: x [M, K] bf16 (out bf16) or fp32 (x_f32; out fp32), on vector level
 // `level` (3: AVX-512 BF16, with bf16 activations only; 2: AVX-512; 1: AVX2), `threads` OpenMP threads over tiles.
 // K must be a multiple of 32. round: every weight rounded to bf16 (as dequantize does for these activations).
+// dq_tile_amx's two blocks of rows fit in the row buffer dq_tiles gives each thread.
+static_assert(2 * DQ_TR * (DQ_AMX_KB + DQ_LDPAD) * 2 <= DQ_TR * (DQ_KC + DQ_LDPAD) * 4, "AMX row buffers");
+
 template <class F>
 static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N, int64_t K, bool x_f32, bool round,
                      int64_t level, int64_t threads) {
@@ -415,6 +595,8 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
     const int64_t mb = M < DQ_MB ? M : DQ_MB;
     uint16_t* xb = level >= 3 ? new uint16_t[mb * K] : nullptr;
     float* xf = new float[mb * K];
+    // 64-byte aligned: a tile row that straddles two cache lines loads both
+    uint32_t* xv = level >= 4 ? static_cast<uint32_t*>(std::aligned_alloc(64, (mb + 15) / 16 * 16 * K * 2)) : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += DQ_MB) {
         const int64_t ms = M - m0 < DQ_MB ? M - m0 : DQ_MB;
         const void* xm = x_f32 ? static_cast<const void*>(static_cast<const float*>(x) + m0 * K)
@@ -423,6 +605,7 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
             dq_prepare_x_512<F>(xm, x_f32, ms, K, xb, xf);
         else
             dq_prepare_x_scalar<F>(xm, x_f32, ms, K, xb, xf);
+        if (level >= 4) dq_prepare_x_amx(xb, ms, K, xv);
         void* om = x_f32 ? static_cast<void*>(static_cast<float*>(out) + m0 * N)
                          : static_cast<void*>(static_cast<uint16_t*>(out) + m0 * N);
         #pragma omp parallel num_threads(threads) if(threads > 1)
@@ -430,11 +613,16 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
             float* rowbuf = dq_buffer(0, DQ_TR * (DQ_KC + DQ_LDPAD));  // fp32 or bf16 rows
             // the transposed tile, or dq_tile_few's 4 whole bf16 rows
             float* packed = dq_buffer(1, DQ_TR * DQ_KC > 2 * (K + DQ_LDPAD) ? DQ_TR * DQ_KC : 2 * (K + DQ_LDPAD));
-            float* C = dq_buffer(2, ms * DQ_TR);
+            float* C = dq_buffer(2, (ms + 15) / 16 * 16 * DQ_TR);
+            std::unique_ptr<DqAmxScope> amx(level >= 4 ? new DqAmxScope() : nullptr);
             #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += DQ_TR) {
                 const int64_t rows = N - n0 < DQ_TR ? N - n0 : DQ_TR;
-                const bool done = level >= 3 && ms <= DQ_FEW
+                if (amx && dq_tile_amx(f, n0, rows, K, ms, xv, reinterpret_cast<uint16_t*>(rowbuf), C)) {
+                    dq_store_amx(C, ms, rows, static_cast<uint16_t*>(om), N, n0);
+                    continue;
+                }
+                const bool done = level == 3 && ms <= DQ_FEW
                                       ? dq_tile_few(f, n0, rows, K, ms, xb, reinterpret_cast<uint16_t*>(packed), C)
                                       : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C);
                 if (!done)
@@ -448,4 +636,5 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
     }
     delete[] xb;
     delete[] xf;
+    std::free(xv);
 }

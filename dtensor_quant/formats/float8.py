@@ -138,13 +138,13 @@ _ARGTYPES = [
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 32, 32, native.TILES, 3, 1, level)
+    kernel(empty, empty, empty, empty, 0, 0, 32, 32, native.TILES, native.BEST_LEVEL, 1, level)
     return int(level)
 
 
 def kernel():
     """``(the kernels' entry point, their best vector level here)``, built on first use; None where it cannot run.
-    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
     return native.load("float8", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -188,8 +188,8 @@ def fused_linear(x: torch.Tensor, prepared, max_level: int | None = None) -> tor
 
 def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from :func:`kernel_prepare`'s result;
-    None if refused. ``max_level`` as for :func:`fused_linear` (3 with bf16 ``x`` only); ``rounds``: every weight
-    is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
+    None if refused. ``max_level`` as for :func:`fused_linear`, and 4: AMX (3 and 4 with bf16 ``x`` only);
+    ``rounds``: every weight is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
     return _matmul(x, prepared, True, max_level, rounds)
 
 

@@ -248,13 +248,13 @@ _ARGTYPES = [
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, native.TILES, 3, 1, level)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, native.TILES, native.BEST_LEVEL, 1, level)
     return int(level)
 
 
 def kernel():
     """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
-    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
     return native.load("int4", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -262,7 +262,7 @@ def tiled_linear(
     x: torch.Tensor, prepared, group_size: int, max_level: int | None = None, rounds: bool = False
 ) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel from ``Int4Groupwise._tile_inputs``;
-    None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only);
+    None if refused. ``max_level`` caps the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX, bf16 ``x`` only);
     ``rounds``: every weight is rounded to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
     codes, scale, zero = prepared
     if x.shape[1] != codes.shape[1] * 2:

@@ -109,13 +109,14 @@ struct Int4ZeroRows : Int4RowWriters<Int4ZeroRows> {
 };
 
 // flags: 1: x and out are fp32 (else bf16); 2: several tokens, through the tiles (else the one-token kernel, bf16
-// only); 4: round every weight to bf16. Level 1: AVX2, 2: AVX-512, 3: AVX-512 BF16 (the tiles only); all with F16C.
+// only); 4: round every weight to bf16. Level 1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX (the tiles only); all
+// with F16C.
 // Called with M = 0 it only reports the best level here.
 extern "C" void kernel(const uint8_t* codes, const float* scale, const float* zero, const void* x, void* out,
                        int64_t M, int64_t N, int64_t K, int64_t g, int64_t half, int64_t flags, int64_t max_level,
                        int64_t threads, int64_t* level) {
     const bool tiles = flags & 2, f16c = __builtin_cpu_supports("f16c");
-    int64_t best = g % 32 || K % 32 || !f16c ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+    int64_t best = g % 32 || K % 32 || !f16c ? 0 : dq_tiles_best();
     if (!tiles && best > 2) best = 2;
     level[0] = best < max_level ? best : max_level;
     if (level[0] <= 0 || M <= 0) return;

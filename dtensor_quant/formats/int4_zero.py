@@ -199,13 +199,13 @@ _ARGTYPES = [
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, 0, native.TILES, 3, 1, level)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, 0, native.TILES, native.BEST_LEVEL, 1, level)
     return int(level)
 
 
 def kernel():
     """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
-    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16 (the one-token kernel stops at 2)."""
+    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the one-token kernel stops at 2)."""
     return native.load("int4_zero", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -230,5 +230,5 @@ def fused_linear(x: torch.Tensor, prepared, group_size: int, max_level: int | No
 def tiled_linear(x: torch.Tensor, prepared, group_size: int, max_level: int | None = None) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel (core/native_tiles.h), from
     :meth:`Int4GroupwiseIntZero.kernel_inputs`; None if refused. ``max_level`` caps the vector path (1: AVX2,
-    2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    2: AVX-512, 3: AVX-512 BF16, 4: AMX, bf16 ``x`` only)."""
     return _matmul(x, prepared, group_size, True, max_level)

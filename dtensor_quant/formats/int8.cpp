@@ -55,10 +55,10 @@ struct Int8Rows {
 };
 
 // flags: 1: x and out are fp32 (else bf16); 2: the tiles (the only path here); 4: round every weight to bf16.
-// Level 1: AVX2, 2: AVX-512, 3: AVX-512 BF16. Called with M = 0 it only reports the best level here.
+// Level 1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX. Called with M = 0 it only reports the best level here.
 extern "C" void kernel(const int8_t* codes, const float* scale, const void* x, void* out, int64_t M, int64_t N,
                        int64_t K, int64_t flags, int64_t max_level, int64_t threads, int64_t* level) {
-    int64_t best = K % 32 ? 0 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+    int64_t best = K % 32 ? 0 : dq_tiles_best();
     level[0] = !(flags & 2) ? 0 : best < max_level ? best : max_level;
     if (level[0] <= 0 || M <= 0) return;
     dq_tiles(Int8Rows{codes, scale, K}, x, out, M, N, K, flags & 1, flags & 4, level[0], threads);

@@ -214,13 +214,13 @@ _ARGTYPES = [
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 0, native.TILES, 3, 1, level)
+    kernel(empty, empty, empty, empty, 0, 0, 0, native.TILES, native.BEST_LEVEL, 1, level)
     return int(level)
 
 
 def kernel():
     """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
-    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16."""
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
     return native.load("int8", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -234,7 +234,7 @@ def _tile_inputs(q: torch.Tensor, scale: torch.Tensor):
 
 def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel; None if refused. ``max_level`` caps
-    the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only); ``rounds``: every weight is rounded
+    the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX, bf16 ``x`` only); ``rounds``: every weight is rounded
     to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
     codes, scale = prepared
     if x.shape[1] != codes.shape[1]:

@@ -249,13 +249,13 @@ _ARGTYPES = [
 
 def _probe(kernel) -> int:
     level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, native.TILES, 3, 1, level)
+    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, native.TILES, native.BEST_LEVEL, 1, level)
     return int(level)
 
 
 def kernel():
     """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
-    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16 (the one-token kernel stops at 2)."""
+    cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the one-token kernel stops at 2)."""
     return native.load("nf4", KERNEL_SOURCE, _ARGTYPES, _probe)
 
 
@@ -277,7 +277,7 @@ def fused_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | No
 def tiled_linear(x: torch.Tensor, prepared, block_size: int, max_level: int | None = None) -> torch.Tensor | None:
     """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel (native_tiles.h: each weight dequantized
     once into a tile in cache), from :meth:`NF4.kernel_inputs`; None if refused. ``max_level`` caps the vector path
-    (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, bf16 ``x`` only)."""
+    (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX, bf16 ``x`` only)."""
     codes, scale, levels, rounds = prepared
     _check_width(x, codes)
     rounds = rounds or x.dtype == torch.bfloat16

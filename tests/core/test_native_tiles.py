@@ -5,8 +5,8 @@ weight it used: the fp32 sum of one product by 1 and zeros, rounded to the
 activation's dtype, which the weight already is. Comparing those columns with
 ``dequantize`` checks every weight the kernel made bit for bit, at real widths
 (TinyLlama's 2048 and 5632, Llama-3-8B's 14336) with few rows, on every vector
-path of this CPU (1: AVX2, 2: AVX-512, 3: AVX-512 BF16 -- forced lower with
-``max_level``), for bf16 and fp32 weights and activations. Random activations
+path of this CPU (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX -- forced lower
+with ``max_level``), for bf16 and fp32 weights and activations. Random activations
 are then compared with dequantize + mm within the bound of an fp32 sum in
 another order (never bit for bit: the order differs).
 """
@@ -90,7 +90,8 @@ def tiled(q, inputs, x, level):
 
 
 def levels(fmt, x_dtype):
-    """Every vector path here; level 3 (vdpbf16ps) multiplies bf16 activations only (fp32 ones run level 2)."""
+    """Every vector path here; levels 3 and 4 (vdpbf16ps, AMX) multiply bf16 activations only (fp32 ones run
+    level 2)."""
     best = module_of(fmt).kernel()[1]
     return range(1, (best if x_dtype == torch.bfloat16 else min(best, 2)) + 1)
 
@@ -216,6 +217,23 @@ def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(fmt):
         whole = tiled(q, inputs, batch, None)
         for start, stop in slices:
             assert torch.equal(tiled(q, inputs, batch[start:stop], None), whole[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_torchs_bf16_matmul_is_unchanged_after_the_tiles(threads):
+    """On AMX (level 4) the tiles load their own tile configuration into each thread that runs them and put back
+    the one they found: oneDNN's bf16 GEMM, which keeps its own in the same threads, gives the same bits after."""
+    q = dq.quantize(weight((96, 2048), seed=1), dq.NF4())
+    a, b = weight((64, 2048), seed=2), weight((256, 2048), seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        first = F.linear(a, b)
+        for tokens in (3, 40):
+            tiled(q, tile_inputs(q), weight((tokens, 2048), seed=4), None)
+            assert torch.equal(F.linear(a, b), first)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("fmt", [dq.Int4Groupwise(128), dq.Int8Rowwise()], ids=str)
