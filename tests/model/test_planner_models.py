@@ -70,7 +70,13 @@ def test_packed_experts_and_module_hooks_of_a_moe_plan():
     with torch.device("meta"):
         model = transformers.MixtralForCausalLM(config)
     fmt = dq.Int4Groupwise(128)
-    result = plan(model, fmt, tp=[1, 2, 3], tp_plan=model._tp_plan)
+    # transformers declared the experts in Mixtral's own TP plan until 5.24; 5.25 moved them to an expert-parallel
+    # plan (base_model_ep_plan). The keys as those versions wrote them, whatever version is installed:
+    experts = {
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "model.layers.*.mlp.experts.down_proj": "rowwise",
+    }
+    result = plan(model, fmt, tp=[1, 2, 3], tp_plan={**model._tp_plan, **experts})
     rows = {layer.name: (layer, cells) for layer, cells in result.rows}
     layer, cells = rows["model.layers.0.mlp.experts.gate_up_proj"]
     assert layer.style == "packed_colwise" and layer.shape == (4, 768, 256)
