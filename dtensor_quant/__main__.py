@@ -1,16 +1,20 @@
-"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.model.planner)."""
+"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.model.planner) and
+``python -m dtensor_quant kernels`` (which C++ kernels run on this machine, on which vector path)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from .core import native
 from .model.format_spec import parse_format
 from .model.planner import ALL_STYLES, STYLES, Layer, kind_from_name, layers_of, plan
 
@@ -76,6 +80,51 @@ def _model_and_plan(args):
     return model, tp_plan, f"TP plan: {args.tp_plan} ({len(tp_plan)} keys)"
 
 
+#: Each C++ kernel (its module in dtensor_quant.formats) and the formats whose matmuls run it.
+KERNELS = {
+    "nf4": "NF4, BnbNF4, NF4BlockScales, MXFP4",
+    "float8": "Float8Rowwise, Float8Tensorwise, Float8Blockwise",
+    "int4": "Int4Groupwise",
+    "int4_zero": "Int4GroupwiseIntZero",
+    "int8": "Int8Rowwise",
+}
+#: The vector paths of the tiled kernels (dtensor_quant/core/native_tiles.h), by level.
+LEVELS = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16", 4: "AMX"}
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def kernels() -> list[str]:
+    """The report of ``python -m dtensor_quant kernels``: for each C++ kernel, whether it built here and the
+    vector path its tiles (several tokens, bf16 activations) take; where none runs, why (the matmuls of those
+    formats then dequantize the weight and multiply densely)."""
+    lines = [f"DTENSOR_QUANT_NATIVE={os.environ.get('DTENSOR_QUANT_NATIVE', '1')}"]
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set()
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    have = " ".join(f for f in _CPU_FLAGS if f in flags) or "(no /proc/cpuinfo flags)"
+    lines.append(f"CPU: {have}; torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}")
+    lines.append(f"{'kernel':<11}{'formats':<51}tiles (several tokens)")
+    for name, formats in KERNELS.items():
+        module = importlib.import_module(f"{__package__}.formats.{name}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = module.kernel()
+        if built is not None:
+            path = f"{built[1]} {LEVELS.get(built[1], '?')}"
+        elif not native.enabled():
+            path = "none (DTENSOR_QUANT_NATIVE=0)"
+        else:  # the warning says why: "... cannot run here (WHY); matmuls ..."
+            why = str(caught[0].message).split(" (", 1)[-1].split(");", 1)[0] if caught else "see the warning above"
+            path = f"none ({why.splitlines()[0][:100]})"
+        lines.append(f"{name:<11}{formats:<51}{path}")
+    lines.append("(one token: the one-token kernels, at most AVX-512 BF16; no kernel: dequantize + mm)")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dtensor_quant")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -106,7 +155,11 @@ def main(argv=None) -> int:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the [EXPERTSxOUTxIN] stacks")
     p.add_argument("--width", type=int, default=120, help="longest line of the report (0: no limit)")
     p.add_argument("--csv", metavar="PATH", help="write every layer on every mesh as CSV ('-': to stdout, no table)")
+    sub.add_parser("kernels", help="which C++ kernels run on this machine, on which vector path")
     args = ap.parse_args(argv)
+    if args.command == "kernels":
+        print("\n".join(kernels()))
+        return 0
 
     fmt = parse_format(args.format)
     start = time.perf_counter()

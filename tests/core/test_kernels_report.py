@@ -1,0 +1,31 @@
+"""``python -m dtensor_quant kernels``: which C++ kernels run here, and on which vector path."""
+
+import importlib
+import pkgutil
+
+import dtensor_quant.formats
+from dtensor_quant.__main__ import KERNELS, LEVELS, main
+
+
+def test_every_kernel_is_listed_with_the_level_it_runs(capsys):
+    """One line per C++ kernel of dtensor_quant.formats (a new one must be added to KERNELS), with the level its
+    own ``kernel()`` reports."""
+    with_kernels = {
+        info.name
+        for info in pkgutil.iter_modules(dtensor_quant.formats.__path__)
+        if hasattr(importlib.import_module(f"dtensor_quant.formats.{info.name}"), "KERNEL_SOURCE")
+    }
+    assert with_kernels == set(KERNELS)
+    assert main(["kernels"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()}
+    for name, formats in KERNELS.items():
+        built = importlib.import_module(f"dtensor_quant.formats.{name}").kernel()
+        want = f"{built[1]} {LEVELS[built[1]]}" if built else "none ("
+        assert formats in lines[name] and want in lines[name], lines[name]
+
+
+def test_switched_off(monkeypatch, capsys):
+    monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "0")
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{formats:<51}none (DTENSOR_QUANT_NATIVE=0)" in out for formats in KERNELS.values())
