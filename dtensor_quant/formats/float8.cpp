@@ -132,31 +132,26 @@ static void dq_f8(const uint8_t* codes, const float* scale, const uint16_t* x, u
 
 // code -> float(code) * s in fp32 on 16 lanes (d: the codes, one per 32-bit lane), exactly: the code's bits moved
 // into an fp32's (sign, and exponent and mantissa shifted by 20) make float(code) * 2^-120, subnormal codes too;
-// vs is s * 2^120 when every |s| of the group is below 2^7 (one multiply, exact: the same real product), else s
-// (scaled back by 2^120 first).
+// raw * s, raw being a code's e4m3 value times 2^-120 (dq_e4m3_raw): vs is s * 2^120 when every |s| of the group is
+// below 2^7 (one multiply, exact: the same real product), else s (raw scaled back by 2^120 first).
 __attribute__((target("avx512f,avx512bw")))
-static inline __m512 dq_e4m3_times_512(__m512i d, __m512 vs, bool small) {
-    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0x7F)), 20),
-                                         _mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0x80)), 24));
-    const __m512 raw = _mm512_castsi512_ps(bits);
+static inline __m512 dq_e4m3_times_512(__m512 raw, __m512 vs, bool small) {
     return small ? _mm512_mul_ps(raw, vs) : _mm512_mul_ps(_mm512_mul_ps(raw, _mm512_set1_ps(0x1p120f)), vs);
 }
 
 __attribute__((target("avx2,fma")))
-static inline __m256 dq_e4m3_times_256(__m256i d, __m256 vs, bool small) {
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(d, _mm256_set1_epi32(0x7F)), 20),
-                                         _mm256_slli_epi32(_mm256_and_si256(d, _mm256_set1_epi32(0x80)), 24));
-    const __m256 raw = _mm256_castsi256_ps(bits);
+static inline __m256 dq_e4m3_times_256(__m256 raw, __m256 vs, bool small) {
     return small ? _mm256_mul_ps(raw, vs) : _mm256_mul_ps(_mm256_mul_ps(raw, _mm256_set1_ps(0x1p120f)), vs);
 }
 
-// Row n of the weight for native_tiles.h, in its own column order.
+// Row n of the weight for native_tiles.h. A chunk of 32 columns is stored in dq_e4m3_raw's order (the lo lanes,
+// then the hi ones): 32 codes widen to 16 bits once and split into two fp32 registers with two unpacks.
 struct Float8Rows {
     const uint8_t* codes;  // [N, K]
     const float* scale;    // [N, K / g]
     int64_t K, g;
 
-    static int64_t perm(int64_t p) { return p; }
+    static int64_t perm(int64_t p) { return p < 16 ? 8 * (p / 4) + p % 4 : 8 * ((p - 16) / 4) + 4 + p % 4; }
 
     // The group's multiplier for dq_e4m3_times_*: s * 2^120 where |s| < 2^7, else s.
     static float mult(float s, bool& small) {
@@ -176,11 +171,12 @@ struct Float8Rows {
             const bool safe = small && std::fabs(s[gr.b]) >= 0x1p-117f;
             for (int64_t k = gr.k; k < gr.end; k += 32) {
                 _mm_prefetch(reinterpret_cast<const char*>(row + k) + DQ_PREFETCH, _MM_HINT_T0);
-                const __m128i* p = reinterpret_cast<const __m128i*>(row + k);
-                const __m512 a = dq_e4m3_times_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(p)), vs, small);
-                const __m512 b = dq_e4m3_times_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(p + 1)), vs, small);
-                if (!safe) bad |= dq_bf16_unsafe_512(a) | dq_bf16_unsafe_512(b);
-                _mm512_storeu_si512(dst + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                __m512 lo, hi;
+                dq_e4m3_raw(row + k, lo, hi);
+                lo = dq_e4m3_times_512(lo, vs, small);
+                hi = dq_e4m3_times_512(hi, vs, small);
+                if (!safe) bad |= dq_bf16_unsafe_512(lo) | dq_bf16_unsafe_512(hi);
+                _mm512_storeu_si512(dst + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
         }
         return bad == 0;
@@ -193,13 +189,19 @@ struct Float8Rows {
         for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
             bool small;
             const __m512 vs = _mm512_set1_ps(mult(s[gr.b], small));
-            for (int64_t k = gr.k; k < gr.end; k += 16) {
-                __m512 w = dq_e4m3_times_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))), vs, small);
-                _mm512_storeu_ps(dst + (k - k0), round ? dq_round_bf16_512(w) : w);
+            for (int64_t k = gr.k; k < gr.end; k += 32) {
+                __m512 lo, hi;
+                dq_e4m3_raw(row + k, lo, hi);
+                lo = dq_e4m3_times_512(lo, vs, small);
+                hi = dq_e4m3_times_512(hi, vs, small);
+                _mm512_storeu_ps(dst + (k - k0), round ? dq_round_bf16_512(lo) : lo);
+                _mm512_storeu_ps(dst + (k - k0) + 16, round ? dq_round_bf16_512(hi) : hi);
             }
         }
     }
 
+    // 16 codes a step: dq_e4m3_raw_avx2's lo lanes of codes 16h.. are positions 8h.. of the chunk, its hi lanes
+    // positions 16 + 8h.. (the same order as dq_e4m3_raw's).
     __attribute__((target("avx2,fma")))
     void f32_256(int64_t n, int64_t k0, int64_t kc, bool round, float* dst) const {
         const uint8_t* row = codes + n * K;
@@ -207,10 +209,15 @@ struct Float8Rows {
         for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
             bool small;
             const __m256 vs = _mm256_set1_ps(mult(s[gr.b], small));
-            for (int64_t k = gr.k; k < gr.end; k += 8) {
-                __m256 w = dq_e4m3_times_256(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))), vs, small);
-                _mm256_storeu_ps(dst + (k - k0), round ? dq_round_bf16_256(w) : w);
-            }
+            for (int64_t k = gr.k; k < gr.end; k += 32)
+                for (int h = 0; h < 2; ++h) {
+                    __m256 lo, hi;
+                    dq_e4m3_raw_avx2(row + k + 16 * h, lo, hi);
+                    lo = dq_e4m3_times_256(lo, vs, small);
+                    hi = dq_e4m3_times_256(hi, vs, small);
+                    _mm256_storeu_ps(dst + (k - k0) + 8 * h, round ? dq_round_bf16_256(lo) : lo);
+                    _mm256_storeu_ps(dst + (k - k0) + 16 + 8 * h, round ? dq_round_bf16_256(hi) : hi);
+                }
         }
     }
 };
