@@ -42,6 +42,8 @@ constexpr int64_t DQ_TR = 32;           // weight rows per tile
 constexpr int64_t DQ_KC = 2048;         // columns per block of K (a multiple of 32): the tile buffers stay in L2
 constexpr int64_t DQ_LDPAD = 32;        // row stride padding of the row-major buffer: no 4 KiB aliasing of its rows
 constexpr int64_t DQ_PREFETCH = 4096;   // bytes ahead of a row's stored weights that a format's loop prefetches
+// A kernel loop's software prefetch of the stored weights DQ_PREFETCH bytes ahead of p (rows lie end to end).
+#define DQ_PREFETCH_AHEAD(p) _mm_prefetch(reinterpret_cast<const char*>(p) + DQ_PREFETCH, _MM_HINT_T0)
 constexpr int64_t DQ_MB = 128;          // tokens per pass over the weight: their activations stay in L2
 constexpr int64_t DQ_FEW = 32;          // up to this many tokens, level 3 multiplies rows as they are (no transpose)
 

@@ -41,6 +41,7 @@ static float dq_f8_row_avx2(const uint8_t* row, const float* s, const float* xf,
     const __m256 up = _mm256_set1_ps(0x1p120f);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), vs = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
+        DQ_PREFETCH_AHEAD(row + k);
         if (k % g == 0) vs = _mm256_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
         __m256 lo, hi;
         dq_e4m3_raw_avx2(row + k, lo, hi);
@@ -64,6 +65,7 @@ static float dq_f8_row(const uint8_t* row, const float* s, const float* xf, int6
     const __m512 up = _mm512_set1_ps(0x1p120f);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
+        DQ_PREFETCH_AHEAD(row + k);
         if (k % g == 0) vs = _mm512_set1_ps(kSmall ? s[k / g] * 0x1p120f : s[k / g]);
         __m512 lo, hi;
         dq_e4m3_raw(row + k, lo, hi);
@@ -87,6 +89,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static float dq_f8_row_bf16(const uint8_t* row, const float* s, const uint16_t* xb, int64_t K, int64_t g) {
     __m512 acc = _mm512_setzero_ps(), vs = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
+        DQ_PREFETCH_AHEAD(row + k);
         if (k % g == 0) vs = _mm512_set1_ps(s[k / g] * 0x1p120f);
         __m512 lo, hi;
         dq_e4m3_raw(row + k, lo, hi);

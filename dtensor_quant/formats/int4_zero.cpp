@@ -20,6 +20,7 @@ static float dq_i4z_row(const uint8_t* row, const float* scale, const float* zer
         if (half) t = _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         const __m512 table = dq_round_bf16_512(t);
         for (int64_t i = b * g / 2; i < (b + 1) * g / 2; i += 16) {  // 16 bytes: 32 weights
+            DQ_PREFETCH_AHEAD(row + i);
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
             __m512 low = _mm512_permutexvar_ps(_mm512_and_si512(codes, mask), table);  // weight 2j
             __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);  // weight 2j + 1
@@ -47,6 +48,7 @@ static float dq_i4z_row_avx2(const uint8_t* row, const float* scale, const float
         t0 = dq_round_bf16_256(t0);
         t1 = dq_round_bf16_256(t1);
         for (int64_t i = b * g / 2; i < (b + 1) * g / 2; i += 8) {  // 8 bytes: 16 weights
+            DQ_PREFETCH_AHEAD(row + i);
             __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
             __m256i lo = _mm256_and_si256(codes, mask), hi = _mm256_srli_epi32(codes, 4);
             __m256 low = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo), _mm256_permutevar8x32_ps(t1, lo),

@@ -21,6 +21,7 @@ static float dq_nf4_row(const uint8_t* row, const float* scale, const float* xe,
     for (int64_t b = 0; b < K / bs; ++b) {
         __m512 table = dq_round_bf16_512(_mm512_mul_ps(lv, _mm512_set1_ps(scale[b])));  // the block's 16 weights
         for (int64_t i = b * bs / 2; i < (b + 1) * bs / 2; i += 16) {  // 16 bytes: 32 weights
+            DQ_PREFETCH_AHEAD(row + i);
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
             __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);  // weight 2j
             __m512 low = _mm512_permutexvar_ps(_mm512_and_si512(codes, mask), table);  // weight 2j + 1
@@ -42,6 +43,7 @@ static float dq_nf4_row_avx2(const uint8_t* row, const float* scale, const float
         const __m256 s = _mm256_set1_ps(scale[b]);
         const __m256 t0 = dq_round_bf16_256(_mm256_mul_ps(lv0, s)), t1 = dq_round_bf16_256(_mm256_mul_ps(lv1, s));
         for (int64_t i = b * bs / 2; i < (b + 1) * bs / 2; i += 8) {  // 8 bytes: 16 weights
+            DQ_PREFETCH_AHEAD(row + i);
             __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
             __m256i hi = _mm256_srli_epi32(codes, 4), lo = _mm256_and_si256(codes, mask);
             __m256 high = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi), _mm256_permutevar8x32_ps(t1, hi),
