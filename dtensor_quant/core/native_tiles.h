@@ -387,8 +387,17 @@ static float* dq_buffer(int which, int64_t n) {
 // Linux hands a process the tile registers only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, once).
 constexpr int64_t DQ_AMX_KB = 512;  // columns per block: the tile's 32 decoded rows of a block (34 KB) fit in L1
 
+// AMX needs a compiler with its intrinsics (GCC 11, Clang 12 on): with an older one the kernels build without
+// level 4 rather than not at all.
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define DQ_AMX 1
+#else
+#define DQ_AMX 0
+#endif
+
 static inline bool dq_amx() {
-#if defined(__linux__) && defined(__x86_64__)
+#if DQ_AMX
     static const bool usable = [] {
         unsigned a, b, c, d;
         if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // bf16, tile
@@ -405,6 +414,7 @@ static inline int64_t dq_tiles_best() {
     return dq_amx() ? 4 : dq_avx512_bf16() ? 3 : dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
 }
 
+#if DQ_AMX
 // This thread's tile configuration while in scope: tmm0-3 the sums (16 rows x 16 tokens), tmm4-5 two blocks of 16
 // weight rows x 32 columns, tmm6-7 two groups of 16 tokens x 32 columns. The configuration found (oneDNN's, in the
 // same thread) is put back on leaving. ldtilecfg/sttilecfg as inline assembly with memory operands: GCC 12's
@@ -529,6 +539,14 @@ static bool dq_tile_amx(const F& f, int64_t n0, int64_t rows, int64_t K, int64_t
     }
     return ok;
 }
+#else
+struct DqAmxScope {};
+static void dq_prepare_x_amx(const uint16_t*, int64_t, int64_t, uint32_t*) {}
+template <class F>
+static bool dq_tile_amx(const F&, int64_t, int64_t, int64_t, int64_t, const uint32_t*, uint16_t*, float*) {
+    return false;
+}
+#endif  // DQ_AMX
 
 // out[m, n0 + r] = bf16(Ct[r][m]) for the tile's rows and the M tokens: 16 x 16 blocks transposed.
 __attribute__((target("avx512f,avx512bw")))
