@@ -346,6 +346,13 @@ static void dq_store_scalar(const float* C, int64_t M, int64_t rows, bool out_f3
         }
 }
 
+// dst[i] = bf16(v[i]) (as dq_bf16_rne) for the lanes of mask k.
+__attribute__((target("avx512f,avx512bw")))
+static inline void dq_store_bf16_512(uint16_t* dst, __mmask16 k, __m512 v) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(v)), 16);
+    _mm256_mask_storeu_epi16(dst, k, _mm512_cvtepi32_epi16(bits));
+}
+
 // The same 16 values a step with AVX-512 (masked stores for a tile's last rows).
 __attribute__((target("avx512f,avx512bw")))
 static void dq_store_512(const float* C, int64_t M, int64_t rows, bool out_f32, void* out, int64_t N, int64_t n0) {
@@ -356,8 +363,7 @@ static void dq_store_512(const float* C, int64_t M, int64_t rows, bool out_f32, 
             if (out_f32) {
                 _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n0 + r, k, v);
             } else {
-                const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(v)), 16);
-                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * N + n0 + r, k, _mm512_cvtepi32_epi16(bits));
+                dq_store_bf16_512(static_cast<uint16_t*>(out) + m * N + n0 + r, k, v);
             }
         }
 }
@@ -400,7 +406,8 @@ static inline bool dq_amx() {
 #if DQ_AMX
     static const bool usable = [] {
         unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // bf16, tile
+        // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
         return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     }();
     return usable && dq_avx512_bf16();
@@ -558,10 +565,8 @@ static void dq_store_amx(const float* Ct, int64_t M, int64_t rows, uint16_t* out
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
             for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (r0 + i) * Mp + m0);
             dq_transpose16(r, c);
-            for (int j = 0; j < 16 && m0 + j < M; ++j) {
-                const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(_mm512_castsi512_ps(c[j]))), 16);
-                _mm256_mask_storeu_epi16(out + (m0 + j) * N + n0 + r0, k, _mm512_cvtepi32_epi16(bits));
-            }
+            for (int j = 0; j < 16 && m0 + j < M; ++j)
+                dq_store_bf16_512(out + (m0 + j) * N + n0 + r0, k, _mm512_castsi512_ps(c[j]));
         }
     }
 }
@@ -642,9 +647,12 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
                     dq_store_amx(C, ms, rows, static_cast<uint16_t*>(om), N, n0);
                     continue;
                 }
-                const bool done = level == 3 && ms <= DQ_FEW
-                                      ? dq_tile_few(f, n0, rows, K, ms, xb, reinterpret_cast<uint16_t*>(packed), C)
-                                      : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C);
+                // level 4 refused this tile (a weight TDPBF16PS cannot read): straight to level 2 below, not a
+                // second bf16 decode of the tile that would refuse it again
+                uint16_t* few_rows = reinterpret_cast<uint16_t*>(packed);
+                const bool done = !amx && (level == 3 && ms <= DQ_FEW
+                                               ? dq_tile_few(f, n0, rows, K, ms, xb, few_rows, C)
+                                               : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C));
                 if (!done)
                     dq_tile(f, 2, true, n0, rows, K, ms, xb, xf, rowbuf, packed, C);  // level 3 rounds (bf16 x)
                 if (level >= 2)

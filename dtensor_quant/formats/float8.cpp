@@ -173,7 +173,7 @@ struct Float8Rows {
             // 2^-117 <= |s| < 2^7: every product is 0 or normal (|code| from 2^-9 to 448), none to check
             const bool safe = small && std::fabs(s[gr.b]) >= 0x1p-117f;
             for (int64_t k = gr.k; k < gr.end; k += 32) {
-                _mm_prefetch(reinterpret_cast<const char*>(row + k) + DQ_PREFETCH, _MM_HINT_T0);
+                DQ_PREFETCH_AHEAD(row + k);
                 __m512 lo, hi;
                 dq_e4m3_raw(row + k, lo, hi);
                 lo = dq_e4m3_times_512(lo, vs, small);

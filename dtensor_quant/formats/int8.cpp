@@ -24,7 +24,7 @@ struct Int8Rows {
         const __m512 s = _mm512_set1_ps(scale[n]);
         __mmask16 bad = 0;
         for (int64_t k = k0; k < k0 + kc; k += 32) {
-            _mm_prefetch(reinterpret_cast<const char*>(row + k) + DQ_PREFETCH, _MM_HINT_T0);
+            DQ_PREFETCH_AHEAD(row + k);
             const __m512 a = weights(row + k, s), b = weights(row + k + 16, s);
             bad |= dq_bf16_unsafe_512(a) | dq_bf16_unsafe_512(b);
             _mm512_storeu_si512(dst + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(b, a));

@@ -101,7 +101,7 @@ struct Nf4Rows {
             bad |= dq_bf16_unsafe_512(t);
             const __m512i words = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
             for (int64_t k = bl.k; k < bl.end; k += 32) {  // 16 bytes: the 16 high nibbles, then the low ones
-                _mm_prefetch(reinterpret_cast<const char*>(row + k / 2) + DQ_PREFETCH, _MM_HINT_T0);
+                DQ_PREFETCH_AHEAD(row + k / 2);
                 const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
                 const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(c, 4)),
                                                        _mm256_and_si256(c, mask), 1);
