@@ -88,8 +88,6 @@ KERNELS = {
     "int4_zero": "Int4GroupwiseIntZero",
     "int8": "Int8Rowwise",
 }
-#: The vector paths of the tiled kernels (dtensor_quant/core/native_tiles.h), by level.
-LEVELS = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16", 4: "AMX"}
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
@@ -110,15 +108,15 @@ def kernels() -> list[str]:
     lines.append(f"{'kernel':<11}{'formats':<51}tiles (several tokens)")
     for name, formats in KERNELS.items():
         module = importlib.import_module(f"{__package__}.formats.{name}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():  # the report says why, in its own line
+            warnings.simplefilter("ignore", native.KernelUnavailableWarning)
             built = module.kernel()
         if built is not None:
-            path = f"{built[1]} {LEVELS.get(built[1], '?')}"
+            path = f"{built[1]} {native.LEVEL_NAMES[built[1]]}"
         elif not native.enabled():
             path = "none (DTENSOR_QUANT_NATIVE=0)"
-        else:  # the warning says why: "... cannot run here (WHY); matmuls ..."
-            why = str(caught[0].message).split(" (", 1)[-1].split(");", 1)[0] if caught else "see the warning above"
+        else:
+            why = native.why_unavailable(name, module.KERNEL_SOURCE) or "unavailable"
             path = f"none ({why.splitlines()[0][:100]})"
         lines.append(f"{name:<11}{formats:<51}{path}")
     lines.append("(one token: the one-token kernels, at most AVX-512 BF16; no kernel: dequantize + mm)")

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 _KERNELS: dict[tuple[str, str], tuple[Callable, int] | None] = {}  # by name and source file
+_WHY_NOT: dict[tuple[str, str], str] = {}  # as _KERNELS: why it cannot run here (what its warning said)
 
 
 def enabled() -> bool:
@@ -98,15 +99,23 @@ def load(name: str, path: Path, argtypes: list[str], probe: Callable[[Callable],
             if level > 0:
                 _KERNELS[key] = (kernel, level)
             else:
-                _say_unavailable(name, "this CPU has neither AVX2 with FMA nor AVX-512, or flushes denormals to zero")
+                _say_unavailable(key, "this CPU has neither AVX2 with FMA nor AVX-512, or flushes denormals to zero")
         except Exception as e:  # no compiler, no inductor, a changed loader: the plain path
             text = str(e)  # a compile error: the compiler's output says why, the command line before it does not
             text = text[text.find("Output:") :] if "Output:" in text else text
-            _say_unavailable(name, f"it did not build: {type(e).__name__}: {text[:800]}")
+            _say_unavailable(key, f"it did not build: {type(e).__name__}: {text[:800]}")
     return _KERNELS[key]
 
 
-def _say_unavailable(name: str, why: str) -> None:
+def why_unavailable(name: str, path: Path) -> str | None:
+    """Why the kernel ``name`` built from ``path`` cannot run in this process (its build error, or the CPU), once
+    :func:`load` has tried it; None if it runs, was not tried, or the kernels are off (``DTENSOR_QUANT_NATIVE=0``)."""
+    return _WHY_NOT.get((name, str(path)))
+
+
+def _say_unavailable(key: tuple[str, str], why: str) -> None:
+    name = key[0]
+    _WHY_NOT[key] = why
     warnings.warn(
         f"dtensor_quant: the {name} C++ kernel cannot run here ({why}); matmuls with {name} weights dequantize "
         "the weight and multiply densely instead (dequantize + mm: several times slower for few tokens). "
@@ -123,8 +132,9 @@ class KernelUnavailableWarning(RuntimeWarning):
 # The flags every kernel's entry point takes: x and out are fp32 (else bf16); several tokens through the tiled
 # matmul of native_tiles.h (else the one-token kernel); every weight rounded to bf16 (the tiles).
 F32, TILES, ROUND = 1, 2, 4
-# The highest vector level a kernel may report: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only).
-BEST_LEVEL = 4
+# The vector levels a kernel reports (native_tiles.h; level 4, AMX, the tiles only), and the highest.
+LEVEL_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16", 4: "AMX"}
+BEST_LEVEL = max(LEVEL_NAMES)
 # The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 # Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which

@@ -4,7 +4,8 @@ import importlib
 import pkgutil
 
 import dtensor_quant.formats
-from dtensor_quant.__main__ import KERNELS, LEVELS, main
+from dtensor_quant.__main__ import KERNELS, main
+from dtensor_quant.core import native
 
 
 def test_every_kernel_is_listed_with_the_level_it_runs(capsys):
@@ -20,7 +21,7 @@ def test_every_kernel_is_listed_with_the_level_it_runs(capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()}
     for name, formats in KERNELS.items():
         built = importlib.import_module(f"dtensor_quant.formats.{name}").kernel()
-        want = f"{built[1]} {LEVELS[built[1]]}" if built else "none ("
+        want = f"{built[1]} {native.LEVEL_NAMES[built[1]]}" if built else "none ("
         assert formats in lines[name] and want in lines[name], lines[name]
 
 
@@ -29,3 +30,16 @@ def test_switched_off(monkeypatch, capsys):
     assert main(["kernels"]) == 0
     out = capsys.readouterr().out
     assert all(f"{formats:<51}none (DTENSOR_QUANT_NATIVE=0)" in out for formats in KERNELS.values())
+
+
+def test_a_kernel_that_does_not_build_says_why(monkeypatch, tmp_path, capsys):
+    """A kernel that cannot build: the report names the build error (what its warning said), not just "none"."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    module = importlib.import_module("dtensor_quant.formats.int8")
+    monkeypatch.setattr(module, "KERNEL_SOURCE", broken)
+    monkeypatch.setattr(module, "kernel", lambda: native.load("int8", broken, ["int64_t*"], lambda kernel: 1))
+    assert main(["kernels"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("int8 "))
+    assert "none (it did not build: " in line, line
+    assert native.why_unavailable("int8", broken).startswith("it did not build: ")
