@@ -99,6 +99,12 @@ static float dq_f8_row_bf16(const uint8_t* row, const float* s, const uint16_t* 
     return _mm512_reduce_add_ps(acc);
 }
 
+// A scale s with |s| < 2^7: s * 2^120 is finite, so one multiply gives a code's exact product (kSmall, mult).
+static inline bool dq_f8_small(float s) { return std::fabs(s) < 128; }
+// ... and |s| >= 2^-117 too: every product is 0 or normal (|code| from 2^-9 to 448), which vdpbf16ps reads exactly.
+// NaN and Inf scales are neither.
+static inline bool dq_f8_normal(float s) { return dq_f8_small(s) && std::fabs(s) >= 0x1p-117f; }
+
 // The one-token kernel. scale: [N, K / g], one per row and group of g columns (g = K: per row).
 // level 1: AVX2, 2: AVX-512, 3: AVX-512 with BF16 (the rows it is exact for).
 static void dq_f8(const uint8_t* codes, const float* scale, const uint16_t* x, uint16_t* out, int64_t M, int64_t N,
@@ -115,10 +121,10 @@ static void dq_f8(const uint8_t* codes, const float* scale, const uint16_t* x, u
         #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
         for (int64_t n = 0; n < N; ++n) {
             const float* s = scale + n * (K / g);
-            bool small = true, normal = true;  // NaN and Inf scales are neither
+            bool small = true, normal = true;
             for (int64_t i = 0; i < K / g; ++i) {
-                small &= std::fabs(s[i]) < 128;
-                normal &= std::fabs(s[i]) < 128 && std::fabs(s[i]) >= 0x1p-117f;
+                small &= dq_f8_small(s[i]);
+                normal &= dq_f8_normal(s[i]);
             }
             const uint8_t* row = codes + n * K;
             float acc = level[0] == 3 && normal ? dq_f8_row_bf16(row, s, xb, K, g)
@@ -154,11 +160,11 @@ struct Float8Rows {
     const float* scale;    // [N, K / g]
     int64_t K, g;
 
-    static int64_t perm(int64_t p) { return p < 16 ? 8 * (p / 4) + p % 4 : 8 * ((p - 16) / 4) + 4 + p % 4; }
+    static int64_t perm(int64_t p) { return dq_x_order(p, 16); }
 
     // The group's multiplier for dq_e4m3_times_*: s * 2^120 where |s| < 2^7, else s.
     static float mult(float s, bool& small) {
-        small = std::fabs(s) < 128;
+        small = dq_f8_small(s);
         return small ? s * 0x1p120f : s;
     }
 
@@ -170,8 +176,7 @@ struct Float8Rows {
         for (DqGroups gr(k0, kc, g); gr.more(); gr.next()) {
             bool small;
             const __m512 vs = _mm512_set1_ps(mult(s[gr.b], small));
-            // 2^-117 <= |s| < 2^7: every product is 0 or normal (|code| from 2^-9 to 448), none to check
-            const bool safe = small && std::fabs(s[gr.b]) >= 0x1p-117f;
+            const bool safe = dq_f8_normal(s[gr.b]);  // no product to check
             for (int64_t k = gr.k; k < gr.end; k += 32) {
                 DQ_PREFETCH_AHEAD(row + k);
                 __m512 lo, hi;
