@@ -1,12 +1,15 @@
 """The byte codec every quantized collective uses, and the rule for which inner tensors travel.
 
-DTensor's collectives (:mod:`dtensor_quant.dist.collectives`) and FSDP2's
-all-gather (:mod:`dtensor_quant.fsdp`) send a quantized tensor as one
-``uint8`` buffer: gloo has no float8, mixed dtypes cannot share one
-collective otherwise, and reinterpreting packed bits as a float dtype on the
-wire lets NaN patterns be rewritten. :func:`pack` lays the inner tensors'
-bytes end to end, each padded to :data:`ALIGN` bytes so that its slice of a
-received buffer can be viewed as its dtype again (:func:`unpack`).
+Quantized tensors travel as bytes: gloo has no float8, mixed dtypes cannot
+share one collective otherwise, and reinterpreting packed bits as a float
+dtype on the wire lets NaN patterns be rewritten. DTensor's scatter,
+broadcast and all-to-all (:mod:`dtensor_quant.dist.collectives`) and FSDP2's
+all-gather (:mod:`dtensor_quant.fsdp`) send a quantized tensor as one ``uint8`` buffer: :func:`pack` lays the inner
+tensors' bytes end to end, each padded to :data:`ALIGN` bytes so that its
+slice of a received buffer can be viewed as its dtype again
+(:func:`unpack`). DTensor's gathers send each inner tensor as a ``uint8``
+view of itself in one coalesced all-gather, which needs no packing
+(``collectives.gather``).
 
 Which inner tensors are sent is one rule, :func:`varies`: a gather sends an
 inner tensor unless it is ``Constant`` along every dim that can differ

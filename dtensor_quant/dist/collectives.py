@@ -2,18 +2,19 @@
 
 torch has no per-local-type redistribute hook: DTensor calls the same c10d
 ops on a quantized local tensor as on a dense one, and they arrive here.
-Each one packs the inner tensors that must travel into one ``uint8`` buffer
-(:mod:`dtensor_quant.dist.codec`), runs the same collective on that buffer, and
-unpacks the result with the layout's concatenation rule. The gathers leave
-out an inner tensor that is constant along the joined dims (a per-tensor
-scale: :func:`~dtensor_quant.dist.codec.varies`) -- every piece takes the
-receiver's copy -- and carry only its bytes after the data, as a check: if
-the ranks' copies differ (shards quantized one by one, then
+Each one runs the same collective on the inner tensors' bytes and joins the
+result with the layout's concatenation rule. A gather along any dim
+(:func:`gather`; dim 0 for the all-gather op, any dim through
+:mod:`dtensor_quant.dist.gather_dim`) sends each inner tensor that must
+travel as a ``uint8`` view of itself, all in one coalesced all-gather, and
+for dim 0 the received tensors are the joined inner tensors themselves. It
+leaves out an inner tensor that is constant along the joined dims (a
+per-tensor scale: :func:`~dtensor_quant.dist.codec.varies`) -- every piece
+takes the receiver's copy -- and carries only its bytes, as a check: if the
+ranks' copies differ (shards quantized one by one, then
 ``DTensor.from_local``), every rank raises (:func:`agree.constants_differ`).
-A gather along any dim (:func:`gather`; dim 0 for the all-gather op, any
-other through :mod:`dtensor_quant.dist.gather_dim`) cuts its result out of
-the receive buffer by a plan decided once per layout. ``scatter_`` and
-``broadcast_`` send every inner tensor.
+``scatter_``, ``broadcast_`` and the all-to-all pack every inner tensor into
+one ``uint8`` buffer (:mod:`dtensor_quant.dist.codec`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..core.tensor import QuantizedTensor
 from ..ops import writes
 from ..ops.layout_ops import alias, cat_dim, describe, rebuild, slice_dim
 from . import agree, wire
-from .codec import ALIGN, pack, packed_size, unpack, varies
+from .codec import pack, packed_size, unpack, varies
 
 functional = torch.ops._c10d_functional
 
@@ -76,14 +77,17 @@ def all_gather_along(q: QuantizedTensor, dim: int, group_size: int, group_name) 
 def gather(func, q, group_size, group_name, dim: int):
     """The ranks' pieces joined along ``dim``, from one all-gather of their bytes.
 
-    The ranks' bytes travel as one ``uint8`` buffer. Where every sent inner
-    tensor simply joins along ``dim`` (its relation there continues the grid)
-    or is constant along it (every rank's copy must agree), the result is cut
-    straight out of the received buffer -- one copy per inner tensor -- and
-    its layout is decided once per layout (:func:`_gather_plan`, read off the
-    first call's result); otherwise, and whenever sent constants turn out to
-    differ, each rank's piece is joined with
-    :func:`~dtensor_quant.ops.layout_ops.cat_dim`.
+    Where every sent inner tensor simply joins along ``dim`` (its relation
+    there continues the grid) or is constant along it (every rank's copy must
+    agree), the layout is decided once per layout (:func:`_gather_plan`, read
+    off the first call's result) and the inner tensors travel as ``uint8``
+    views of themselves in one coalesced all-gather, which stacks each one's
+    pieces along dim 0: for ``dim`` 0 that is the joined inner tensor itself,
+    with no copy and no packing on either side (a gather's fixed cost is
+    these few tensor calls; issue 24 measured each one). Otherwise, and
+    whenever sent constants turn out to differ, the ranks' bytes travel as
+    one :func:`~dtensor_quant.dist.codec.pack` buffer and each rank's piece
+    is joined with :func:`~dtensor_quant.ops.layout_ops.cat_dim`.
     """
     if group_size == 1:
         return alias(q)
@@ -98,34 +102,55 @@ def gather(func, q, group_size, group_name, dim: int):
         return out
     if plan is _PIECES:
         return _gather_pieces(func, q, group_size, group_name, dim)
-    (rels, dims, shape, stride), sent, widths, agreed, checks = plan
+    (rels, dims, shape, stride), sent, agreed, checks = plan
     if agree.EVERY_CALL or agreed not in agree.AGREED:
         agree_layout(q, group_name, "all-gather")
     kept = [t for t, s in zip(inner, sent) if s is None]
-    buf = pack([t for t, s in zip(inner, sent) if s is not None] + kept)  # kept: only compared
-    wire.note(func._schema.name, buf)
-    rows = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
-    columns = rows.view(group_size, -1).split_with_sizes(widths, 1)  # [ranks, bytes] per sent tensor
-    if checks and not all(_all_equal(columns[c]) for c, _ in checks):
-        copies = [
-            [columns[c][r].view(t.dtype).reshape(t.shape) for (c, _), t in zip(checks, kept)] for r in range(group_size)
-        ]
+    got = _all_gather_bytes(func, [t for t, s in zip(inner, sent) if s is not None], kept, group_size, group_name)
+    if checks and not all(_all_equal(got[i].view(group_size, -1)) for i, _ in checks):
+        copies = [[_rank_copy(got[i], t, group_size, r) for (i, _), t in zip(checks, kept)] for r in range(group_size)]
         check_kept(q, [n for _, n in checks], copies, group_name, "all-gather")  # raises, on every rank
     joined = []
     for t, s in zip(inner, sent):
         if s is None:
             joined.append(t.clone())  # sent by no rank: the same on all of them (cat_dim clones it)
             continue
-        column, whole = s
+        i, whole = s
+        stacked = got[i].view(t.dtype)  # [ranks * n, ...]: the pieces stacked along dim 0
         if whole is None:  # constant along dim: one copy if every rank's agrees, else a Stacked join
-            if not _all_equal(columns[column]):
-                return _join(q, rows, group_size, group_name, dim)
-            joined.append(columns[column][0].view(t.dtype).view(t.shape).clone())
+            if not _all_equal(got[i].view(group_size, -1)):
+                return _join(q, got, group_size, group_name, dim)
+            joined.append(stacked[: t.shape[0]].clone())
         elif dim == 0:  # every rank's piece stacked along its dim 0 = torch.cat of the pieces
-            joined.append(columns[column].view(t.dtype).reshape(whole))
+            joined.append(stacked)
         else:  # the ranks' pieces side by side along dim = torch.cat of the pieces
-            joined.append(columns[column].view(t.dtype).view(group_size, *t.shape).movedim(0, dim).reshape(whole))
+            joined.append(stacked.view(group_size, *t.shape).movedim(0, dim).reshape(whole))
     return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, q.dtype, new_bytes(joined), q.device)
+
+
+def _all_gather_bytes(func, sent: list[torch.Tensor], kept: list[torch.Tensor], group_size: int, group_name):
+    """Every rank's bytes of ``sent`` (each as a ``uint8`` view of its shape) and of ``kept`` (flattened: only
+    compared), from one coalesced all-gather: per tensor, ``[ranks * rows, ...]``, the ranks' pieces stacked.
+
+    The one wire format of every quantized gather, planned or not: ranks whose layouts agree may still take
+    different paths here (a padded last shard is a layout of its own), and they must issue the same collective.
+    """
+    send = [_as_bytes(t) for t in sent] + [_as_bytes(t.reshape(-1)) for t in kept]
+    wire.note(func._schema.name, send)
+    got = functional.all_gather_into_tensor_coalesced(send, group_size, group_name)
+    return [functional.wait_tensor(g) for g in got]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a ``uint8`` tensor of its shape (the last dim times its element size), no copy where
+    ``t`` is contiguous: one dtype for every inner tensor, so they share one collective (gloo has no
+    float8), and bits a float dtype could canonicalise travel as bytes. A 0-d tensor travels as 1-d."""
+    return (t if t.ndim else t.reshape(1)).contiguous().view(torch.uint8)
+
+
+def _rank_copy(got: torch.Tensor, t: torch.Tensor, group_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ``t`` (dtype and shape) out of :func:`_all_gather_bytes`'s result ``got`` for it."""
+    return got.view(group_size, -1)[rank].view(t.dtype).view(t.shape)
 
 
 def _all_equal(rank_bytes: torch.Tensor) -> bool:
@@ -134,14 +159,12 @@ def _all_equal(rank_bytes: torch.Tensor) -> bool:
 
 
 def _gather_pieces(func, q, group_size, group_name, dim: int = 0):
-    """The all-gather as pieces: each rank's inner tensors (views of the received buffer), joined along
+    """The all-gather as pieces: each rank's inner tensors (views of the received bytes), joined along
     ``dim`` by the layout's rule (:func:`~dtensor_quant.ops.layout_ops.cat_dim`: one copy)."""
     agree_layout(q, group_name, "all-gather")
-    sent, checked = _sent(q)
-    buf = pack([getattr(q, n) for n in sent + checked])  # the kept tensors' bytes after the data: compared
-    wire.note(func._schema.name, buf)
-    out = functional.wait_tensor(functional.all_gather_into_tensor(buf, group_size, group_name))
-    return _join(q, out, group_size, group_name, dim)
+    sent, kept = _sent(q)
+    got = _all_gather_bytes(func, [getattr(q, n) for n in sent], [getattr(q, n) for n in kept], group_size, group_name)
+    return _join(q, got, group_size, group_name, dim)
 
 
 def _sent(q) -> tuple[list[str], list[str]]:
@@ -150,17 +173,17 @@ def _sent(q) -> tuple[list[str], list[str]]:
     return names, [n for n in q.fmt.inner_names if n not in names]
 
 
-def _join(q, received: torch.Tensor, group_size: int, group_name, dim: int) -> QuantizedTensor:
-    """``received`` (every rank's :func:`codec.pack` of :func:`_sent`'s tensors) as each rank's piece, the kept
+def _join(q, got: list[torch.Tensor], group_size: int, group_name, dim: int) -> QuantizedTensor:
+    """:func:`_all_gather_bytes`'s result ``got`` (of :func:`_sent`'s tensors) as each rank's piece, the kept
     tensors compared, the pieces joined along ``dim`` by :func:`~dtensor_quant.ops.layout_ops.cat_dim`."""
     names, kept = _sent(q)
     like = [getattr(q, n) for n in names + kept]
-    rank_bufs = [unpack(rank_buf, like) for rank_buf in received.view(group_size, -1)]
-    check_kept(q, kept, [b[len(names) :] for b in rank_bufs], group_name, "all-gather")
+    rank_copies = [[_rank_copy(g, t, group_size, r) for g, t in zip(got, like)] for r in range(group_size)]
+    check_kept(q, kept, [c[len(names) :] for c in rank_copies], group_name, "all-gather")
     pieces, stride = [], q.stride()
-    for got in rank_bufs:
-        got = dict(zip(names, got))
-        inner = [got.get(n, getattr(q, n)) for n in q.fmt.inner_names]
+    for copies in rank_copies:
+        copies = dict(zip(names, copies))
+        inner = [copies.get(n, getattr(q, n)) for n in q.fmt.inner_names]
         # Only joined below (its notes are never read): q's layout, over this rank's bytes.
         pieces.append(
             QuantizedTensor.make(inner, q.fmt, q.rels, q.dims, q.shape, stride, q.dtype, Notes(None), q.device)
@@ -186,20 +209,20 @@ _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent con
 
 
 def _gather_plan(q, inner, out, group_size, group_name, dim):
-    """``(result layout, per inner (its column of the buffer, joined shape, or None where it is constant along
-    dim) or None if not sent, the columns' widths in bytes, the key agree.AGREED holds once the ranks agreed,
-    (column, name) of each kept tensor's bytes)``, or ``_PIECES``.
+    """``(result layout, per inner (its place in the coalesced gather, joined shape, or None where it is
+    constant along dim) or None if not sent, the key agree.AGREED holds once the ranks agreed, (place, name)
+    of each kept tensor's bytes)``, or ``_PIECES``.
 
-    A rank's buffer is :func:`codec.pack` of the sent tensors, then of the kept ones (not sent: each rank
-    keeps its own; their bytes travel only to be compared): each one's bytes, then padding. The layout is
+    The gather sends the sent tensors, then the kept ones (not sent: each rank keeps its own; their bytes
+    travel only to be compared), flattened. The layout is
     ``out``'s, the first call's result: only where that call's sent constants agreed (a ``Constant``
     relation along ``dim`` in ``out``), so that it is the layout of every call whose constants agree.
     """
-    sent, widths, kept = [], [], []
+    sent, kept = [], []
     for i, (name, t, row) in enumerate(zip(q.fmt.inner_names, inner, q.rels)):
         if not varies(q, name):
             sent.append(None)
-            kept.append((name, t))
+            kept.append(name)
             continue
         if isinstance(row[dim], Stacked) or t.ndim == 0 or 0 in t.shape:
             return _PIECES  # runs of several grids, or nothing to cut
@@ -209,18 +232,13 @@ def _gather_plan(q, inner, out, group_size, group_name, dim):
             whole = None
         else:
             whole = (*t.shape[:dim], group_size * t.shape[dim], *t.shape[dim + 1 :])
-        nbytes = t.numel() * t.element_size()
-        sent.append((len(widths), whole))
-        widths += [nbytes, -nbytes % ALIGN] if nbytes % ALIGN else [nbytes]
-    if not widths:
+        sent.append((len(sent) - len(kept), whole))
+    n_sent = len(sent) - len(kept)
+    if not n_sent:
         return _PIECES
-    checks = []
-    for name, t in kept:
-        nbytes = t.numel() * t.element_size()
-        checks.append((len(widths), name))
-        widths += [nbytes, -nbytes % ALIGN] if nbytes % ALIGN else [nbytes]
+    checks = tuple((n_sent + j, name) for j, name in enumerate(kept))
     layout = (out.rels, out.dims, out.shape, out.stride())
-    return layout, tuple(sent), widths, (agree.group_name_of(group_name), agree.layout_key(q)), tuple(checks)
+    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks
 
 
 @implements("c10d::scatter_")
