@@ -1,4 +1,4 @@
-"""dist/gather_dim on live ranks: a gather along a dim other than 0 gives what torch's own path gives.
+"""dist/gather_dim on live ranks: a gather along any dim gives what torch's own path gives.
 
 ``all_gather_single`` is patched for quantized locals; each case gathers the
 same DTensor with the patch and with torch's code (``PATCH.removed()``) and
@@ -56,6 +56,16 @@ def test_dim1_gathers_are_torchs(ranks, world, fmt_name):
     for transposed in (False, True):
         if legal(FORMATS[fmt_name], shape, (world,), "S0" if transposed else "S1"):
             ranks(world).run(_gathers, fmt_name, shape, (world,), "S1", transposed)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_dim0_gathers_are_torchs(ranks, world, fmt_name):
+    """full_tensor and every redistribute from Shard(0), uneven over 3 ranks (a padded last shard)."""
+    shape = (10 * world - 2, 128) if not fmt_name.startswith(("nf4", "bnb", "f8block")) else (128 * world, 256)
+    for transposed in (False, True):
+        if legal(FORMATS[fmt_name], shape, (world,), "S1" if transposed else "S0"):
+            ranks(world).run(_gathers, fmt_name, shape, (world,), "S0", transposed)
 
 
 def test_a_2d_mesh_and_a_3d_stack(ranks):
