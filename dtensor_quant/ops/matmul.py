@@ -232,12 +232,12 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
         out = x @ dequantize(w_t, x.dtype)
         return out + bias if bias is not None else out
     inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
-    lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (F.linear's mm is 2-D: no reshape to pay for)
     if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
     else:
         out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks, source.notes.bytes)
-    return out.reshape(*lead, out.shape[-1])
+    return out if x2 is x else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @implements("aten::mm")
