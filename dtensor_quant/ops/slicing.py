@@ -69,6 +69,34 @@ def chunk_sizes(length: int, chunks: int) -> list[int]:
     return split_lengths(length, max(-(-length // chunks), 1))
 
 
+def chunk_view(q: QuantizedTensor, dim: int, chunks: int, index: int) -> QuantizedTensor | None:
+    """``torch.chunk(q, chunks, dim)[index]``, without building the other pieces.
+
+    What the gloo fallback of ``Shard(i) -> Shard(j)`` keeps of the gathered
+    tensor on every rank: the same checks first (a cut through a pack or
+    block raises on every rank, whichever piece it keeps), then one slice.
+    None where the piece is past the last one.
+    """
+    dim %= q.ndim
+    sizes = memo(
+        ("chunk_view", *layout_key(q), dim, chunks),
+        lambda: _checked_chunk_sizes(q, dim, chunks),
+        q.rels,
+        q.dims,
+        q.fmt,
+    )
+    if index >= len(sizes):
+        return None
+    start = sum(sizes[:index])
+    return slice_dim(q, dim, start, start + sizes[index])
+
+
+def _checked_chunk_sizes(q: QuantizedTensor, dim: int, chunks: int) -> tuple[int, ...]:
+    sizes = chunk_sizes(q.shape[dim], chunks)
+    check_cuts(q, dim, sizes)
+    return tuple(sizes)
+
+
 def chunk_copy(q: QuantizedTensor, dim: int, chunks: int, index: int) -> QuantizedTensor | None:
     """``torch.chunk(q, chunks, dim)[index].clone()``, without building the other pieces.
 

@@ -4,7 +4,9 @@ The behaviour each real patch fixes has its own test that fails the day torch ch
 tests/distributed/dist/test_compile_key.py::test_dtensor_cache_key_names_the_quantized_local (dist/compile_key)
 tests/distributed/fsdp/test_reshard_after_forward.py::test_torch_still_needs_the_reshard_patch
 (fsdp/reshard_after_forward) and tests/dist/test_replicate_to_shard.py::test_one_step_without_dispatch
-(dist/replicate_to_shard, a patch for speed: torch's code still chunks every piece and clones).
+(dist/replicate_to_shard, a patch for speed: torch's code still chunks every piece and clones) and
+tests/distributed/dist/test_shard_to_shard.py::test_one_gather_and_one_cut_without_dispatch
+(dist/shard_to_shard, for speed: torch's code still splits the gathered tensor into every piece).
 """
 
 import types
