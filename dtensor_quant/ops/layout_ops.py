@@ -127,9 +127,13 @@ def alias(q: QuantizedTensor) -> QuantizedTensor:
     the weight's own inner tensors, whose versions its kernel caches watch,
     and the compiled kernel op finds the weight's bytes record through them.
     """
-    inner = [t if not t.requires_grad else t.detach() for t in (getattr(q, n) for n in q.fmt.inner_names)]
+    fmt = q.fmt
+    inner = [getattr(q, n) for n in fmt.inner_names]
+    for i, t in enumerate(inner):
+        if t.requires_grad:
+            inner[i] = t.detach()
     return QuantizedTensor.make(
-        inner, q.fmt, q.rels, q.dims, q.shape, q.stride(), q.dtype, rules.alias(q.notes), q.device
+        inner, fmt, q.rels, q.dims, q.shape, q.stride(), q.dtype, rules.alias(q.notes), q.device
     )
 
 

@@ -30,6 +30,8 @@ def _alias(func, q, *args, **kwargs):
 
 @implements("aten::view", "aten::_unsafe_view")
 def _view(func, q, size):
+    if tuple(size) == q.shape:  # DTensor's to_local / from_local view_as, first: it runs on every full_tensor
+        return alias(q)
     if len(size) == 1 and q.ndim >= 2 and size[0] in (-1, q.numel()) and q.dims == canonical_dims(q.ndim):
         return flatten(q)  # FSDP2's view(-1) of every sharded parameter, first
     size = list(size)
