@@ -96,6 +96,9 @@ def kernels() -> list[str]:
     vector path its tiles (several tokens, bf16 activations) take; where none runs, why (the matmuls of those
     formats then dequantize the weight and multiply densely)."""
     lines = [f"DTENSOR_QUANT_NATIVE={os.environ.get('DTENSOR_QUANT_NATIVE', '1')}"]
+    if native.MAX_LEVEL < native.BEST_LEVEL:
+        cap = native.MAX_LEVEL
+        lines.append(f"DTENSOR_QUANT_MAX_LEVEL={cap}: no kernel goes past {native.LEVEL_NAMES[cap]}")
     cpuinfo = Path("/proc/cpuinfo")
     flags = set()
     if cpuinfo.is_file():
@@ -112,7 +115,8 @@ def kernels() -> list[str]:
             warnings.simplefilter("ignore", native.KernelUnavailableWarning)
             built = module.kernel()
         if built is not None:
-            path = f"{built[1]} {native.LEVEL_NAMES[built[1]]}"
+            level = min(built[1], native.MAX_LEVEL)
+            path = f"{level} {native.LEVEL_NAMES[level]}"
         elif not native.enabled():
             path = "none (DTENSOR_QUANT_NATIVE=0)"
         else:

@@ -135,6 +135,22 @@ F32, TILES, ROUND = 1, 2, 4
 # The vector levels a kernel reports (native_tiles.h; level 4, AMX, the tiles only), and the highest.
 LEVEL_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16", 4: "AMX"}
 BEST_LEVEL = max(LEVEL_NAMES)
+
+
+def _max_level() -> int:
+    value = os.environ.get("DTENSOR_QUANT_MAX_LEVEL", "").strip()
+    if not value:
+        return BEST_LEVEL
+    if value not in {str(k) for k in LEVEL_NAMES}:
+        names = ", ".join(f"{k} ({n})" for k, n in LEVEL_NAMES.items())
+        raise ValueError(f"DTENSOR_QUANT_MAX_LEVEL={value!r}: it caps the kernels' vector path at one of {names}")
+    return int(value)
+
+
+#: The highest vector level any kernel takes: ``DTENSOR_QUANT_MAX_LEVEL`` (read on import), else every level
+#: this CPU has. Every level multiplies the same weights (each level sums in its own order); a cap reproduces
+#: a CPU without AMX (3) or without AVX-512 (1) for a benchmark (``ONEDNN_MAX_CPU_ISA`` caps torch's GEMM alike).
+MAX_LEVEL = _max_level()
 # The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 # Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which
@@ -163,7 +179,7 @@ def matmul(
     Every kernel's entry point is ``kernel(*inputs, x, out, M, N, K, *params,
     flags, max_level, threads, level)``: the weight's prepared tensors, then
     the format's own integers (a block size). ``max_level`` caps the vector
-    path (default: the best here). A kernel refuses (reports level 0) where
+    path (default: :data:`MAX_LEVEL`, the best here unless capped). A kernel refuses (reports level 0) where
     flush-to-zero was turned on since its probe, or for a path it lacks; no
     kernel (``DTENSOR_QUANT_NATIVE=0`` since the inputs were made) is None too.
     """
@@ -173,7 +189,7 @@ def matmul(
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))
     flags = (F32 if x.dtype == torch.float32 else 0) | (TILES if tiles else 0) | (ROUND if round_weights else 0)
-    level = best if max_level is None else min(best, max_level)
+    level = min(best, MAX_LEVEL if max_level is None else max_level)
     ran = level_out()
     run(*inputs, x, out, x.shape[0], out_features, x.shape[1], *params, flags, level, torch.get_num_threads(), ran)
     return out if int(ran) else None

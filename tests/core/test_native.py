@@ -331,3 +331,30 @@ def test_a_weight_the_kernel_cannot_read_is_said_once(caplog):
             assert torch.equal(F.linear(x, piece), x @ piece.dequantize().t())
     said = [r.getMessage() for r in caplog.records if "every matmul dequantizes" in r.getMessage()]
     assert len(said) == 1 and "[40, 1024]" in said[0] and "adapt_tp_plan" in said[0], said
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_max_level_caps_every_kernel_and_keeps_the_bits(monkeypatch, cap):
+    """``DTENSOR_QUANT_MAX_LEVEL`` (``native.MAX_LEVEL``): the tiles run at most at the cap, the same weights
+    summed in that level's order (each within the bound of the exact product)."""
+    q = dq.quantize(weight((256, 2048), 11), dq.NF4())
+    x = weight((8, 2048), 12)
+    dense = q.dequantize(torch.float64)
+    exact = x.double() @ dense.t()
+    bound = linear_error_bound(x, dense, out_dtype=torch.bfloat16)
+    levels = []
+    level_out = native.level_out
+    monkeypatch.setattr(native, "level_out", lambda: levels.append(level_out()) or levels[-1])
+    monkeypatch.setattr(native, "MAX_LEVEL", cap)
+    capped = F.linear(x, q)
+    assert levels and all(0 < int(ran) <= cap for ran in levels), [int(r) for r in levels]
+    assert_within(capped, exact, bound, f"capped at level {cap}")
+
+
+@pytest.mark.parametrize("value", ["0", "5", "amx"])
+def test_a_max_level_that_names_no_level_is_refused(monkeypatch, value):
+    monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", value)
+    with pytest.raises(ValueError, match=r"DTENSOR_QUANT_MAX_LEVEL=.*1 \(AVX2\).*4 \(AMX\)"):
+        native._max_level()
+    monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", "2")
+    assert native._max_level() == 2
