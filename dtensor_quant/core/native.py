@@ -137,7 +137,8 @@ LEVEL_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16", 4: "AMX"}
 BEST_LEVEL = max(LEVEL_NAMES)
 
 
-def _max_level() -> int:
+def max_level_from_env() -> int:
+    """``DTENSOR_QUANT_MAX_LEVEL`` as a level (unset or empty: the best), or a ValueError naming the levels."""
     value = os.environ.get("DTENSOR_QUANT_MAX_LEVEL", "").strip()
     if not value:
         return BEST_LEVEL
@@ -150,7 +151,7 @@ def _max_level() -> int:
 #: The highest vector level any kernel takes: ``DTENSOR_QUANT_MAX_LEVEL`` (read on import), else every level
 #: this CPU has. Every level multiplies the same weights (each level sums in its own order); a cap reproduces
 #: a CPU without AMX (3) or without AVX-512 (1) for a benchmark (``ONEDNN_MAX_CPU_ISA`` caps torch's GEMM alike).
-MAX_LEVEL = _max_level()
+MAX_LEVEL = max_level_from_env()
 # The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 # Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which
