@@ -37,7 +37,9 @@ from .collectives import all_gather_along
 TORCH_2_13 = "7822d9d52b2791f3"
 
 
-def _in_one_step(q, gather_dim: int) -> bool:
+def in_one_step(q) -> bool:
+    """Whether a collective on ``q`` may skip torch's functional-collective code and run as plain calls: an
+    eager quantized local outside autograd and any dispatch mode (which must see the collective)."""
     return (
         not torch.compiler.is_compiling()  # a compiled graph traces torch's ops, not this shortcut
         and type(q) is QuantizedTensor
@@ -49,7 +51,7 @@ def _in_one_step(q, gather_dim: int) -> bool:
 
 def _gathered_along_dim(torch_all_gather_single):
     def all_gather_single(self, gather_dim, group, tag=""):
-        if not _in_one_step(self, gather_dim):
+        if not in_one_step(self):
             return torch_all_gather_single(self, gather_dim, group, tag)
         group = funcol._resolve_group(group, tag)
         group_size = c10d._get_group_size_by_name(group)

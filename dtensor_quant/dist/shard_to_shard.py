@@ -22,16 +22,14 @@ path). Installed on import.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed.tensor.placement_types as placement_types
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed import distributed_c10d as c10d
 
-from ..core.bits import is_tracing
-from ..core.tensor import QuantizedTensor
 from ..core.torch_patches import replace
 from ..ops.slicing import chunk_sizes, chunk_view
 from .collectives import all_gather_along
+from .gather_dim import in_one_step
 
 #: torch 2.13.0's ``shard_dim_alltoall`` (core.torch_patches.fingerprint of its source).
 TORCH_2_13 = "0c06bbdd1a372d9a"
@@ -39,12 +37,8 @@ TORCH_2_13 = "0c06bbdd1a372d9a"
 
 def _in_one_step(q, shard_dim: int, mesh, mesh_dim: int) -> bool:
     return (
-        type(q) is QuantizedTensor
+        in_one_step(q)
         and mesh.device_type == "cpu"
-        and not torch.compiler.is_compiling()  # a compiled graph traces torch's ops, not this shortcut
-        and not q.requires_grad
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not is_tracing(next(iter(q.inner.values())))
         and mesh.get_local_rank(mesh_dim) < len(chunk_sizes(q.shape[shard_dim], mesh.size(mesh_dim)))
     )
 
