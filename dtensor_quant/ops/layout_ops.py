@@ -146,24 +146,24 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     mostly never made. Formats with an inner name that is also a Tensor
     attribute (NF4's ``mean``) get them at once.
     """
-    nd = q.ndim
+    # Each tensor property of a subclass costs 0.15-0.3 us: read once (this runs for every F.linear).
+    q_shape, q_stride, dtype, fmt = q.shape, q.stride(), q.dtype, q.fmt
+    nd = len(q_shape)
     dim0, dim1 = dim0 % nd, dim1 % nd
     if dim0 == dim1:
         return alias(q)
-    # (memo.memo inlined: this runs for every F.linear)
-    key = ("transpose", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride(), dim0, dim1)
+    # (memo.memo inlined)
+    key = ("transpose", id(q.rels), id(q.dims), id(fmt), dtype, q_shape, q_stride, dim0, dim1)
     decision = lookup(key)
     if decision is None:
-        decision = remember(key, _transposed_layout(q, dim0, dim1), q.rels, q.dims, q.fmt)
+        decision = remember(key, _transposed_layout(q, dim0, dim1), q.rels, q.dims, fmt)
     rels, dims, shape, stride, deferrable = decision
-    first = getattr(q, q.fmt.inner_names[0])
+    first = getattr(q, fmt.inner_names[0])
     if deferrable and type(first) is torch.Tensor and not first.is_meta:
         notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
-        return QuantizedTensor.make((), q.fmt, rels, dims, shape, stride, q.dtype, notes, q.device)
-    inner = [getattr(q, name).transpose(dim0, dim1) for name in q.fmt.inner_names]
-    return QuantizedTensor.make(
-        inner, q.fmt, rels, dims, shape, stride, q.dtype, rules.transposed(q.notes, q), q.device
-    )
+        return QuantizedTensor.make((), fmt, rels, dims, shape, stride, dtype, notes, q.device)
+    inner = [getattr(q, name).transpose(dim0, dim1) for name in fmt.inner_names]
+    return QuantizedTensor.make(inner, fmt, rels, dims, shape, stride, dtype, rules.transposed(q.notes, q), q.device)
 
 
 def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
