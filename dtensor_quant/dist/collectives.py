@@ -85,8 +85,8 @@ def gather(func, q, group_size, group_name, dim: int):
     pieces along dim 0: for ``dim`` 0 that is the joined inner tensor itself,
     with no copy and no packing on either side (a gather's fixed cost is
     these few tensor calls; issue 24 measured each one). Otherwise, and
-    whenever sent constants turn out to differ, the ranks' bytes travel as
-    one :func:`~dtensor_quant.dist.codec.pack` buffer and each rank's piece
+    whenever sent constants turn out to differ, the same collective runs
+    (:func:`_all_gather_bytes`: every path sends alike) and each rank's piece
     is joined with :func:`~dtensor_quant.ops.layout_ops.cat_dim`.
     """
     if group_size == 1:

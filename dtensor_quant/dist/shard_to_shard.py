@@ -36,6 +36,8 @@ TORCH_2_13 = "0c06bbdd1a372d9a"
 
 
 def _in_one_step(q, shard_dim: int, mesh, mesh_dim: int) -> bool:
+    # Ranks may decide differently (one past the last piece): torch's path gathers a quantized local with the
+    # same collective (gather_dim, else the all-gather handler: collectives._all_gather_bytes), so they still meet.
     return (
         in_one_step(q)
         and mesh.device_type == "cpu"
