@@ -58,6 +58,16 @@ def test_moves_are_torchs(ranks, world, fmt_name):
                 ranks(world).run(_moves, fmt_name, shape, (world,), src, dst, transposed)
 
 
+def test_real_widths(ranks):
+    """Widths of real MLPs (11008 = 86 groups of 128; 14336 uneven over 3 ranks, padded) and a 3-D expert stack,
+    where the toy widths above never show a padded column cut."""
+    ranks(2).run(_moves, "int4g128", (32, 11008), (2,), "S0", "S1", False)
+    ranks(2).run(_moves, "int4g128", (32, 11008), (2,), "S1", "S0", False)
+    ranks(3).run(_moves, "int8", (18, 14336), (3,), "S1", "S0", False)
+    ranks(3).run(_moves, "int8", (18, 14336), (3,), "S0", "S1", False)
+    ranks(2).run(_moves, "int4g128", (2, 16, 11008), (2,), "S2", "S1", False)
+
+
 def test_a_2d_mesh(ranks):
     ranks(4).run(_moves, "int8", (64, 128), (2, 2), "S0,S1", "S1,S0", False)
     ranks(4).run(_moves, "int4g32", (64, 256), (2, 2), "R,S0", "R,S1", False)
