@@ -24,11 +24,12 @@ decision that raises is not kept: the error comes every time.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-ENABLED = os.environ.get("DTENSOR_QUANT_MEMO", "1") not in ("", "0")
+from . import config
+
+ENABLED = config.get("memo")
 MAX_ENTRIES = 4096  # a long run that keeps making new layouts starts over instead of growing
 _TABLE: dict = {}
 

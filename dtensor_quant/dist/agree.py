@@ -41,7 +41,6 @@ agree on one weight of a shape and disagree on another of the same shape.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 
 import torch
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..core import config
 from ..core.bits import is_tracing
 from ..core.layout import LayoutError
 from . import wire
@@ -57,7 +57,7 @@ from . import wire
 AGREED: set = set()
 # Check every collective, not only the first per layout (one 8-byte all-gather each): closes the gap
 # described above, for debugging configs. Set DTENSOR_QUANT_AGREE_EVERY_CALL=1, or this attribute.
-EVERY_CALL = os.environ.get("DTENSOR_QUANT_AGREE_EVERY_CALL", "") not in ("", "0")
+EVERY_CALL = config.get("agree_every_call")
 
 
 def layout_key(q) -> tuple:
