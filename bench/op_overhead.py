@@ -100,8 +100,10 @@ def ops(weight, mesh, x):
 
 
 @torch.no_grad()
-def measure(size: int, repeat: int, pin: bool):
+def measure(size: int, repeat: int, pin: bool, shortcuts: bool):
     torch.set_num_threads(1)
+    if shortcuts:  # the opt-in redistribute shortcuts (dq.enable_fast_redistribute), as a user enables them
+        dq.enable_fast_redistribute()
     world = torch.distributed.get_world_size()
     if pin:  # rank r on CPU r: the ranks never share a core, as on a quiet machine
         os.sched_setaffinity(0, {torch.distributed.get_rank() % os.cpu_count()})
@@ -163,13 +165,19 @@ def main():
         help="pin rank r to CPU r: on a shared machine, the ranks then never wait for each other's core "
         "(the collectives' ratios otherwise depend on how the scheduler places the ranks)",
     )
+    ap.add_argument(
+        "--torch-path",
+        action="store_true",
+        help="leave the redistribute shortcuts off (torch's own redistribute code, the library's default)",
+    )
     args = ap.parse_args()
-    res = run(measure, args.world, args.size, args.repeat, args.pin, timeout=1800)[0]
+    res = run(measure, args.world, args.size, args.repeat, args.pin, not args.torch_path, timeout=1800)[0]
     print(
         f"per-op time, {args.size}x{args.size} weight Shard(0) over {args.world} gloo ranks x 1 thread"
         f"{', each pinned to its own CPU' if args.pin else ''}, "
         f"median of {args.repeat} interleaved calls; ratio to the same op on a dense bf16 DTensor.\n"
-        f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format, memo off"
+        f"int8 = Int8Rowwise, int4 = Int4Groupwise(128); '{SLOW.strip()}' = the same format, memo off; "
+        f"redistribute shortcuts {'off (--torch-path)' if args.torch_path else 'on (dq.enable_fast_redistribute)'}"
     )
     quant = [n for n in res if n not in ("bf16", TORCHAO, BARE)]
     print(

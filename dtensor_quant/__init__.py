@@ -17,6 +17,8 @@ from .core.tensor import QuantizedTensor
 from .dist import custom_ops, wire
 from .dist.collectives import check_consistent
 from .dist.custom_ops import dequantize
+from .dist.fast_redistribute import disable as disable_fast_redistribute
+from .dist.fast_redistribute import enable as enable_fast_redistribute
 from .dist.placements import check_placements, legal_mesh_sizes
 from .dist.quantize import quantize
 from .formats import (
@@ -89,6 +91,8 @@ __all__ = [
     "checkpoint",
     "custom_ops",
     "dequantize",
+    "disable_fast_redistribute",
+    "enable_fast_redistribute",
     "expand_scales",
     "flat_blocked",
     "fsdp",

@@ -26,6 +26,32 @@ from .format import QuantFormat
 from .layout import LayoutError, Relation
 from .notes import Notes, alias, new_bytes
 
+#: What runs once, when the first quantized tensor of the process is made (:func:`on_first_quantized_tensor`).
+_FIRST_USE: list = []
+
+
+def on_first_quantized_tensor(fn) -> None:
+    """Run ``fn()`` once, when the first :class:`QuantizedTensor` of the process is made (now, if one was).
+
+    How the layers above scope what only quantized tensors need -- a torch patch whose replacement handles
+    this library's tensors (:mod:`dtensor_quant.dist.compile_key`) -- to the processes that make one:
+    ``import dtensor_quant`` itself changes nothing in torch.
+    """
+    if _MADE[0]:
+        fn()
+    else:
+        _FIRST_USE.append(fn)
+
+
+_MADE = [False]
+
+
+def _first_quantized_tensor() -> None:
+    _MADE[0] = True
+    while _FIRST_USE:
+        _FIRST_USE.pop(0)()
+
+
 # Per logical dim, the canonical dims of the format's weight it holds:
 # ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
 Dims = tuple[tuple[int, ...], ...]
@@ -81,6 +107,8 @@ class QuantizedTensor(torch.Tensor):
         for name, t in inner.items():
             setattr(self, name, t)
         self.notes = notes if notes is not None else new_bytes(list(inner.values()))
+        if not _MADE[0]:
+            _first_quantized_tensor()
 
     def __getattr__(self, name: str):
         # Only reached for a name that is not set: inner tensors still pending (Notes.pending, a fast t()).
@@ -132,6 +160,8 @@ class QuantizedTensor(torch.Tensor):
         out.fmt, out.rels, out.dims, out.notes = fmt, rels, dims, notes
         for name, t in zip(fmt.inner_names, inner):
             setattr(out, name, t)
+        if not _MADE[0]:
+            _first_quantized_tensor()
         return out
 
     @property

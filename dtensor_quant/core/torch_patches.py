@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import os
 import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from . import config
 
 
 class TorchPatchError(RuntimeError):
@@ -77,7 +78,7 @@ PATCHES: dict[str, Patch] = {}
 
 
 def _untested_allowed() -> bool:
-    return os.environ.get("DTENSOR_QUANT_UNTESTED_TORCH", "") not in ("", "0")
+    return config.get("untested_torch")
 
 
 def _name(owner) -> str:
@@ -139,3 +140,13 @@ def replace(
         setattr(owner, member, new)
     PATCHES[name] = patch
     return patch
+
+
+def uninstall(name: str) -> bool:
+    """Put torch's own members back in place of patch ``name``; False if it was not installed."""
+    patch = PATCHES.pop(name, None)
+    if patch is None:
+        return False
+    for (owner, member), value in patch.originals.items():
+        setattr(owner, member, value)
+    return True

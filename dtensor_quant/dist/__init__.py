@@ -2,11 +2,9 @@
 
 Importing this package registers the collective handlers (``collectives``)
 and the library's custom ops with their sharding strategies (``custom_ops``),
-keys compiled DTensors by their quantized local tensor (``compile_key``), and
-cuts a replicated quantized local into this rank's piece in one step
-(``replicate_to_shard``), gathers one along any dim in one step
-(``gather_dim``), and on a CPU mesh moves it from one sharded dim to another
-with one gather and one cut (``shard_to_shard``).
+and arranges for compiled DTensors to be keyed by their quantized local
+tensor once the process makes one (``compile_key``). It replaces nothing in
+torch: the redistribute shortcuts (``fast_redistribute``) are opt-in.
 """
 
-from . import collectives, compile_key, custom_ops, gather_dim, replicate_to_shard, shard_to_shard  # noqa: F401  (registration)
+from . import collectives, compile_key, custom_ops, fast_redistribute  # noqa: F401  (registration)

@@ -11,7 +11,9 @@ compiled code. Where the inner shapes differ it fails in
 patch adds the local tensor's own key
 (:meth:`QuantizedTensor._stable_hash_for_caching`: format, relations, inner
 dtypes and shapes) when the local tensor is quantized; dense DTensors keep
-torch's key unchanged. Installed on import.
+torch's key unchanged. Installed when the process makes its first quantized
+tensor (:func:`dtensor_quant.core.tensor.on_first_quantized_tensor`), never
+by ``import dtensor_quant`` alone.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import hashlib
 
 from torch.distributed.tensor import DTensor
 
-from ..core.tensor import QuantizedTensor
+from ..core.tensor import QuantizedTensor, on_first_quantized_tensor
 from ..core.torch_patches import replace
 
 #: torch 2.13.0's ``DTensor._stable_hash_for_caching`` (core.torch_patches.fingerprint of its source).
@@ -40,10 +42,14 @@ def _keyed_by_quantized_local(torch_key):
     return _stable_hash_for_caching
 
 
-#: The installed patch (None only on a torch without ``DTensor._stable_hash_for_caching``, with a warning).
-PATCH = replace(
-    "compile_key",
-    "torch.compile's cache key of a DTensor names its quantized local tensor",
-    {(DTensor, "_stable_hash_for_caching"): (TORCH_2_13, _keyed_by_quantized_local)},
-    strict=False,
-)
+def install():
+    """Install the patch (once); returns it (None only on a torch without the member, with a warning)."""
+    return replace(
+        "compile_key",
+        "torch.compile's cache key of a DTensor names its quantized local tensor",
+        {(DTensor, "_stable_hash_for_caching"): (TORCH_2_13, _keyed_by_quantized_local)},
+        strict=False,
+    )
+
+
+on_first_quantized_tensor(install)

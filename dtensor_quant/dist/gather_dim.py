@@ -19,7 +19,8 @@ place along ``d``, at most one copy) and leaves everything else (dense
 locals, tensors that require grad, traced ones, an active dispatch mode such
 as ``CommDebugMode``, torch.compile) to torch's code. The same bytes on the wire, the same result
 (tests/distributed/dist/test_gather_dim.py compares it with torch's path).
-Installed on import.
+Installed by :func:`dtensor_quant.enable_fast_redistribute` (opt-in: a speed
+shortcut, not needed for correctness).
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def _gathered_along_dim(torch_all_gather_single):
     return all_gather_single
 
 
-#: The installed patch (None only on a torch without ``all_gather_single``, with a warning).
-PATCH = replace(
-    "gather_dim",
-    "a gather of a quantized local along dim d != 0 runs its split and concatenation as plain calls",
-    {(funcol, "all_gather_single"): (TORCH_2_13, _gathered_along_dim)},
-    strict=False,
-)
+def install():
+    """Install the patch (once); returns it (None only on a torch without the member, with a warning)."""
+    return replace(
+        "gather_dim",
+        "a gather of a quantized local along dim d != 0 runs its split and concatenation as plain calls",
+        {(funcol, "all_gather_single"): (TORCH_2_13, _gathered_along_dim)},
+        strict=False,
+    )

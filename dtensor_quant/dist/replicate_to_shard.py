@@ -13,7 +13,8 @@ rank, then this rank's piece cloned (:func:`dtensor_quant.ops.slicing.chunk_copy
 its own method), traced (symbolic) index and compiled graph to torch's
 code. Results are the same bytes, layout and notes
 (tests/dist/test_replicate_to_shard.py compares them with torch's own
-path). Installed on import.
+path). Installed by :func:`dtensor_quant.enable_fast_redistribute` (opt-in: a speed
+shortcut, not needed for correctness).
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def _one_piece_for_quantized(torch_replicate_to_shard):
     return _replicate_to_shard
 
 
-#: The installed patch (None only on a torch without ``Shard._replicate_to_shard``, with a warning).
-PATCH = replace(
-    "replicate_to_shard",
-    "Replicate -> Shard of a quantized local tensor clones only this rank's piece",
-    {(Shard, "_replicate_to_shard"): (TORCH_2_13, _one_piece_for_quantized)},
-    strict=False,
-)
+def install():
+    """Install the patch (once); returns it (None only on a torch without the member, with a warning)."""
+    return replace(
+        "replicate_to_shard",
+        "Replicate -> Shard of a quantized local tensor clones only this rank's piece",
+        {(Shard, "_replicate_to_shard"): (TORCH_2_13, _one_piece_for_quantized)},
+        strict=False,
+    )

@@ -17,7 +17,8 @@ one slice), then ``contiguous()`` as torch does. It leaves every other case
 grad, a traced one, an active dispatch mode, torch.compile, a rank past the
 last piece -- to torch's code. The same bytes on the wire, the same result
 (tests/distributed/dist/test_shard_to_shard.py compares it with torch's
-path). Installed on import.
+path). Installed by :func:`dtensor_quant.enable_fast_redistribute` (opt-in: a speed
+shortcut, not needed for correctness).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def _gathered_then_cut(torch_shard_dim_alltoall):
     return shard_dim_alltoall
 
 
-#: The installed patch (None only on a torch without ``shard_dim_alltoall``, with a warning).
-PATCH = replace(
-    "shard_to_shard",
-    "Shard(i) -> Shard(j) of a quantized local on a CPU mesh gathers in one step and keeps one piece",
-    {(placement_types, "shard_dim_alltoall"): (TORCH_2_13, _gathered_then_cut)},
-    strict=False,
-)
+def install():
+    """Install the patch (once); returns it (None only on a torch without the member, with a warning)."""
+    return replace(
+        "shard_to_shard",
+        "Shard(i) -> Shard(j) of a quantized local on a CPU mesh gathers in one step and keeps one piece",
+        {(placement_types, "shard_dim_alltoall"): (TORCH_2_13, _gathered_then_cut)},
+        strict=False,
+    )

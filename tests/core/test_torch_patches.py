@@ -84,7 +84,10 @@ def test_a_wrapping_patch_on_a_torch_without_the_member_warns_that_it_is_not_ins
 
 
 def test_the_real_patches_are_installed_against_this_torch():
-    """Importing dtensor_quant installs the compile key; fully_shard's integer reshard installs the FSDP2 one."""
+    """The first quantized tensor installs the compile key; fully_shard's integer reshard installs the FSDP2 one.
+
+    (``import dtensor_quant`` alone installs nothing: tests/test_import.py checks that in a fresh process.)"""
+    dq.quantize(torch.randn(8, 64), dq.Int8Rowwise())
     assert "compile_key" in PATCHES
     assert install_fsdp_post_forward_reshard() is PATCHES["fsdp_post_forward_reshard"]
     with warnings.catch_warnings():

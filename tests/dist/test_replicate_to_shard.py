@@ -1,7 +1,7 @@
 """dist/replicate_to_shard: this rank's piece in one step is what torch's chunk-then-clone gives.
 
 ``Shard._replicate_to_shard`` is patched for quantized locals; every case
-here runs the patched method and torch's original (``PATCH.removed()``) on
+here runs the patched method and torch's original (``patch("replicate_to_shard").removed()``) on
 the same tensor and compares the pieces in full: inner bytes, inner shapes
 and strides, relations, orientation, logical shape and strides, the notes
 later ops read, and that the piece owns new bytes. Cuts the layout forbids
@@ -16,8 +16,15 @@ import dtensor_quant as dq
 from dtensor_quant.core import dispatch
 from dtensor_quant.core.layout import LayoutError
 from dtensor_quant.core.tensor import QuantizedTensor
-from dtensor_quant.dist.replicate_to_shard import PATCH
+from dtensor_quant.dist.fast_redistribute import enabled, patch
 from dtensor_quant.testing import FORMATS
+
+
+@pytest.fixture(autouse=True)
+def _shortcuts():
+    """The shortcut installed for each test (opt-in: dq.enable_fast_redistribute), and removed after."""
+    with enabled():
+        yield
 
 
 class Mesh:
@@ -31,7 +38,7 @@ class Mesh:
 
 
 def _torch_piece(placement, q, n, index):
-    with PATCH.removed():
+    with patch("replicate_to_shard").removed():
         return placement._replicate_to_shard(q, Mesh(n), 0, index)
 
 
@@ -83,7 +90,7 @@ def test_every_piece_is_torchs_piece(name):
                     Shard(dim)._replicate_to_shard(t, Mesh(n), 0, index), _torch_piece(Shard(dim), t, n, index), what
                 )
         for dim, n in refused:
-            with PATCH.removed(), pytest.raises(LayoutError) as theirs:
+            with patch("replicate_to_shard").removed(), pytest.raises(LayoutError) as theirs:
                 torch.chunk(t, n, dim)
             for index in range(n):
                 with pytest.raises(LayoutError) as ours:
@@ -123,7 +130,7 @@ def test_one_step_without_dispatch(monkeypatch):
     )
     Shard(0)._replicate_to_shard(q, Mesh(2), 0, 1)
     assert calls == []
-    with PATCH.removed():
+    with patch("replicate_to_shard").removed():
         Shard(0)._replicate_to_shard(q, Mesh(2), 0, 1)
     assert [str(f) for f in calls] == ["aten.split.Tensor", "aten.clone.default"]
 

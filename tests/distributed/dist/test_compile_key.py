@@ -44,9 +44,9 @@ def cache_keys():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    from dtensor_quant.dist.compile_key import PATCH
+    from dtensor_quant.dist.compile_key import install
 
-    torch_key = PATCH.original(DTensor, "_stable_hash_for_caching")
+    torch_key = install().original(DTensor, "_stable_hash_for_caching")
     m, w = mesh(1), weight((256, 256), seed=3).to(torch.bfloat16)
     ours, torchs = [], []
     for local in (w, dq.quantize(w, dq.Int8Rowwise()), dq.quantize(w, dq.Int4Groupwise(128))):

@@ -1,7 +1,7 @@
 """dist/gather_dim on live ranks: a gather along any dim gives what torch's own path gives.
 
 ``all_gather_single`` is patched for quantized locals; each case gathers the
-same DTensor with the patch and with torch's code (``PATCH.removed()``) and
+same DTensor with the patch and with torch's code (``patch("gather_dim").removed()``) and
 compares the results in full -- inner bytes (NaN payloads included),
 relations, orientation, logical shape and strides -- and against the
 single-process reference ``Q`` (``full_tensor`` must give back its bytes).
@@ -16,7 +16,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_quant as dq
 from dtensor_quant.core.layout import LayoutError
-from dtensor_quant.dist.gather_dim import PATCH
+from dtensor_quant.dist.fast_redistribute import patch, with_shortcuts
 from dtensor_quant.testing import FORMATS, assert_same_bits, legal, mesh, placements, weight
 
 
@@ -26,6 +26,7 @@ def _same(ours, theirs, what):
     assert_same_bits(ours, theirs, what)
 
 
+@with_shortcuts
 def _gathers(fmt_name, shape, mesh_shape, src, transposed):
     fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
     q = dq.quantize(weight(shape, 3), fmt)
@@ -39,7 +40,7 @@ def _gathers(fmt_name, shape, mesh_shape, src, transposed):
         for o, t, what in zip(ours, [None, *targets], ["full_tensor", *targets]):
             what = f"{fmt_name} {tuple(q.shape)} {src} -> {what}, round {round_}"
             try:
-                with PATCH.removed():
+                with patch("gather_dim").removed():
                     theirs = dt.full_tensor() if t is None else dt.redistribute(m, placements(t)).to_local()
             except LayoutError:  # torch's stack-then-cut cannot cut the stacked blocks: the one-step gather can
                 theirs = q if t is None else distribute_tensor(q, m, placements(t)).to_local()
@@ -74,13 +75,14 @@ def test_a_2d_mesh_and_a_3d_stack(ranks):
     ranks(2).run(_stack)
 
 
+@with_shortcuts
 def _stack():
     m = mesh(2)
     q = dq.quantize(weight((4, 32, 128), 5), FORMATS["int4g32"])
     for d in (1, 2):
         dt = distribute_tensor(q, m, [Shard(d)])
         ours = dt.full_tensor()
-        with PATCH.removed():
+        with patch("gather_dim").removed():
             theirs = dt.full_tensor()
         _same(ours, theirs, f"stack Shard({d})")
         assert_same_bits(ours, q, f"stack Shard({d})")
@@ -90,6 +92,7 @@ def test_a_dispatch_mode_still_sees_the_collective(ranks):
     ranks(2).run(_left_to_torch)
 
 
+@with_shortcuts
 def _left_to_torch():
     m = mesh(2)
     q = dq.quantize(weight((64, 128), 4), FORMATS["int8"])
@@ -106,6 +109,7 @@ def test_constants_that_stop_agreeing(ranks):
     ranks(2).run(_diverging_scales)
 
 
+@with_shortcuts
 def _diverging_scales():
     m = mesh(2)
     q = dq.quantize(weight((64, 128), 6), FORMATS["int8"])
@@ -115,7 +119,7 @@ def _diverging_scales():
     if dist.get_rank() == 1:
         dt.to_local().scale.mul_(2)  # this rank's copy of the row scales now differs
     ours = dt.full_tensor()
-    with PATCH.removed():
+    with patch("gather_dim").removed():
         theirs = dt.full_tensor()
     _same(ours, theirs, "diverged")
     assert any(type(r).__name__ == "Stacked" for row in ours.rels for r in row), ours.rels
@@ -127,6 +131,7 @@ def test_real_widths(ranks):
     ranks(3).run(_real_widths, ((16, 14336), "int8"))
 
 
+@with_shortcuts
 def _real_widths(*cases):
     m = mesh(dist.get_world_size())
     for shape, name in cases:
@@ -134,7 +139,7 @@ def _real_widths(*cases):
         dt = distribute_tensor(q, m, [Shard(q.ndim - 1)])
         for round_ in range(3):  # decided, then looked up
             ours = dt.full_tensor()
-            with PATCH.removed():
+            with patch("gather_dim").removed():
                 theirs = dt.full_tensor()
             _same(ours, theirs, f"{name} {shape}, round {round_}")
             assert_same_bits(ours, q, f"{name} {shape}, round {round_}")

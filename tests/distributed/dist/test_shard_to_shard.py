@@ -2,7 +2,7 @@
 
 ``placement_types.shard_dim_alltoall`` is patched for quantized locals on a
 CPU mesh; each case redistributes the same DTensor with the patch and with
-torch's code (``PATCH.removed()``) and compares the local pieces in full --
+torch's code (``patch("shard_to_shard").removed()``) and compares the local pieces in full --
 inner bytes, relations, orientation, logical shape and strides -- and with
 the piece ``distribute_tensor`` of the single-process weight gives this
 rank. A target the layout cannot cut raises the same error on every rank,
@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_quant as dq
 from dtensor_quant.core.layout import LayoutError
-from dtensor_quant.dist.shard_to_shard import PATCH
+from dtensor_quant.dist.fast_redistribute import patch, with_shortcuts
 from dtensor_quant.testing import FORMATS, assert_same_bits, legal, mesh, placements, weight
 
 
@@ -27,6 +27,7 @@ def _same(ours, theirs, what):
     assert_same_bits(ours, theirs, what)
 
 
+@with_shortcuts
 def _moves(fmt_name, shape, mesh_shape, src, dst, transposed):
     fmt, m = FORMATS[fmt_name], mesh(*mesh_shape)
     q = dq.quantize(weight(shape, 3), fmt)
@@ -36,7 +37,7 @@ def _moves(fmt_name, shape, mesh_shape, src, dst, transposed):
     for round_ in range(3):  # the first move of a layout decides, the later ones look the decisions up
         what = f"{fmt_name} {tuple(q.shape)} {src} -> {dst}, round {round_}"
         ours = dt.redistribute(m, placements(dst)).to_local()
-        with PATCH.removed():
+        with patch("shard_to_shard").removed():
             theirs = dt.redistribute(m, placements(dst)).to_local()
         _same(ours, theirs, what)
         _same(ours, expected, what + " (distribute_tensor's piece)")
@@ -79,6 +80,7 @@ def test_a_cut_the_layout_refuses_raises_on_every_rank(ranks):
     assert ranks(2).run(_refused) == [True, True]
 
 
+@with_shortcuts
 def _refused():
     m = mesh(2)
     q = dq.quantize(weight((64, 96), 5), FORMATS["int4g32"])
@@ -89,7 +91,7 @@ def _refused():
             if patched:
                 dt.redistribute(m, [Shard(1)])
             else:
-                with PATCH.removed():
+                with patch("shard_to_shard").removed():
                     dt.redistribute(m, [Shard(1)])
         except LayoutError as e:
             errors.append(str(e))
@@ -103,6 +105,7 @@ def test_a_dispatch_mode_still_sees_the_collective(ranks):
     ranks(2).run(_left_to_torch)
 
 
+@with_shortcuts
 def _left_to_torch():
     m = mesh(2)
     q = dq.quantize(weight((64, 128), 4), FORMATS["int8"])
@@ -122,6 +125,7 @@ def test_one_gather_and_one_cut_without_dispatch(ranks):
     assert torchs == ["aten.split.Tensor"], torchs
 
 
+@with_shortcuts
 def _dispatched():
     from dtensor_quant.core import dispatch, tensor
 
@@ -135,7 +139,7 @@ def _dispatched():
         dt.redistribute(m, [Shard(0)])
         ours = list(seen)
         seen.clear()
-        with PATCH.removed():
+        with patch("shard_to_shard").removed():
             dt.redistribute(m, [Shard(0)])
     finally:
         tensor.dispatch = original

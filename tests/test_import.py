@@ -1,0 +1,62 @@
+"""``import dtensor_quant`` changes nothing in torch, and every documented module imports as a normal import.
+
+Each check runs in a fresh interpreter: this test process has long since made
+quantized tensors (which install the compile-key patch, scoped to them) and
+may have enabled the opt-in redistribute shortcuts.
+"""
+
+import json
+import subprocess
+import sys
+
+# Every torch module whose objects the library patches, or could (its own patches and their neighbours).
+TORCH_MODULES = [
+    "torch",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.serialization",
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+    "torch.distributed._functional_collectives",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor._api",
+    "torch.distributed.tensor._redistribute",
+    "torch.distributed.tensor._collective_utils",
+    "torch.distributed.tensor.placement_types",
+    "torch.distributed.tensor._dispatch",
+    "torch.distributed.tensor._sharding_prop",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp._fully_shard._fsdp_param",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.planner_helpers",
+    "torch.distributed.checkpoint.default_planner",
+    "torch.distributed.checkpoint.state_dict",
+]
+
+SNAPSHOT = """
+import importlib, json, sys
+mods = json.loads(sys.argv[1])
+def snap():
+    out = {}
+    for m in mods:
+        mod = importlib.import_module(m)
+        for k, v in list(vars(mod).items()):
+            out[f"{m}.{k}"] = id(v)
+            if isinstance(v, type) and v.__module__.startswith("torch"):
+                out.update({f"{m}.{k}.{a}": id(b) for a, b in list(vars(v).items())})
+    return out
+before = snap()
+import dtensor_quant  # noqa: F401
+after = snap()
+print(json.dumps(sorted(k for k, v in before.items() if after.get(k) != v)))
+"""
+
+
+def test_importing_the_library_replaces_no_torch_object():
+    out = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT, json.dumps(TORCH_MODULES)], capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
