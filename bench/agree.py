@@ -2,7 +2,7 @@
 
     python bench/agree.py [--world 2] [--repeat 200]
 
-The check (dtensor_quant.dist.agree) exchanges an 8-byte fingerprint the first
+The check (dtensor_quant._parallel.agree) exchanges an 8-byte fingerprint the first
 time a (process group, layout) pair is seen; after that it builds the layout
 key and looks it up in a set. This times ``full_tensor()`` of a quantized
 DTensor with the check as shipped and with it replaced by a no-op,
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant.dist import agree
+from dtensor_quant._parallel import agree
 from dtensor_quant.testing.rank_pool import run
 
 SHAPES = [(256, 256), (4096, 4096)]

@@ -34,8 +34,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.model import weight_bytes
-from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant._model import weight_bytes
+from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import run
 
 # The labels (table rows, CSV values) are format specs, read by parse_format.

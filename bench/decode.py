@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import common  # noqa: E402
 import tp_inference  # noqa: E402
 
-from dtensor_quant.core.layout import LayoutError  # noqa: E402
-from dtensor_quant.model.format_spec import parse_format  # noqa: E402
+from dtensor_quant._core.layout import LayoutError  # noqa: E402
+from dtensor_quant._model.format_spec import parse_format  # noqa: E402
 from dtensor_quant.testing import tiny_llama  # noqa: E402
 from dtensor_quant.testing.rank_pool import RankPool  # noqa: E402
 
@@ -184,7 +184,7 @@ def plot(rows, path: Path) -> bool:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--formats", nargs="+", default=FORMATS, help="format specs (dtensor_quant.model.format_spec)")
+    ap.add_argument("--formats", nargs="+", default=FORMATS, help="format specs (dtensor_quant._model.format_spec)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)

@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_quant import wire
+from dtensor_quant._fsdp.gather_quantized import gather_quantized_
+from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.fsdp.gather_quantized import gather_quantized_
-from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.testing import tiny_llama
 from dtensor_quant.testing.rank_pool import run
 

@@ -7,7 +7,7 @@ What bench/decode.py's model step is made of, without DTensor, dispatch or
 all-reduces: ``F.linear(x, W)`` for a bf16 ``x`` of one row, for the dense
 bf16 weight (oneDNN's GEMV) and each quantized one through the library
 (torch's int8/int4 kernels; the fused kernels of NF4 (also BnbNF4's and MXFP4's),
-float8 and Int4GroupwiseIntZero from ``dtensor_quant.core.native``; every vector
+float8 and Int4GroupwiseIntZero from ``dtensor_quant._core.native``; every vector
 level of those, forced, too; and the
 plain path they replaced, dequantize + mm). All variants run in turn within
 each round; each time is the median over the rounds of the mean of
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats import float8, int4_zero, nf4
-from dtensor_quant.ops.unpack import dense
+from dtensor_quant._formats import float8, int4_zero, nf4
+from dtensor_quant._ops.unpack import dense
 
 FORMATS = {
     "Int8Rowwise": dq.Int8Rowwise(),

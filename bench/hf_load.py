@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import run
 
 

@@ -17,7 +17,7 @@ count) with its own eager loop (one ``F.linear`` per expert hit) and its
 ``grouped_mm`` path (``torch._grouped_mm``), bf16 weights vs the same weights
 quantized, bf16 activations. Every expert's tokens run through the format's
 kernels (torch's int8/int4 kernels or NF4/float8's one-token kernels for one
-or two tokens, the tiled kernels of ``dtensor_quant.core.native`` for more);
+or two tokens, the tiled kernels of ``dtensor_quant._core.native`` for more);
 no expert is dequantized (``paths`` counts). Median of ``--repeat``
 interleaved runs of this thread's CPU time (``--wall``: wall-clock), ratios
 to bf16 in the same run. Defaults: Qwen3-30B-A3B's expert widths (H 2048,
@@ -42,8 +42,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.model.format_spec import parse_format
-from dtensor_quant.ops.matmul import record_paths
+from dtensor_quant._model.format_spec import parse_format
+from dtensor_quant._ops.matmul import record_paths
 from dtensor_quant.testing.rank_pool import run
 
 ROOT = Path(__file__).resolve().parents[1]

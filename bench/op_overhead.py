@@ -11,7 +11,7 @@ the view ``.t()`` of the DTensor, and the views ``.t()`` and ``view(-1)`` of
 the local tensor.
 
 Every quantized op runs twice per round, with its layout decisions memoised
-(the default: made once per layout, ``dtensor_quant.core.memo``) and
+(the default: made once per layout, ``dtensor_quant._core.memo``) and
 without (decided on every call, ``DTENSOR_QUANT_MEMO=0``), so the gain is
 measured under the same load. Every op is timed as the median of
 ``--repeat`` calls, all variants interleaved call by call; printed as ratios
@@ -43,8 +43,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant.core import memo
-from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant._core import memo
+from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import run
 
 FORMATS = {"bf16": None, "int8": parse_format("int8"), "int4": parse_format("int4:128")}  # short labels for the table

@@ -43,7 +43,7 @@ LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=8
 
 def format_of(spec: str):
     """``nf4``, ``int4:64`` (parse_format), or ``default:N``: the N-th built-in format with its defaults."""
-    from dtensor_quant.model.format_spec import parse_format
+    from dtensor_quant._model.format_spec import parse_format
     from dtensor_quant.testing import is_default, where
 
     if spec.startswith("default:"):
@@ -55,7 +55,7 @@ def child(case: str, fmt_name: str) -> dict:
     """One measurement in this (fresh) process."""
     import torch
 
-    from dtensor_quant.model.planner import plan
+    from dtensor_quant._model.planner import plan
 
     fmt = format_of(fmt_name)
     start = time.perf_counter()

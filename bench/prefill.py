@@ -8,10 +8,10 @@
 default), one thread, one process: the dense bf16 weight (oneDNN's GEMM), each
 quantized weight through the library (its kernel: for one token torch's
 int8/int4 kernels or NF4's/float8's one-token kernels, int4 also for two; the
-tiled kernels of ``dtensor_quant.core.native`` for more) and the plain path
+tiled kernels of ``dtensor_quant._core.native`` for more) and the plain path
 those kernels replace, dequantize + mm (the weight decoded whole by
-``dtensor_quant.ops.unpack.dense``, then torch's GEMM). The ``path`` column
-says which one the library took (``dtensor_quant.ops.matmul.record_paths``).
+``dtensor_quant._ops.unpack.dense``, then torch's GEMM). The ``path`` column
+says which one the library took (``dtensor_quant._ops.matmul.record_paths``).
 
 Each round runs every variant once in turn, so load from elsewhere hits all
 alike; a variant's time is the median over the rounds. Times are this
@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.model.format_spec import parse_format
-from dtensor_quant.ops.matmul import record_paths
-from dtensor_quant.ops.unpack import dense
+from dtensor_quant._model.format_spec import parse_format
+from dtensor_quant._ops.matmul import record_paths
+from dtensor_quant._ops.unpack import dense
 
 ROOT = Path(__file__).resolve().parents[1]
-FORMATS = ["nf4", "float8rowwise", "int4:128", "int8"]  # format specs (dtensor_quant.model.format_spec)
+FORMATS = ["nf4", "float8rowwise", "int4:128", "int8"]  # format specs (dtensor_quant._model.format_spec)
 FOUR_BIT = (dq.NF4, dq.Int4Groupwise)
 GOAL_32, GOAL_128 = 1.0, 1.3
 
@@ -145,7 +145,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["5632x2048"], help="out x in")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
-    ap.add_argument("--formats", nargs="+", default=FORMATS, help="format specs (dtensor_quant.model.format_spec)")
+    ap.add_argument("--formats", nargs="+", default=FORMATS, help="format specs (dtensor_quant._model.format_spec)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activations")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)

@@ -35,9 +35,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import LoRALinear
-from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import run
 
 OURS = {s: parse_format(s) for s in ("NF4", "Int4Groupwise(128)", "Int8Rowwise")}  # the labels are format specs

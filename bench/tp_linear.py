@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import RankPool
 
 # The labels (table rows, CSV values) are format specs, read by parse_format.

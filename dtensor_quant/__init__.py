@@ -2,26 +2,25 @@
 
 A format declares once how each of its inner tensors follows the weight's
 logical dims; every op DTensor, FSDP2 and DCP need is derived from that.
+
+The supported API is what this module and the public packages export:
+:mod:`dtensor_quant.fsdp`, :mod:`~dtensor_quant.checkpoint`,
+:mod:`~dtensor_quant.hf`, :mod:`~dtensor_quant.optim`,
+:mod:`~dtensor_quant.lora`, :mod:`~dtensor_quant.planner`,
+:mod:`~dtensor_quant.training`, :mod:`~dtensor_quant.testing`,
+:mod:`~dtensor_quant.config`, :mod:`~dtensor_quant.wire` and
+:mod:`~dtensor_quant.interop`. Modules whose names start with ``_`` are the
+implementation. Importing the package registers the op handlers with the
+library's own tensor class and replaces nothing in torch.
 """
 
-import sys as _sys
-
-from . import checkpoint, dist, fsdp, model, ops, optim  # noqa: F401  (ops and dist register their handlers)
-from ._compat import install as _install_old_paths
-from ._compat import old_attribute as __getattr__  # noqa: F401  (dq.<moved module>, deprecated)
-from .checkpoint import hf, state_dict
-from .core.dispatch import UnsupportedOpError
-from .core.format import QuantFormat
-from .core.layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
-from .core.tensor import QuantizedTensor
-from .dist import custom_ops, wire
-from .dist.collectives import check_consistent
-from .dist.custom_ops import dequantize
-from .dist.fast_redistribute import disable as disable_fast_redistribute
-from .dist.fast_redistribute import enable as enable_fast_redistribute
-from .dist.placements import check_placements, legal_mesh_sizes
-from .dist.quantize import quantize
-from .formats import (
+from . import _ops, _parallel, checkpoint, config, fsdp, hf, interop, lora, optim, planner, training, wire  # noqa: F401  (the op handlers and collectives register themselves)
+from ._core.dispatch import UnsupportedOpError
+from ._core.format import QuantFormat, Reducer, check_shape, check_weight, weight_layout
+from ._core.layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
+from ._core.reductions import block_reduce, expand_to, reduce_to
+from ._core.tensor import QuantizedTensor
+from ._formats import (
     MXFP4,
     NF4,
     BlockFloat8,
@@ -35,31 +34,19 @@ from .formats import (
     Int8Rowwise,
     NF4BlockScales,
 )
-from .fsdp.gather_quantized import GatherQuantized, gather_quantized_
-from .model import interop, lora, trainable
-from .model.expand_scales import expand_scales
-from .model.padding import pad_for_tp
-from .model.quantize_like import quantize_like_checkpoint as _quantize_like_checkpoint
-from .model.quantize_model import quantize_
-from .model.tp_plan import adapt_tp_plan
-from .model.vocab_padding import pad_vocab_for_tp
-
-# The public modules that live in a layer folder keep their documented names: ``import
-# dtensor_quant.hf``, ``from dtensor_quant.lora import add_lora_`` and ``dq.wire.record()``.
-_PUBLIC_MODULES = {
-    "hf": hf,
-    "state_dict": state_dict,
-    "custom_ops": custom_ops,
-    "wire": wire,
-    "interop": interop,
-    "lora": lora,
-    "trainable": trainable,
-}
-for _name, _module in _PUBLIC_MODULES.items():
-    _sys.modules[f"{__name__}.{_name}"] = _module
-# dq.hf's entry point that quantizes a model (the model layer, above checkpoint/) joins the others there.
-hf.quantize_like_checkpoint = _quantize_like_checkpoint
-_install_old_paths()
+from ._fsdp.gather_quantized import GatherQuantized, gather_quantized_
+from ._model.expand_scales import expand_scales
+from ._model.format_spec import parse_format
+from ._model.padding import pad_for_tp
+from ._model.quantize_model import is_matmul_weight, quantize_, quantized_fqns, weight_bytes
+from ._model.tp_plan import adapt_tp_plan
+from ._model.vocab_padding import pad_vocab_for_tp
+from ._parallel.collectives import check_consistent
+from ._parallel.custom_ops import dequantize
+from ._parallel.fast_redistribute import disable as disable_fast_redistribute
+from ._parallel.fast_redistribute import enable as enable_fast_redistribute
+from ._parallel.placements import check_placements, legal_mesh_sizes
+from ._parallel.quantize import quantize
 
 __all__ = [
     "MXFP4",
@@ -84,30 +71,40 @@ __all__ = [
     "Packed",
     "QuantFormat",
     "QuantizedTensor",
+    "Reducer",
     "UnsupportedOpError",
     "adapt_tp_plan",
+    "block_reduce",
     "check_consistent",
     "check_placements",
+    "check_shape",
+    "check_weight",
     "checkpoint",
-    "custom_ops",
+    "config",
     "dequantize",
     "disable_fast_redistribute",
     "enable_fast_redistribute",
     "expand_scales",
+    "expand_to",
     "flat_blocked",
     "fsdp",
     "gather_quantized_",
     "hf",
     "interop",
+    "is_matmul_weight",
     "legal_mesh_sizes",
     "lora",
-    "model",
     "optim",
     "pad_for_tp",
     "pad_vocab_for_tp",
+    "parse_format",
+    "planner",
     "quantize",
     "quantize_",
-    "state_dict",
-    "trainable",
+    "quantized_fqns",
+    "reduce_to",
+    "training",
+    "weight_bytes",
+    "weight_layout",
     "wire",
 ]

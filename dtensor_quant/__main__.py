@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant.model.planner) and
+"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant._model.planner) and
 ``python -m dtensor_quant kernels`` (which C++ kernels run on this machine, on which vector path)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .core import native
-from .model.format_spec import parse_format
-from .model.planner import ALL_STYLES, STYLES, Layer, kind_from_name, layers_of, plan
+from ._core import native
+from ._model.format_spec import parse_format
+from ._model.planner import ALL_STYLES, STYLES, Layer, kind_from_name, layers_of, plan
 
 
 def _load(target: str):
@@ -80,7 +80,7 @@ def _model_and_plan(args):
     return model, tp_plan, f"TP plan: {args.tp_plan} ({len(tp_plan)} keys)"
 
 
-#: Each C++ kernel (its module in dtensor_quant.formats) and the formats whose matmuls run it.
+#: Each C++ kernel (its module in dtensor_quant._formats) and the formats whose matmuls run it.
 KERNELS = {
     "nf4": "NF4, BnbNF4, NF4BlockScales, MXFP4",
     "float8": "Float8Rowwise, Float8Tensorwise, Float8Blockwise",
@@ -110,7 +110,7 @@ def kernels() -> list[str]:
     lines.append(f"CPU: {have}; torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     lines.append(f"{'kernel':<11}{'formats':<51}tiles (several tokens)")
     for name, formats in KERNELS.items():
-        module = importlib.import_module(f"{__package__}.formats.{name}")
+        module = importlib.import_module(f"{__package__}._formats.{name}")
         with warnings.catch_warnings():  # the report says why, in its own line
             warnings.simplefilter("ignore", native.KernelUnavailableWarning)
             built = module.kernel()

@@ -28,10 +28,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.core.bits import same_bits
-from dtensor_quant.model import weight_bytes
-from dtensor_quant.model.format_spec import parse_format
-from dtensor_quant.testing import tiny_llama
+from dtensor_quant import parse_format, weight_bytes
+from dtensor_quant.testing import same_bits, tiny_llama
 from dtensor_quant.testing.rank_pool import run
 
 FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core.reductions import block_reduce
+from dtensor_quant import block_reduce
 
 
 @dataclass(frozen=True)

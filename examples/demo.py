@@ -37,9 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant import wire
+from dtensor_quant import parse_format, wire
 from dtensor_quant.lora import lora_parameters, lora_tp_plan
-from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.testing import tiny_llama
 from dtensor_quant.testing.rank_pool import run
 

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant import parse_format
 from dtensor_quant.testing import rank_pool as launch
 
 

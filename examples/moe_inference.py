@@ -49,8 +49,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_quant as dq
-from dtensor_quant.model import weight_bytes
-from dtensor_quant.model.format_spec import parse_format
+from dtensor_quant import parse_format, weight_bytes
 
 
 def tiny_moe(kind: str = "mixtral", dtype=torch.bfloat16, seed: int = 0, experts: int = 4):

@@ -40,12 +40,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import dtensor_quant as dq
-from dtensor_quant.core.bits import same_bits
+from dtensor_quant import parse_format
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.lora import add_lora_, lora_parameters
-from dtensor_quant.model.format_spec import parse_format
 from dtensor_quant.testing import rank_pool as launch
-from dtensor_quant.testing import tiny_llama
+from dtensor_quant.testing import same_bits, tiny_llama
 
 CFG = tiny_llama.Config(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=768, max_seq_len=128)
 FORMATS = ("int4", "int8")  # --format choices, read by parse_format: int4 is Int4Groupwise(128)

@@ -37,11 +37,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 import dtensor_quant as dq
-from dtensor_quant.model import quantized_fqns, weight_bytes
-from dtensor_quant.model.format_spec import parse_format
-from dtensor_quant.ops.matmul import record_paths
+from dtensor_quant import parse_format, quantized_fqns, weight_bytes
 from dtensor_quant.testing import rank_pool as launch
-from dtensor_quant.testing import tiny_llama
+from dtensor_quant.testing import record_paths, tiny_llama
 
 
 def tp_plan(model: tiny_llama.Transformer, sequence_parallel: bool = False) -> dict:

@@ -20,15 +20,15 @@ def test_architecture_doc_shows_the_enforced_layer_table():
 
 def test_checker_refuses_an_import_that_climbs_the_layer_table(tmp_path):
     pkg = tmp_path / "dtensor_quant"
-    for folder in ("core", "ops", "misc"):
+    for folder in ("_core", "_ops", "misc"):
         (pkg / folder).mkdir(parents=True)
         (pkg / folder / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "core" / "tensor.py").write_text("def method():\n    from ..ops.handlers import run\n    return run\n")
-    (pkg / "ops" / "handlers.py").write_text("def run():\n    return 1\n")
+    (pkg / "_core" / "tensor.py").write_text("def method():\n    from .._ops.handlers import run\n    return run\n")
+    (pkg / "_ops" / "handlers.py").write_text("def run():\n    return 1\n")
     (pkg / "misc" / "thing.py").write_text("")
     problems = check_imports.check(tmp_path)
-    assert any("function-level import of dtensor_quant.ops.handlers climbs" in p for p in problems), problems
+    assert any("function-level import of dtensor_quant._ops.handlers climbs" in p for p in problems), problems
     assert any("module dtensor_quant.misc.thing is in no layer" in p for p in problems), problems
 
 

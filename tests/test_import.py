@@ -60,3 +60,29 @@ def test_importing_the_library_replaces_no_torch_object():
         [sys.executable, "-c", SNAPSHOT, json.dumps(TORCH_MODULES)], capture_output=True, text=True, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_every_setting_is_in_the_readme_table():
+    from pathlib import Path
+
+    import dtensor_quant as dq
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for setting in dq.config.SETTINGS.values():
+        default = setting.default or "(empty)"
+        assert f"| `{setting.env}` | `{default}` | {setting.doc} |" in readme, setting.env
+
+
+def test_every_public_module_imports_as_a_normal_import():
+    import importlib
+
+    import dtensor_quant as dq
+
+    for name in ("fsdp", "checkpoint", "hf", "optim", "lora", "planner", "training", "testing", "config", "wire"):
+        module = importlib.import_module(f"dtensor_quant.{name}")
+        assert module.__name__ == f"dtensor_quant.{name}"
+        if name != "testing":
+            assert getattr(dq, name) is module
+        for exported in getattr(module, "__all__", ()):
+            assert hasattr(module, exported), f"dtensor_quant.{name}.{exported}"
+    assert dq.hf.quantize_like_checkpoint.__module__.startswith("dtensor_quant._")

@@ -1,16 +1,26 @@
-"""Checkpoints of quantized models: DCP entries, DCP save/load, Hugging Face directories.
+"""Checkpoints of quantized models (``dq.checkpoint``): DCP save/load in any layout, the state-dict entries.
 
-``dq.checkpoint.save/load/async_save`` (:mod:`.dcp`) import
-torch.distributed.checkpoint, about a second, so they load on first use;
-:mod:`.state_dict` (the per-inner-tensor entries) and :mod:`.hf`
-(``dq.hf``) load with the package.
+``save``/``load``/``async_save`` write and read torch.distributed.checkpoint
+directories atomically, checked, in any sharding; ``register`` gives a
+module's quantized weights their per-inner-tensor state-dict entries (what
+DCP saves: the stored bytes, readable without this library). The save/load
+half imports torch.distributed.checkpoint (about a second), so it loads on
+first use. Hugging Face directories are :mod:`dtensor_quant.hf`.
 """
 
 from __future__ import annotations
 
 import importlib
 
-# What dq.checkpoint offers from .dcp (and .state_dict), loaded on first access.
+from .._checkpoint.state_dict import (
+    CheckpointFormatError,
+    check_entry_chunks,
+    quant_record,
+    quantize_like,
+    register,
+)
+
+#: What dq.checkpoint offers from the private save/load module, loaded on first access.
 _DCP_NAMES = frozenset(
     {
         "AtomicFileSystemWriter",
@@ -30,7 +40,29 @@ _DCP_NAMES = frozenset(
 
 def __getattr__(name: str):
     if name in _DCP_NAMES:
-        return getattr(importlib.import_module(".dcp", __name__), name)
-    if name == "CheckpointFormatError":
-        return importlib.import_module(".state_dict", __name__).CheckpointFormatError
+        return getattr(importlib.import_module("dtensor_quant._checkpoint.dcp"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _DCP_NAMES)
+
+
+__all__ = [
+    "CHECKSUM_SUFFIX",
+    "AtomicFileSystemWriter",
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "VerifyingFileSystemReader",
+    "WeightsOnlyLoadPlanner",
+    "async_save",
+    "check_entry_chunks",
+    "load",
+    "quant_record",
+    "quantize_like",
+    "register",
+    "save",
+    "staging_path",
+]

@@ -1,16 +1,26 @@
-"""FSDP2 with quantized parameters: all-gather hooks, ``fully_shard`` checks, trainable weights gathered quantized.
+"""FSDP2 with quantized parameters (``dq.fsdp``).
 
-``all_gather`` holds the hooks FSDP2 calls on a quantized local tensor (an
-uneven shard's padded rows are in its notes, :mod:`dtensor_quant.core.notes`),
-``fully_shard`` the up-front checks, ``gather_quantized`` the dense master
-weights whose all-gather is quantized, and ``reshard_after_forward`` the
-scoped patch that lets FSDP2 keep a quantized post-forward shard.
+``fully_shard`` makes the checks FSDP2 cannot make (every rank, before any
+collective) and calls torch's ``fully_shard``; FSDP2 then all-gathers each
+quantized parameter as its stored bytes through the all-gather hooks the
+layout derives. ``GatherQuantized`` / ``gather_quantized_`` keep trainable
+dense weights whose all-gather is quantized. The implementation lives in the
+private ``dtensor_quant._fsdp``.
 """
 
-from .all_gather import GatherMeta, dequantized_from, post_all_gather, pre_all_gather
-from .fully_shard import check_fully_shard, fully_shard, quantized_params, record_tensor_parallel
-from .gather_quantized import GatherQuantized, gather_quantized_
-from .reshard_after_forward import install_fsdp_post_forward_reshard
+from .._fsdp import (
+    GatherMeta,
+    GatherQuantized,
+    check_fully_shard,
+    dequantized_from,
+    fully_shard,
+    gather_quantized_,
+    install_fsdp_post_forward_reshard,
+    post_all_gather,
+    pre_all_gather,
+    quantized_params,
+    record_tensor_parallel,
+)
 
 __all__ = [
     "GatherMeta",

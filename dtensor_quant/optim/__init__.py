@@ -7,7 +7,6 @@ stochastically rounded requantization per step. ``torch.optim``'s own
 optimizers update trainable weights too (docs/training.md).
 """
 
-from ..formats.block_states import BlockFloat8, BlockLog4
-from .adamw import AdamW, AdamW4bit, AdamW8bit
+from .._optim import AdamW, AdamW4bit, AdamW8bit, BlockFloat8, BlockLog4
 
 __all__ = ["AdamW", "AdamW4bit", "AdamW8bit", "BlockFloat8", "BlockLog4"]

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.format import QuantFormat
+from .._core.format import QuantFormat
+from .._ops.matmul import record_paths
 from .bounds import assert_within, gamma, linear_error_bound, unit_roundoff
 from .checks import CHECKS, Check, pick_shape
 from .rank_pool import RankError, RankPool
@@ -159,6 +160,7 @@ __all__ = [
     "placements",
     "pool",
     "rank",
+    "record_paths",
     "reference_dequantize",
     "run_check",
     "same_bits",

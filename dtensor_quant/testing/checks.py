@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..core.format import QuantFormat, check_shape
-from ..core.layout import LayoutError
-from ..dist import wire
-from ..dist.quantize import quantize
+from .._core.format import QuantFormat, check_shape
+from .._core.layout import LayoutError
+from .._parallel import wire
+from .._parallel.quantize import quantize
 from .tools import assert_local_matches, assert_same_bits, legal, mesh, weight
 
 CANDIDATE_SHAPES = [(64, 256), (64, 512), (32, 1024), (64, 2048), (16, 4096), (128, 4096), (64, 16384)]
@@ -177,7 +177,7 @@ def _shared_tmpdir() -> str:
 
 
 def _linear_with(weight: torch.Tensor) -> torch.nn.Module:
-    from ..checkpoint.state_dict import register
+    from .._checkpoint.state_dict import register
 
     module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -186,7 +186,7 @@ def _linear_with(weight: torch.Tensor) -> torch.nn.Module:
 
 def checkpoint_reshard(fmt: QuantFormat, shape) -> str:
     """Save under one placement with torch.distributed.checkpoint, load under every other, bit-exactly."""
-    from ..checkpoint import dcp as checkpoint
+    from .. import checkpoint
 
     world = dist.get_world_size()
     m, q = mesh(world), quantize(weight(shape, seed=2), fmt)
@@ -245,7 +245,7 @@ def compile_linear(fmt: QuantFormat, shape) -> str:
 
 
 def _lora_model(fmt: QuantFormat, shape) -> torch.nn.Module:
-    from ..model.lora import add_lora_
+    from .._model.lora import add_lora_
 
     base = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0], bias=False))
     base[0].weight = torch.nn.Parameter(quantize(weight(shape, seed=7), fmt), requires_grad=False)
@@ -298,8 +298,8 @@ def fsdp2_qlora(fmt: QuantFormat, shape) -> str:
 
 def fsdp2_quantized_allgather(fmt: QuantFormat, shape) -> str:
     """A trainable weight FSDP2 all-gathers quantized: the gathered bytes are those of quantize(master)."""
+    from .._fsdp.gather_quantized import gather_quantized_
     from ..fsdp import fully_shard
-    from ..fsdp.gather_quantized import gather_quantized_
 
     world = dist.get_world_size()
     if not legal(fmt, shape, (world,), [Shard(0)]):

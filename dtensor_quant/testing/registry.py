@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..core.format import QuantFormat
-from ..formats import (
+from .._core.format import QuantFormat
+from .._formats import (
     MXFP4,
     NF4,
     BnbNF4,

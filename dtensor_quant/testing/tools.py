@@ -25,12 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..core.bits import same_bits
-from ..core.format import QuantFormat
-from ..core.layout import LayoutError
-from ..core.tensor import QuantizedTensor
-from ..dist.placements import check_placements
-from ..ops.layout_ops import block_sizes, broadcastable
+from .._core.bits import same_bits
+from .._core.format import QuantFormat
+from .._core.layout import LayoutError
+from .._core.tensor import QuantizedTensor
+from .._ops.layout_ops import block_sizes, broadcastable
+from .._parallel.placements import check_placements
 from .rank_pool import RankPool
 
 # -- the rank pools (in the test process) -----------------------------------------

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant.checkpoint import state_dict as sd
-from dtensor_quant.core.layout import Stacked
+from dtensor_quant._checkpoint import state_dict as sd
+from dtensor_quant._core.layout import Stacked
 from dtensor_quant.testing import FORMATS, assert_same_bits, placements, weight
 from tests.support import ckpt_cases as cc
 from tests.support.ckpt_cases import OTHER, SEED
@@ -33,7 +33,7 @@ _PLACEMENTS = ["R", "S0", "S1", "SS0:2", "SS1:2", "SS1:3"]
 )
 def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shape, specs):
     """DTensor's chunk of each inner entry is the logical chunk's inner range, on every rank."""
-    from dtensor_quant.state_dict import check_entry_chunks
+    from dtensor_quant.checkpoint import check_entry_chunks
 
     fmt = FORMATS.get(fmt_name) or dq.Int4Groupwise(int(fmt_name[5:]))
     shape, places = (rows, 2 * half_cols), tuple(placements(",".join(specs[: len(mesh_shape)])))
@@ -45,7 +45,7 @@ def test_legal_placements_have_entry_chunks(fmt_name, rows, half_cols, mesh_shap
 
 
 def test_entry_chunk_check_rejects_a_cut_block():
-    from dtensor_quant.state_dict import check_entry_chunks
+    from dtensor_quant.checkpoint import check_entry_chunks
 
     with pytest.raises(dq.LayoutError, match="cannot follow"):
         check_entry_chunks(dq.Int4Groupwise(32), (4, 96), (2,), tuple(placements("S1")))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core.format_ids import format_from_id, format_id
+from dtensor_quant._core.format_ids import format_from_id, format_id
 from dtensor_quant.testing import FORMATS
 
 
@@ -18,7 +18,7 @@ def test_format_ids_are_stable_and_distinct():
 
 
 def test_format_id_is_marked_constant_the_way_torch_compiler_marks_it():
-    from dtensor_quant.core.format_ids import format_id
+    from dtensor_quant._core.format_ids import format_id
 
     def probe():
         pass

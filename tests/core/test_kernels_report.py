@@ -3,24 +3,24 @@
 import importlib
 import pkgutil
 
-import dtensor_quant.formats
+import dtensor_quant._formats
 from dtensor_quant.__main__ import KERNELS, main
-from dtensor_quant.core import native
+from dtensor_quant._core import native
 
 
 def test_every_kernel_is_listed_with_the_level_it_runs(capsys):
-    """One line per C++ kernel of dtensor_quant.formats (a new one must be added to KERNELS), with the level its
+    """One line per C++ kernel of dtensor_quant._formats (a new one must be added to KERNELS), with the level its
     own ``kernel()`` reports."""
     with_kernels = {
         info.name
-        for info in pkgutil.iter_modules(dtensor_quant.formats.__path__)
-        if hasattr(importlib.import_module(f"dtensor_quant.formats.{info.name}"), "KERNEL_SOURCE")
+        for info in pkgutil.iter_modules(dtensor_quant._formats.__path__)
+        if hasattr(importlib.import_module(f"dtensor_quant._formats.{info.name}"), "KERNEL_SOURCE")
     }
     assert with_kernels == set(KERNELS)
     assert main(["kernels"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()}
     for name, formats in KERNELS.items():
-        built = importlib.import_module(f"dtensor_quant.formats.{name}").kernel()
+        built = importlib.import_module(f"dtensor_quant._formats.{name}").kernel()
         level = min(built[1], native.MAX_LEVEL) if built else None
         want = f"{level} {native.LEVEL_NAMES[level]}" if built else "none ("
         assert formats in lines[name] and want in lines[name], lines[name]
@@ -38,7 +38,7 @@ def test_a_kernel_that_does_not_build_says_why(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "1")  # also where the suite runs with the kernels off
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    module = importlib.import_module("dtensor_quant.formats.int8")
+    module = importlib.import_module("dtensor_quant._formats.int8")
     monkeypatch.setattr(module, "KERNEL_SOURCE", broken)
     monkeypatch.setattr(module, "kernel", lambda: native.load("int8", broken, ["int64_t*"], lambda kernel: 1))
     assert main(["kernels"]) == 0

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtensor_quant.core.layout import (
+from dtensor_quant._core.layout import (
     Blocked,
     Constant,
     FlatBlocked,

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core import memo
-from dtensor_quant.core.layout import LayoutError, Opaque, Stacked
-from dtensor_quant.core.tensor import QuantizedTensor
+from dtensor_quant._core import memo
+from dtensor_quant._core.layout import LayoutError, Opaque, Stacked
+from dtensor_quant._core.tensor import QuantizedTensor
 from dtensor_quant.testing import pick
 
 FORMATS = list(pick("int8", "int4g32", "int4g64", "nf4b32s4", "f8row", "f8tensor").values())

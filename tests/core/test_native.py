@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.core import native
-from dtensor_quant.formats import float8, int4_zero, nf4
+from dtensor_quant._core import native
+from dtensor_quant._formats import float8, int4_zero, nf4
 from dtensor_quant.testing import assert_within, linear_error_bound, unit_roundoff, weight
 
 pytestmark = pytest.mark.skipif(
@@ -247,7 +247,7 @@ def test_every_kernel_source_resolves_and_the_training_kernels_build(monkeypatch
     """Every .cpp in the package inlines all its headers (beside it, then beside core/native.py), and the training
     paths' kernels build and run here: a build failure there only warns and takes the torch expressions (the same
     bits), so nothing else would notice that the kernels stopped running."""
-    from dtensor_quant.core.stochastic import Noise, uniform
+    from dtensor_quant._core.stochastic import Noise, uniform
 
     package = Path(dq.__file__).parent
     sources = sorted(package.rglob("*.cpp"))
@@ -326,7 +326,7 @@ def test_a_weight_the_kernel_cannot_read_is_said_once(caplog):
     q = dq.quantize(weight((40, 2048), seed=3), dq.NF4())
     piece = q[:, :1024]
     x = weight((1, 1024), seed=4)
-    with caplog.at_level(logging.WARNING, logger="dtensor_quant.ops.matmul"):
+    with caplog.at_level(logging.WARNING, logger="dtensor_quant._ops.matmul"):
         for _ in range(3):
             assert torch.equal(F.linear(x, piece), x @ piece.dequantize().t())
     said = [r.getMessage() for r in caplog.records if "every matmul dequantizes" in r.getMessage()]

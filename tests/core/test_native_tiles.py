@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.core import native
-from dtensor_quant.formats import float8, int4, int4_zero, int8, mxfp4, nf4
+from dtensor_quant._core import native
+from dtensor_quant._formats import float8, int4, int4_zero, int8, mxfp4, nf4
 from dtensor_quant.testing import weight
 
 FORMATS = [

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core.notes import bytes_of
+from dtensor_quant._core.notes import bytes_of
 from dtensor_quant.testing import FORMATS
 
 MAKERS = {

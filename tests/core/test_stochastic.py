@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dtensor_quant.core import stochastic
+from dtensor_quant._core import stochastic
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,12 @@
 """core/torch_patches: a patch replaces only the torch code it was written for, loudly, and can be undone.
 
 The behaviour each real patch fixes has its own test that fails the day torch changes under it:
-tests/distributed/dist/test_compile_key.py::test_dtensor_cache_key_names_the_quantized_local (dist/compile_key)
+tests/distributed/parallel/test_compile_key.py::test_dtensor_cache_key_names_the_quantized_local (_parallel/compile_key)
 tests/distributed/fsdp/test_reshard_after_forward.py::test_torch_still_needs_the_reshard_patch
-(fsdp/reshard_after_forward) and tests/dist/test_replicate_to_shard.py::test_one_step_without_dispatch
-(dist/replicate_to_shard, a patch for speed: torch's code still chunks every piece and clones) and
-tests/distributed/dist/test_shard_to_shard.py::test_one_gather_and_one_cut_without_dispatch
-(dist/shard_to_shard, for speed: torch's code still splits the gathered tensor into every piece).
+(fsdp/reshard_after_forward) and tests/parallel/test_replicate_to_shard.py::test_one_step_without_dispatch
+(_parallel/replicate_to_shard, a patch for speed: torch's code still chunks every piece and clones) and
+tests/distributed/parallel/test_shard_to_shard.py::test_one_gather_and_one_cut_without_dispatch
+(_parallel/shard_to_shard, for speed: torch's code still splits the gathered tensor into every piece).
 """
 
 import types
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core.torch_patches import PATCHES, TorchPatchError, fingerprint, replace
-from dtensor_quant.fsdp.reshard_after_forward import handles, install_fsdp_post_forward_reshard
+from dtensor_quant._core.torch_patches import PATCHES, TorchPatchError, fingerprint, replace
+from dtensor_quant._fsdp.reshard_after_forward import handles, install_fsdp_post_forward_reshard
 
 
 class Target:

@@ -89,7 +89,7 @@ def test_bnb_nf4_quantize_like_bitsandbytes(dtype):
 
 def test_bnb_nf4_maps_and_layout():
     functional = _bnb()
-    from dtensor_quant.formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
+    from dtensor_quant._formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
 
     assert torch.equal(dynamic_map(), functional.create_dynamic_map())
     assert torch.equal(torch.tensor(NF4_LEVELS_F32), functional.get_4bit_type("nf4", device="cpu"))

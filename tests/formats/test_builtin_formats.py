@@ -37,7 +37,7 @@ def test_scale_dtype_stores_that_dtype_and_quantizes_well(fmt, wdtype):
 
 
 def test_scale_dtype_is_part_of_the_identity_and_parses():
-    from dtensor_quant.model.format_spec import parse_format
+    from dtensor_quant._model.format_spec import parse_format
 
     assert repr(dq.Int4Groupwise(128)) == "Int4Groupwise(group_size=128)"  # unchanged: ids and checkpoints
     assert dq.Int4Groupwise(128, "float16") == dq.Int4Groupwise(128, torch.float16) != dq.Int4Groupwise(128)
@@ -49,7 +49,7 @@ def test_scale_dtype_is_part_of_the_identity_and_parses():
     with pytest.raises(ValueError, match="scale_dtype must be None or one of"):
         dq.Int8Rowwise(torch.int8)
     inner_dtypes = {"qdata": torch.uint8, "scale": torch.bfloat16, "zero": torch.bfloat16}
-    record = dq.state_dict.quant_record(dq.Int4Groupwise(128), (8, 256), torch.bfloat16, inner_dtypes)
+    record = dq.checkpoint.quant_record(dq.Int4Groupwise(128), (8, 256), torch.bfloat16, inner_dtypes)
     assert record["params"] == {"group_size": 128}  # as before the option existed
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core.format import Reducer
-from dtensor_quant.core.stochastic import Noise
+from dtensor_quant._core.format import Reducer
+from dtensor_quant._core.stochastic import Noise
 from tests.support.format_cases import (
     assert_dequantizes_like,
     both_paths,

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.formats.nf4 import kernel as nf4_kernel
-from dtensor_quant.ops.matmul import record_paths
+from dtensor_quant._formats.nf4 import kernel as nf4_kernel
+from dtensor_quant._ops.matmul import record_paths
 from dtensor_quant.testing import same_bits
 from tests.support.format_cases import OUT_DTYPES
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtensor_quant as dq
-from dtensor_quant.fsdp.gather_quantized import GatherQuantized, gather_quantized_
+from dtensor_quant._fsdp.gather_quantized import GatherQuantized, gather_quantized_
 from dtensor_quant.testing import assert_same_bits, assert_within, linear_error_bound, weight
 
 

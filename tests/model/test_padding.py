@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import dtensor_quant as dq
-from dtensor_quant.model.padding import mlp_padding, pad_for_tp
+from dtensor_quant._model.padding import mlp_padding, pad_for_tp
 from dtensor_quant.testing import assert_same_bits, assert_within, linear_error_bound, unit_roundoff
 
 INTER, HIDDEN = 29568, 64

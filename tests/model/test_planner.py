@@ -17,8 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 import dtensor_quant as dq
-from dtensor_quant.model.format_spec import parse_format
-from dtensor_quant.model.planner import Layer, plan, stored_bytes
+from dtensor_quant._model.format_spec import parse_format
+from dtensor_quant._model.planner import Layer, plan, stored_bytes
 from dtensor_quant.testing import weight
 from tests.model.test_quantize_model import tiny_moe
 
@@ -201,7 +201,7 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
 
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dtensor_quant.dist.placements import bad_cut, shard_pieces
+    from dtensor_quant._parallel.placements import bad_cut, shard_pieces
 
     def torch_pieces(length, cuts):
         pieces = [torch.arange(length)]
@@ -234,7 +234,7 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
 
 
 def test_planner_takes_expert_stacks_and_ep():
-    from dtensor_quant.model.planner import plan, stored_bytes
+    from dtensor_quant._model.planner import plan, stored_bytes
 
     fmt = dq.Int4Groupwise(128)
     layers = [("experts.gate_up", (8, 2 * 1536, 2048), "colwise"), ("experts.down", (8, 2048, 1536), "rowwise"),
@@ -262,7 +262,7 @@ def test_planner_takes_expert_stacks_and_ep():
 
 
 def test_planner_lists_a_models_expert_stacks():
-    from dtensor_quant.model.planner import layers_of
+    from dtensor_quant._model.planner import layers_of
 
     with torch.device("meta"):
         model = tiny_moe("mixtral")

@@ -15,9 +15,9 @@ from torch import nn
 
 import dtensor_quant as dq
 from dtensor_quant.__main__ import main
-from dtensor_quant.model.padding import mlp_padding
-from dtensor_quant.model.plan_layers import PlanKeys, layers_of
-from dtensor_quant.model.planner import Layer, plan, stored_bytes
+from dtensor_quant._model.padding import mlp_padding
+from dtensor_quant._model.plan_layers import PlanKeys, layers_of
+from dtensor_quant._model.planner import Layer, plan, stored_bytes
 
 transformers = pytest.importorskip("transformers", reason="the whole-model planner tests build transformers models")
 

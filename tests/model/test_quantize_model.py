@@ -2,7 +2,7 @@
 
 A tiny transformers Mixtral and Qwen3-MoE have every expert quantized and run
 their own forward (eager per-expert loop and the grouped_mm path) on them.
-(The N-D weights themselves: tests/dist/test_shard_quant.py quantizes them,
+(The N-D weights themselves: tests/parallel/test_shard_quant.py quantizes them,
 tests/ops/test_layout_ops.py slices them, tests/ops/test_matmul.py multiplies.)
 """
 
@@ -67,7 +67,7 @@ def test_quantize_moe_model_covers_every_expert(kind, fmt):
     dq.quantize_(model, fmt, left_dense=dense)
     experts = [n for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
     assert len(experts) == 4  # two layers, two fused stacks each
-    quantized = set(dq.model.quantized_fqns(model))
+    quantized = set(dq.quantized_fqns(model))
     assert set(experts) <= quantized
     # every parameter is either quantized or listed with a reason; the routers stay dense (listed)
     assert quantized | {n for n, _ in dense} == {n for n, _ in model.named_parameters()}

@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import dtensor_quant as dq
-from dtensor_quant.model.tp_plan import adapt_tp_plan
+from dtensor_quant._model.tp_plan import adapt_tp_plan
 from dtensor_quant.testing import weight
 
 
@@ -28,7 +28,7 @@ def test_legal_row_cut_is_kept():
 
 def test_planner_suggests_the_switch():
     """The planner's refusal of TinyLlama's NF4 down-projection names the way to keep the degree."""
-    from dtensor_quant.model.planner import plan
+    from dtensor_quant._model.planner import plan
 
     ((_, cells),) = plan([("w2", (2048, 5632), "rowwise")], dq.NF4(), tp=[2, 4]).rows
     for cell in cells:

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtensor_quant as dq
-from dtensor_quant.core.format import Reducer
-from dtensor_quant.core.stochastic import Noise
-from dtensor_quant.model import trainable
+from dtensor_quant._core.format import Reducer
+from dtensor_quant._core.stochastic import Noise
+from dtensor_quant._model import trainable
 
 SR_FORMATS = {"int8": dq.Int8Rowwise(), "float8": dq.Float8Rowwise(), "float8t": dq.Float8Tensorwise()}
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import dtensor_quant as dq
-from dtensor_quant.model.vocab_padding import vocab_length
+from dtensor_quant._model.vocab_padding import vocab_length
 from dtensor_quant.testing import assert_same_bits
 
 transformers = pytest.importorskip("transformers", reason="the vocabulary tests pad a transformers model")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dtensor_quant as dq
-from dtensor_quant.core.layout import Blocked, Stacked
-from dtensor_quant.dist.placements import dim_alignment
-from dtensor_quant.ops.layout_ops import pad_end
+from dtensor_quant._core.layout import Blocked, Stacked
+from dtensor_quant._ops.layout_ops import pad_end
+from dtensor_quant._parallel.placements import dim_alignment
 from dtensor_quant.testing import FORMATS, assert_same_bits, pick, weight
 from tests.support.extra_formats import EXTRA_FORMATS
 from tests.support.format_cases import int8_codes

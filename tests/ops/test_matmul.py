@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant.core import native
-from dtensor_quant.core.reductions import block_reduce, expand_blocks
-from dtensor_quant.formats import float8, int4, int4_zero, int8, nf4
+from dtensor_quant._core import native
+from dtensor_quant._core.reductions import block_reduce, expand_blocks
+from dtensor_quant._formats import float8, int4, int4_zero, int8, nf4
 from dtensor_quant.testing import (
     FORMATS,
     assert_within,
@@ -32,7 +32,7 @@ from dtensor_quant.testing import (
 from tests.support.format_cases import int8_codes
 
 KERNELS = list(where(has_kernel))  # the formats with a matmul kernel of their own
-# dtensor_quant.core.native's kernels (tests/core/test_native.py, tests/core/test_native_tiles.py): bf16 and fp32
+# dtensor_quant._core.native's kernels (tests/core/test_native.py, tests/core/test_native_tiles.py): bf16 and fp32
 # activations, an x86 CPU, a C++ compiler; int8/int4 also have torch's kernels for 1 (int4: 1-2) bf16 tokens.
 NATIVE = {dq.NF4: nf4, dq.BnbNF4: nf4, dq.NF4BlockScales: nf4, dq.MXFP4: nf4, dq.Int4GroupwiseIntZero: int4_zero,
           dq.Float8Rowwise: float8, dq.Float8Tensorwise: float8, dq.Float8Blockwise: float8, dq.Int4Groupwise: int4,
@@ -214,7 +214,7 @@ def test_compiled_linear_reuses_the_prepared_weight(monkeypatch, backend, fmt_na
 
 def test_record_paths_counts_each_matmuls_path():
     """record_paths says which path each matmul with a quantized weight took: the format's kernel or dequantize."""
-    from dtensor_quant.ops.matmul import record_paths
+    from dtensor_quant._ops.matmul import record_paths
 
     q = dq.quantize(weight((64, 256), seed=1), dq.Int8Rowwise())
     with record_paths() as paths:
@@ -352,8 +352,8 @@ def test_moe_layer_runs_each_experts_tokens_through_kernels_without_a_dense_expe
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    from dtensor_quant.core import native
-    from dtensor_quant.ops.matmul import record_paths
+    from dtensor_quant._core import native
+    from dtensor_quant._ops.matmul import record_paths
 
     if not native.enabled():
         pytest.skip("DTENSOR_QUANT_NATIVE=0: no kernels, so every expert dequantizes (tests/core/test_native_tiles.py)")

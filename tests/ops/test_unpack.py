@@ -27,7 +27,7 @@ from dtensor_quant.testing import assert_within, linear_error_bound
 @pytest.mark.parametrize("shape", [(64, 512), (46, 1024), (32, 96)], ids=str)  # (32, 96): NF4 blocks across rows
 def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, shape, monkeypatch):
     """The fast whole-weight path (table lookup, block-grid scales, row chunks) is bit-exact."""
-    from dtensor_quant.ops import unpack
+    from dtensor_quant._ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
 
     q = dq.quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(wdtype) * 0.05, fmt)
@@ -42,7 +42,7 @@ def test_unpack_gives_dequantize_bits_in_every_dtype_and_chunking(fmt, wdtype, s
 
 def test_unpack_refuses_a_slice_whose_blocks_are_not_a_fresh_weights():
     """A column slice of NF4 keeps a factor per row cut short: the flat fast path must not read it in flat order."""
-    from dtensor_quant.ops import unpack
+    from dtensor_quant._ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
 
     q = dq.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)), dq.NF4())
@@ -93,7 +93,7 @@ def test_unpack_matches_dequantize_on_hostile_input(fmt, name):
     depends on which of torch's conversion kernels the CPU runs (float8 NaN to fp32 keeps its mantissa
     bits in ATen's scalar kernel, ATEN_CPU_CAPABILITY=default, and not in its vectorized ones).
     """
-    from dtensor_quant.ops import unpack
+    from dtensor_quant._ops import unpack
     from dtensor_quant.testing import reference_dequantize, same_bits
 
     def same_values(a, b):

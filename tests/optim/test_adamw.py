@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtensor_quant as dq
-from dtensor_quant.core.format import Reducer
-from dtensor_quant.core.stochastic import Noise
+from dtensor_quant._core.format import Reducer
+from dtensor_quant._core.stochastic import Noise
 
 
 def model(dtype=torch.bfloat16) -> nn.Module:
@@ -105,7 +105,7 @@ def test_trainable_int8_weights_with_8bit_states():
     opt = dq.optim.AdamW8bit(m.parameters(), lr=2e-3)
     losses = train(m, opt, 60)
     assert isinstance(m[0].weight, dq.QuantizedTensor) and tail(losses) < 0.7 * losses[0]
-    assert dq.trainable.resolve(m[0].weight).state.step == 60  # one stochastic requantization per step
+    assert dq.training.resolve(m[0].weight).state.step == 60  # one stochastic requantization per step
 
 
 def test_state_dict_round_trip_continues_bit_exactly():
@@ -169,4 +169,4 @@ def test_dense_moments_and_one_requantization_per_step():
     losses = train(m, opt, 30)
     state = opt.state[m[0].weight]
     assert type(state["exp_avg"]) is torch.Tensor and state["exp_avg"].dtype == torch.bfloat16
-    assert dq.trainable.resolve(m[0].weight).state.step == 30 and tail(losses) < 0.8 * losses[0]
+    assert dq.training.resolve(m[0].weight).state.step == 30 and tail(losses) < 0.8 * losses[0]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dtensor_quant import Blocked, Constant, OneToOne, QuantFormat
-from dtensor_quant.core.reductions import block_reduce, expand_blocks
+from dtensor_quant._core.reductions import block_reduce, expand_blocks
 from dtensor_quant.testing import FORMATS as BUILTIN
 
 

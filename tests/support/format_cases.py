@@ -48,7 +48,7 @@ def random_scales(shape, dtype, seed, extremes=True):
 
 def assert_dequantizes_like(q, reference, dtypes=OUT_DTYPES):
     """``q.dequantize(dtype)`` and the fast path equal ``reference(dtype)`` bit for bit in each dtype."""
-    from dtensor_quant.ops import unpack
+    from dtensor_quant._ops import unpack
 
     for dtype in dtypes:
         expected = reference(dtype)

@@ -133,7 +133,7 @@ def check_loaded(model, path, fmt, result) -> dict:
 
 def _stored(full, name, fmt, dtype):
     """The checkpoint's stored FP8 weight as a QuantizedTensor (built from the file's bytes, not quantized)."""
-    from dtensor_quant.ops.layout_ops import canonical_dims
+    from dtensor_quant._ops.layout_ops import canonical_dims
 
     q, s = full[name], full[name + "_scale_inv"]
     rels = tuple(fmt.layout.values())

@@ -89,7 +89,7 @@ def reference_losses(fmt_name: str, cfg_name: str, steps: int, mp: str | None = 
 
 def gather_quantized_model(fmt_name: str | None, cfg_name: str = "even", quant_dtype=None):
     """The tiny LLaMA, fully trainable; its blocks' Linears all-gathered quantized (None: dense)."""
-    from dtensor_quant.fsdp.gather_quantized import gather_quantized_
+    from dtensor_quant._fsdp.gather_quantized import gather_quantized_
 
     model = tiny_llama.build(CONFIGS[cfg_name], seed=0, dtype=torch.float32)
     if fmt_name is not None:
@@ -113,8 +113,8 @@ def floor_bytes(unit: torch.nn.Module, shard: int, param_dtype=None) -> int:
     every dim; dense parameters their padded shard in ``param_dtype``.
     Parameters may already be tensor-parallel DTensors (their local shard counts).
     """
-    from dtensor_quant.core.layout import Constant
-    from dtensor_quant.fsdp.gather_quantized import GatherQuantized
+    from dtensor_quant._core.layout import Constant
+    from dtensor_quant._fsdp.gather_quantized import GatherQuantized
 
     total = 0
     for p in unit.parameters():

@@ -30,5 +30,5 @@ def test_missing_and_unexpected_tensors_are_refused(tmp_path, checkpoints):
         dq.hf.load(model, tmp_path)
     assert "extra.weight" in str(e.value)
     result = dq.hf.load(model, tmp_path, strict=False)
-    assert sorted(result.quantized) == sorted(dq.model.quantized_fqns(model))
+    assert sorted(result.quantized) == sorted(dq.quantized_fqns(model))
     assert (result.missing, result.unexpected) == (["model.norm.weight"], ["extra.weight"])

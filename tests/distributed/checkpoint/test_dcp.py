@@ -174,7 +174,7 @@ def transposed_roundtrip(path, src_dim, dst_dim):
         q = dq.quantize(weight((12, 128), seed), fmt).t()  # logical [128, 12]
         module = nn.Module()
         module.w = nn.Parameter(distribute_tensor(q, mesh(2), [Shard(dim)], src_data_rank=None), requires_grad=False)
-        return dq.state_dict.register(module), q
+        return dq.checkpoint.register(module), q
 
     saved, expected = holder(SEED, src_dim)
     ckpt.save(saved, path)

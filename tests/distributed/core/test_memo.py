@@ -6,8 +6,8 @@ Bytes, layout, wire log and agreement checks.
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
-from dtensor_quant.core import memo
-from dtensor_quant.dist import agree, wire
+from dtensor_quant._core import memo
+from dtensor_quant._parallel import agree, wire
 from dtensor_quant.testing import assert_same_bits, mesh, pick, weight
 
 FORMATS = list(pick("int8", "int4g32", "nf4b32s4", "f8row", "f8tensor").values())

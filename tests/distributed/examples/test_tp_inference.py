@@ -45,11 +45,11 @@ def tp_generate(fmt_name, world, quantize_first, sequence_parallel, dtype=torch.
     # Every quantized weight is a DTensor whose local shard has exactly the bytes of the same shard
     # of the one-process quantized weight.
     ref_params = dict(reference.named_parameters())
-    for name in dq.model.quantized_fqns(model):
+    for name in dq.quantized_fqns(model):
         p = model.get_parameter(name)
         assert isinstance(p, DTensor), name
         assert_same_bits(p.to_local(), distribute_tensor(ref_params[name], m, p.placements).to_local(), name)
-    assert len(dq.model.quantized_fqns(model)) == 15
+    assert len(dq.quantized_fqns(model)) == 15
     expected = tiny_llama.generate(reference, PROMPT, new_tokens, pad)
     tokens = tiny_llama.generate(model, PROMPT, new_tokens, pad)
     padded = F.pad(expected, (0, -expected.shape[1] % pad))
@@ -78,7 +78,7 @@ def test_tp_bf16_within_rounding(ranks, fmt_name):
 
 def one_token_through_fused_kernels(fmt_name):
     """One decode token on the TP model (every Linear's fused kernel, counted) and on one process, dequantizing."""
-    from dtensor_quant.formats import float8, nf4
+    from dtensor_quant._formats import float8, nf4
 
     calls, originals = [], {module: module.fused_linear for module in (float8, nf4)}
     native = os.environ.get("DTENSOR_QUANT_NATIVE")  # restored after: the ranks live on for other tests
@@ -109,7 +109,7 @@ def one_token_through_fused_kernels(fmt_name):
 def test_tp_decode_runs_the_fused_kernels(ranks, fmt_name):
     """TP=2, one bf16 token: all 15 quantized Linears of each rank run NF4's/float8's fused kernel, and the logits
     are one process's (dequantize + mm) up to rounding."""
-    from dtensor_quant.formats import float8, nf4
+    from dtensor_quant._formats import float8, nf4
 
     if nf4.kernel() is None or float8.kernel() is None:
         pytest.skip("no fused kernels here (DTENSOR_QUANT_NATIVE=0, or no AVX2 or C++ compiler)")

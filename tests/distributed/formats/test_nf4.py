@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dtensor_quant as dq
+from dtensor_quant.checkpoint import register
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.state_dict import register
 from dtensor_quant.testing import assert_same_bits, assert_within, linear_error_bound, mesh, rank, same_bits, weight
 from tests.formats.test_nf4 import rows_per_cut
 

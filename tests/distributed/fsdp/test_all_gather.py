@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 import dtensor_quant as dq
 from dtensor_quant import wire
-from dtensor_quant.core.layout import Constant
+from dtensor_quant._core.layout import Constant
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.testing import mesh, rank, same_bits, weight
 from tests.support.extra_formats import FORMATS

@@ -14,8 +14,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import dtensor_quant as dq
 from dtensor_quant import wire
+from dtensor_quant._fsdp.gather_quantized import GatherQuantized
 from dtensor_quant.fsdp import fully_shard
-from dtensor_quant.fsdp.gather_quantized import GatherQuantized
 from dtensor_quant.testing import assert_same_bits, assert_within, gamma, mesh, rank, weight
 from tests.support.extra_formats import FORMATS, RowBlockInt8
 from tests.support.training import batches, floor_bytes, gather_quantized_model, gather_quantized_reference, train

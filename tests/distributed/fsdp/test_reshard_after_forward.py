@@ -214,7 +214,7 @@ def plain_torch_fully_shard():
     """torch's own fully_shard after the fix is installed: the same bytes (the fix is in torch's FSDPParam)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from dtensor_quant.fsdp.reshard_after_forward import install_fsdp_post_forward_reshard
+    from dtensor_quant._fsdp.reshard_after_forward import install_fsdp_post_forward_reshard
 
     install_fsdp_post_forward_reshard()
     model, q = quantized_model("int4g32", (16, 1536))
@@ -280,7 +280,7 @@ def mixed_unit_patterns(k, gathered_quantized=False):
         blocks.append(nn.Sequential(frozen, dense))
     model = nn.Sequential(*blocks)
     if gathered_quantized:  # the trainable Linears all-gathered in Int8Rowwise (GatherQuantized)
-        from dtensor_quant.fsdp.gather_quantized import GatherQuantized, gather_quantized_
+        from dtensor_quant._fsdp.gather_quantized import GatherQuantized, gather_quantized_
 
         gather_quantized_(model, dq.Int8Rowwise(), filter_fn=lambda m, fqn: fqn.endswith(".1"))
         assert all(isinstance(b[1].weight, GatherQuantized) for b in blocks)

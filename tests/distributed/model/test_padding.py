@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.model.padding import pad_for_tp
+from dtensor_quant._model.padding import pad_for_tp
 from dtensor_quant.testing import assert_same_bits, mesh
 from tests.model.test_padding import INT4, assert_same_function, inputs, mlp
 

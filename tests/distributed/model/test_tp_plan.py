@@ -27,8 +27,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import dtensor_quant as dq
-from dtensor_quant.formats import nf4
-from dtensor_quant.model.tp_plan import adapt_tp_plan
+from dtensor_quant._formats import nf4
+from dtensor_quant._model.tp_plan import adapt_tp_plan
 from dtensor_quant.testing import assert_within, linear_error_bound, mesh, weight
 from dtensor_quant.testing.bounds import unit_roundoff
 from tests.model.test_tp_plan import MLP, PLAN, Block, quantized

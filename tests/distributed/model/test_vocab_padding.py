@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant.model.vocab_padding import mask_padded_logits
+from dtensor_quant._model.vocab_padding import mask_padded_logits
 from dtensor_quant.testing import mesh
 from tests.model.test_vocab_padding import BLOCKS, BLOCKS_PADDED, FP8B, assert_logits_close, head_input, tiny, tokens
 

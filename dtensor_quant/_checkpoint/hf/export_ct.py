@@ -1,0 +1,159 @@
+"""Writing quantized weights in a producer's layout: compressed-tensors, which vLLM and transformers read.
+
+``dq.hf.save(model, dir, quantization="compressed-tensors")`` writes each
+quantized weight whose format compressed-tensors can express as that
+format's stored bytes, rearranged into compressed-tensors' tensors by the
+same :class:`~.stored.Stored` maps the loader reads them with (so a save
+then a load is the identity on the bytes), and ``config.json``'s
+``quantization_config`` with one config group per scheme, targeting the
+modules by name, and the dense Linears in ``ignore``.
+
+What compressed-tensors can express, and how:
+
+=====================================  ==========================================================
+format                                 compressed-tensors scheme (``format``)
+=====================================  ==========================================================
+``Int8Rowwise``                        int8, channel, symmetric (``int-quantized``)
+``Float8Rowwise``                      fp8 e4m3, channel (``float-quantized``)
+``Float8Blockwise(b)``                 fp8 e4m3, ``b x b`` blocks (``float-quantized``)
+``Int4Groupwise(g)`` with zero = 0     int4, group ``g``, symmetric (``pack-quantized``)
+``Int4GroupwiseIntZero(g)``            int4, group ``g``, asymmetric (``pack-quantized``)
+``MXFP4``                              mxfp4 (``mxfp4-pack-quantized``)
+=====================================  ==========================================================
+
+compressed-tensors loads scales in the model's dtype, so a weight whose
+scales are in another dtype is refused (it would be rounded on the way in),
+as is an ``Int4Groupwise`` weight with a nonzero float zero point and every
+other format (NF4, BnbNF4, Float8Tensorwise): the message says so, by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..._core.format import weight_layout
+from ..._formats import MXFP4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
+from ..state_dict import canonical_view, entry_placements, entry_shape
+from .prequantized import StoredLayout, weight_shape_record
+from .stored import Fill, PackedCodes, Same, Words
+from .tensors import first_replica, regions
+
+QUANTIZATIONS = ("compressed-tensors",)
+
+
+def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout] | str:
+    """``(format name, weights args, layout)`` for ``fmt`` in compressed-tensors, or why it cannot be written."""
+    sd = getattr(fmt, "scale_dtype", None) or (torch.float32 if isinstance(fmt, Float8Blockwise) else dtype)
+    base = {"dynamic": False, "symmetric": True, "group_size": None}
+    scale = ("scale", Same("{key}_scale", sd))
+    if not isinstance(fmt, MXFP4) and sd != dtype:
+        return (f"its scales are {sd} in a {dtype} model, and compressed-tensors loads scales in the model's dtype "
+                "(they would be rounded); build the model in the scales' dtype")  # fmt: skip
+    if isinstance(fmt, Int8Rowwise):
+        args = dict(base, num_bits=8, type="int", strategy="channel")
+        return "int-quantized", args, StoredLayout(fmt, "", (("qdata", Same("{key}", torch.int8)), scale))
+    if isinstance(fmt, Float8Rowwise):
+        args = dict(base, num_bits=8, type="float", strategy="channel")
+        return "float-quantized", args, StoredLayout(fmt, "", (("qdata", Same("{key}", torch.float8_e4m3fn)), scale))
+    if isinstance(fmt, Float8Blockwise):
+        b = fmt.block_size
+        args = dict(base, num_bits=8, type="float", strategy="block", block_structure=[b, b])
+        inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale", sd)))
+        return "float-quantized", args, StoredLayout(fmt, "", inner)
+    codes = ("qdata", Words("{key}_packed", torch.int32))
+    if isinstance(fmt, Int4Groupwise):
+        args = dict(base, num_bits=4, type="int", strategy="group", group_size=fmt.group_size)
+        inner = (codes, scale, ("zero", Fill("", sd, 0.0)))
+        return "pack-quantized", args, StoredLayout(fmt, "", inner, (weight_shape_record(),))
+    if isinstance(fmt, Int4GroupwiseIntZero):
+        args = dict(base, num_bits=4, type="int", strategy="group", group_size=fmt.group_size, symmetric=False)
+        zero = ("zero", PackedCodes("{key}_zero_point", torch.int32, along=0, unpacked=True))
+        return "pack-quantized", args, StoredLayout(fmt, "", (codes, scale, zero), (weight_shape_record(),))
+    if isinstance(fmt, MXFP4):
+        args = dict(base, num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
+        inner = (("qdata", Same("{key}_packed", torch.uint8)), ("scale", Same("{key}_scale", torch.uint8)))
+        return "mxfp4-pack-quantized", args, StoredLayout(fmt, "", inner)
+    return (f"compressed-tensors has no scheme for {fmt} (it writes Int8Rowwise, Float8Rowwise, "
+            "Float8Blockwise, Int4Groupwise with zero points 0, Int4GroupwiseIntZero and MXFP4); save it dense "
+            "(quantization=None)")  # fmt: skip
+
+
+class CompressedTensorsExport:
+    """The compressed-tensors form of a model's quantized weights; :func:`~.saving.save` asks it per weight."""
+
+    def __init__(self):
+        self.groups: dict[tuple, list[str]] = {}  # (format name, args as JSON) -> module names
+
+    def items(self, key: str, t: torch.Tensor, leader: bool) -> list[tuple]:
+        """``(key, dtype, global shape, spans, fetch)`` of every tensor holding quantized weight ``key``.
+
+        ``spans`` are this rank's boxes to write, as :func:`~.tensors.regions`
+        gives them (empty: another replica writes). Raises ``ValueError`` when
+        the weight cannot be written as compressed-tensors stores it (the save
+        agrees on it across ranks).
+        """
+        q, inner, to_canonical, shape = canonical_view(t, key)
+        why = "its key does not end in .weight" if not key.endswith(".weight") or len(shape) != 2 else None
+        scheme = why or _scheme(q.fmt, t.dtype)
+        if isinstance(scheme, str):
+            raise ValueError(f"{key}: {q.fmt} cannot be written as compressed-tensors: {scheme}")
+        fmt_name, args, layout = scheme
+        mesh = t.device_mesh if isinstance(t, DTensor) else None
+        out = []
+        for name, rels in weight_layout(q.fmt, shape).items():
+            st, g_shape = layout.stored(name), entry_shape(rels, shape)
+            placements = entry_placements(t.placements, rels, to_canonical) if mesh is not None else None
+            boxes = regions(g_shape, mesh, placements)
+            chunk = inner[name]
+            if len(boxes) > 1:
+                raise ValueError(f"{key}: this rank's '{name}' is no single box of the weight (a strided shard)")
+            offset = boxes[0][1] if boxes else (0,) * len(g_shape)
+            if isinstance(st, Fill):
+                if not st.holds(chunk):
+                    raise ValueError(f"{key}: {q.fmt} has nonzero zero points; compressed-tensors' symmetric int4 "
+                                     "has none (Int4GroupwiseIntZero writes integer zero points)")  # fmt: skip
+                continue
+            align = st.write_alignment(len(g_shape))
+            if not all(o % a == 0 and (n % a == 0 or o + n == g) for o, n, g, a in
+                       zip(offset, chunk.shape, g_shape, align)):  # fmt: skip
+                raise ValueError(f"{key}: a shard boundary of '{name}' cuts a packed int32 word (8 values)")
+            s_offset, s_chunk = st.to_stored(chunk, offset, g_shape)
+            writes = boxes and first_replica(mesh, placements, leader)
+            spans = [((0,) * s_chunk.ndim, tuple(s_offset), tuple(s_chunk.shape))] if writes else []
+            out.append((st.key(key), st.dtype, st.stored_shape(g_shape), spans, lambda c=s_chunk: c))
+        for extra in layout.extras:
+            value = extra.value(shape)
+            spans = [((0,), (0,), tuple(value.shape))] if leader else []
+            out.append((extra.key(key), value.dtype, tuple(value.shape), spans, lambda v=value: v))
+        module = key[: -len(".weight")]
+        self.groups.setdefault((fmt_name, json.dumps(args, sort_keys=True)), []).append(module)
+        return out
+
+    def config(self, dense_linears: list[str]) -> dict:
+        """``quantization_config`` for ``config.json``: one group per scheme, by module name; dense Linears ignored."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        groups = {}
+        for i, ((fmt_name, args), modules) in enumerate(sorted(self.groups.items())):
+            groups[f"group_{i}"] = {"targets": sorted(modules), "weights": json.loads(args), "format": fmt_name,
+                                    "input_activations": None, "output_activations": None}  # fmt: skip
+        formats = {g["format"] for g in groups.values()}
+        try:  # the version of the package that reads it, where installed (not a dependency of this library)
+            ct_version = {"version": version("compressed-tensors")}
+        except PackageNotFoundError:
+            ct_version = {}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "quantization_status": "compressed",
+            "config_groups": groups,
+            "ignore": sorted(dense_linears),
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "transform_config": {},
+            "global_compression_ratio": None,
+            **ct_version,
+        }

@@ -1,0 +1,403 @@
+"""``save``: every rank computes the same file layout, rank 0 writes the headers, each rank writes its own slices.
+
+Weights in a format's Hugging Face layout are written as stored; every other
+weight is dense, with LoRA adapters merged into their base weights on the way
+and the padding of :func:`~dtensor_quant.pad_for_tp` left out.
+
+The save runs in steps, and the ranks agree on the outcome of each before the
+next (:func:`~dtensor_quant._parallel.agree.raise_together`): a failure on any rank (a
+refused model, an unwritable directory, a full disk) raises on every rank
+within one all-gather, never leaving the others in a barrier until the process
+group's timeout. New files are written into a staging directory inside the
+export directory and moved into place only after every rank's bytes are on
+disk, so a failed save leaves the previous export as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..._core.layout import Blocked, Constant, OneToOne, Packed
+from ..._core.tensor import QuantizedTensor
+from ..._parallel.agree import raise_together
+from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
+from .adapters import Delta, Wrapper, unwrap
+from .export_ct import QUANTIZATIONS, CompressedTensorsExport
+from .safetensors_io import INDEX, NAMES, SINGLE, byte_runs
+from .tensors import (
+    agreement_scope,
+    describe,
+    first_replica,
+    index_lists,
+    local_tensor,
+    model_tensors,
+    refuse_partial,
+    regions,
+    stored_suffixes,
+    unpadded_shapes,
+)
+
+STAGING = ".dq_hf_save.partial"  # inside the export directory: the new files until every rank has written
+
+
+@dataclass
+class _Item:
+    """One tensor of the export, as this rank sees it."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # in the file (padding left out)
+    spans: list  # this rank's boxes to write, as tensors.regions gives them (empty: another rank writes)
+    fetch: Callable[[], torch.Tensor]  # this rank's local tensor, in ``dtype`` (called only when ``spans``)
+    padding: tuple[int, int, list] | None = None  # (dim, kept length, local indices): the left-out part must be 0
+
+
+def _export_items(
+    model: nn.Module, dtype: torch.dtype, merge_lora: bool, adapters: dict, full: dict, leader: bool, export=None
+) -> list[_Item]:
+    """Every tensor of the export, checked: no collective, no write, the same verdict on every rank.
+
+    ``adapters`` is filled with the adapter tensors to merge (id -> tensor);
+    the merged slices read them from ``full``, filled once they are gathered.
+    """
+    unpadded, padding_buffers = unpadded_shapes(model)
+    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    items, refused, unmerged = [], {}, []
+    for key, wrapper, t in model_tensors(model):
+        if wrapper is not None and wrapper.refused is not None:
+            refused.setdefault(wrapper.refused, []).append(names.get(id(t), "?"))
+            continue
+        if key is None:  # an adapter's own tensor
+            name = names.get(id(t), "?")
+            if merge_lora:
+                continue
+            if wrapper.kind != "dq.lora":
+                unmerged.append(name)
+                continue
+            items.append(_dense_item(name, t, dtype, None, lambda t=t: local_tensor(t), leader))
+            continue
+        if id(t) in padding_buffers:
+            continue  # the export is unpadded: nothing to record
+        merging = merge_lora and wrapper is not None and wrapper.deltas and _is_base_weight(wrapper, t)
+        if export is not None and is_quantized(t):  # a producer's layout (quantization="compressed-tensors")
+            if merging:
+                raise ValueError(f"{key}: merging LoRA adapters would change its stored bytes; merge them first "
+                                 "(peft: dq.lora.merge_and_unload) or save with merge_lora=False")  # fmt: skip
+            if key in unpadded:
+                raise ValueError(f"{key}: a weight padded by pad_for_tp is not written as compressed-tensors")
+            items += [_Item(*x) for x in export.items(key, t, leader)]
+            continue
+        suffixes = stored_suffixes(t)
+        if suffixes is not None and merging:
+            raise ValueError(
+                f"{key}: merging LoRA adapters changes this {describe(t)} weight, whose stored bytes are "
+                "written as they are; save with merge_lora=False (adapters as their own tensors), or merge "
+                "into a dense copy of the model"
+            )
+        if suffixes is not None:
+            items += _stored_items(key, t, suffixes, unpadded.get(key), leader)
+            continue
+        if merging:
+            for d in wrapper.deltas:
+                adapters[id(d.a)], adapters[id(d.b)] = d.a, d.b
+            fetch = _merged_fetch(t, wrapper.deltas, full)
+        else:
+            fetch = _plain_fetch(t)
+        items.append(_dense_item(key, t, dtype, unpadded.get(key), fetch, leader))
+    if refused:
+        lines = [f"{why}: {keys[:6]}{' ...' if len(keys) > 6 else ''}" for why, keys in refused.items()]
+        raise ValueError(
+            "cannot export adapter layers that are not merged into plain weights (from_pretrained would leave "
+            "the wrapped weights randomly initialized):\n  " + "\n  ".join(lines) + "\nMerge them yourself "
+            "(peft: merge_and_unload()) or save the adapters with their own library"
+        )
+    if unmerged:
+        raise ValueError(
+            f"merge_lora=False would write peft's adapter tensors {unmerged[:6]}{' ...' if len(unmerged) > 6 else ''} "
+            "under names no Hugging Face model has; save with merge_lora=True (adapters merged into the weights), "
+            "or save the adapters with peft's save_pretrained"
+        )
+    return items
+
+
+def _is_base_weight(wrapper: Wrapper, t: torch.Tensor) -> bool:
+    return getattr(getattr(wrapper.module, wrapper.base), "weight", None) is t
+
+
+def _dense_item(key, t, dtype, unpadded, fetch, leader: bool) -> _Item:
+    out_dtype = dtype if t.is_floating_point() else t.dtype
+    shape = tuple(t.shape)
+    mesh, placements = (t.device_mesh, t.placements) if isinstance(t, DTensor) else (None, None)
+    refuse_partial(t)
+    writes = first_replica(mesh, placements, leader)
+    spans = regions(shape, mesh, placements, unpadded) if writes else []
+    padding = None
+    if unpadded is not None and writes:
+        dim = next(d for d, (n, m) in enumerate(zip(shape, unpadded)) if n != m)
+        index = index_lists(shape, mesh, placements) if mesh is not None else [range(n) for n in shape]
+        padding = (dim, unpadded[dim], index[dim])
+
+    def cast():
+        local = fetch()
+        if isinstance(local, QuantizedTensor):
+            return local.dequantize(dtype)
+        return local.to(out_dtype)
+
+    return _Item(key, out_dtype, tuple(unpadded or shape), spans, cast, padding)
+
+
+def _stored_items(key, t, suffixes, unpadded, leader: bool) -> list[_Item]:
+    """The inner tensors of a weight written as stored, each under its suffix (padding left out whole blocks)."""
+    q, inner, to_canonical, shape = canonical_view(t, key)
+    keep = shape
+    if unpadded is not None:
+        keep = tuple(unpadded[d] for d in sorted(range(len(shape)), key=lambda d: to_canonical[d]))
+    out = []
+    for name, rels in q.fmt.layout_for(shape).items():
+        g_shape = entry_shape(rels, shape)
+        for d, (n, m) in enumerate(zip(shape, keep)):
+            if n != m and not isinstance(rels[d], (OneToOne, Packed, Blocked, Constant)):
+                raise ValueError(f"{key}: {q.fmt}'s '{name}' ({rels[d]}) cannot leave out the padding of dim {d}")
+        e_keep = entry_shape(rels, keep)
+        mesh = t.device_mesh if isinstance(t, DTensor) else None
+        placements = entry_placements(t.placements, rels, to_canonical) if mesh is not None else None
+        spans = regions(g_shape, mesh, placements, e_keep) if first_replica(mesh, placements, leader) else []
+        out.append(_Item(key + suffixes[name], inner[name].dtype, e_keep, spans, lambda x=inner[name]: x))
+    return out
+
+
+def _plain_fetch(t):
+    return lambda: local_tensor(t)
+
+
+def _merged_fetch(weight: torch.Tensor, deltas: list[Delta], full: dict):
+    """This rank's slice of ``W + sum(scaling * B @ A)`` in fp32, then ``dtype``.
+
+    Each delta is computed for this rank's rows and columns only, from the
+    adapters gathered whole (they are small): any placement of the weight
+    and of the adapters works, and no rank holds more than its own slice.
+    """
+
+    def fetch():
+        base = local_tensor(weight)
+        base = base.dequantize(torch.float32) if isinstance(base, QuantizedTensor) else base.float()
+        if isinstance(weight, DTensor):
+            rows, cols = index_lists(tuple(weight.shape), weight.device_mesh, weight.placements)
+        else:
+            rows, cols = range(weight.shape[0]), range(weight.shape[1])
+        out = base
+        for d in deltas:
+            a, b = full[id(d.a)], full[id(d.b)]
+            r, c = (cols, rows) if d.transposed else (rows, cols)
+            part = torch.mm(b[_take(r)], a[:, _take(c)]) * d.scaling
+            out = out + (part.t() if d.transposed else part)
+        return out
+
+    return fetch
+
+
+def _take(index) -> slice | list:
+    return slice(index.start, index.stop) if isinstance(index, range) else list(index)
+
+
+def _gather_adapters(adapters: dict, full: dict) -> None:
+    """Every adapter tensor whole, in fp32, on every rank (in the same order everywhere: a collective each)."""
+    for k, t in adapters.items():
+        t = t.detach()
+        full[k] = (t.full_tensor() if isinstance(t, DTensor) else t).float()
+
+
+def save(
+    model: nn.Module,
+    path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    merge_lora: bool = True,
+    max_shard_bytes: int = 5 << 30,
+    quantization: str | None = None,
+) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory that ``from_pretrained`` reads.
+
+    Every rank calls it; each writes the bytes of its own slices, whatever the
+    placements (tensor parallel, FSDP2, both (``_StridedShard``), HSDP, expert
+    stacks). Weights in a format with a Hugging Face layout
+    (``checkpoint_suffixes``, e.g. FP8 block scales) are written as stored,
+    with the format's ``quantization_config``; every other weight is dense
+    ``dtype``. LoRA adapters (:mod:`dtensor_quant.lora`, and peft's LoRA
+    layers) are merged into their weights (``merge_lora``; with False, the
+    library's own are written as ``<layer>.lora_a.weight``/``lora_b.weight``
+    beside the base weight and peft's are refused); adapters that cannot be
+    merged (DoRA, other peft tuners) are refused, naming them. MLPs padded by
+    :func:`~dtensor_quant.pad_for_tp` are written at their original size
+    (the padding must be zero). ``model.config`` (transformers) is saved
+    alongside. Files over ``max_shard_bytes`` are split with an index.
+
+    ``quantization="compressed-tensors"``: every quantized weight is written
+    in compressed-tensors' layout instead (the formats it can express, as
+    their stored bytes: :mod:`~dtensor_quant._checkpoint.hf.export_ct`), with
+    its ``quantization_config``, for vLLM and transformers; a weight it cannot
+    express raises ``ValueError`` on every rank before any file is written.
+
+    A failure on any rank raises on every rank, and the previous contents of
+    ``path`` stay as they were until every rank's bytes are written.
+    """
+    path = Path(path)
+    model = unwrap(model)
+    what = f"dq.hf.save to {path}"
+    adapters, full = {}, {}
+    scope, leader = agreement_scope(model)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"save(quantization={quantization!r}): known are {QUANTIZATIONS}, or None (as stored)")
+    export = CompressedTensorsExport() if quantization == "compressed-tensors" else None
+    quant = {}
+
+    def plan():
+        items = _export_items(model, dtype, merge_lora, adapters, full, leader, export)
+        if export is not None:
+            dense = [f for f, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
+            quant.update(export.config(dense))
+        return items, _layout(items, max_shard_bytes)
+
+    items, files = raise_together(plan, what=what, **scope)
+    _gather_adapters(adapters, full)  # the only collectives besides the agreements: before any write
+    staging = path / STAGING
+    try:
+        raise_together(lambda: _create_files(path, staging, files) if leader else None, what=what, **scope)
+        raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
+        raise_together(lambda: _commit(model, path, staging, files, quant) if leader else None, what=what, **scope)
+    except Exception:
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _create_files(path: Path, staging: Path, files: dict) -> None:
+    """Rank 0: the staging directory with every file at its final size, headers written."""
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)  # a save that died before cleaning up
+    staging.mkdir()
+    for name, (header, size) in files.items():
+        with open(staging / name, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+
+
+def _write_slices(staging: Path, items: list[_Item], files: dict) -> None:
+    """This rank's slices at their offsets (no collective: a failure here is agreed on afterwards)."""
+    where = {k: (name, len(h) + e["data_offsets"][0]) for name, (h, _) in files.items() for k, e in _keys(h).items()}
+    fds: dict[str, int] = {}
+    try:
+        for item in items:
+            if not item.spans:
+                continue
+            local = item.fetch()
+            if item.padding is not None:
+                _check_padding_is_zero(item, local)
+            name, start = where[item.key]
+            fd = fds.get(name) or fds.setdefault(name, os.open(staging / name, os.O_WRONLY))
+            for l_start, g_start, lengths in item.spans:
+                part = local[tuple(slice(s, s + n) for s, n in zip(l_start, lengths))]
+                data = part.contiguous().reshape(-1).view(torch.uint8).numpy()
+                for pos, at, n in byte_runs(item.shape, g_start, lengths, item.dtype.itemsize):
+                    os.pwrite(fd, memoryview(data)[pos : pos + n], start + at)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _check_padding_is_zero(item: _Item, local: torch.Tensor) -> None:
+    dim, kept, index = item.padding
+    dropped = [pos for pos, g in enumerate(index) if g >= kept]
+    if dropped and local.index_select(dim, torch.tensor(dropped)).count_nonzero():
+        raise ValueError(
+            f"{item.key}: the padding pad_for_tp added (indices >= {kept} of dim {dim}) holds non-zero values, "
+            "so the padded model computes something the unpadded export would not; nothing was written"
+        )
+
+
+def _commit(model: nn.Module, path: Path, staging: Path, files: dict, quant: dict | None = None) -> None:
+    """Rank 0: the index (if any), the new files moved into place, stale ones removed, then the config."""
+    old = {p.name for p in path.glob("*.safetensors")}
+    if len(files) > 1:
+        weight_map = {k: name for name, (h, _) in files.items() for k in _keys(h)}
+        total = sum(size - len(h) for h, size in files.values())
+        text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        (staging / INDEX).write_text(text)
+    else:
+        (path / INDEX).unlink(missing_ok=True)  # readers prefer an index: a stale one goes first
+    for name in files:
+        os.replace(staging / name, path / name)
+    if len(files) > 1:
+        os.replace(staging / INDEX, path / INDEX)
+    for name in old - set(files):
+        (path / name).unlink(missing_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    _save_config(model, path, quant or None)
+
+
+def _keys(header: bytes) -> dict:
+    return {k: v for k, v in json.loads(header[8:]).items() if k != "__metadata__"}
+
+
+def _layout(items: list[_Item], max_shard_bytes: int) -> dict[str, tuple[bytes, int]]:
+    """File name -> (header bytes, file size), the same on every rank."""
+    groups, size = [[]], 0
+    for item in items:
+        n = math.prod(item.shape) * item.dtype.itemsize
+        if groups[-1] and size + n > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((item.key, item.dtype, item.shape, n))
+        size += n
+    out = {}
+    for i, group in enumerate(groups, 1):
+        name = SINGLE if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        header, at = {"__metadata__": {"format": "pt"}}, 0
+        for key, g_dtype, g_shape, n in group:
+            if key in header:
+                raise ValueError(f"two tensors of the export are named {key}")
+            header[key] = {"dtype": NAMES[g_dtype], "shape": list(g_shape), "data_offsets": [at, at + n]}
+            at += n
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+        out[name] = (struct.pack("<Q", len(text)) + text, 8 + len(text) + at)
+    return out
+
+
+def _save_config(model: nn.Module, path: Path, quant: dict | None = None) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    if quant is None:
+        quant = {}
+        for _, _, t in model_tensors(model):
+            if stored_suffixes(t) is not None:
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                quant = local.fmt.hf_quantization_config or quant
+    # The source checkpoint's quantization_config (a config read from a GPTQ directory) describes other files.
+    had = "quantization_config" in config.__dict__
+    previous = config.__dict__.pop("quantization_config", None)
+    if quant:
+        config.quantization_config = quant
+    try:
+        config.save_pretrained(path)
+    finally:
+        config.__dict__.pop("quantization_config", None)
+        if had:
+            config.quantization_config = previous
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(path)

@@ -1,0 +1,442 @@
+"""How a quantized weight appears in a state dict: one plain tensor per inner tensor, plus its format.
+
+DCP records one dtype and one global shape per key, so a quantized weight
+cannot be a single entry: its inner tensors have their own dtypes and shapes.
+A quantized parameter ``weight`` therefore appears in ``state_dict()`` as a
+small dict (DCP flattens it into ``weight.qdata``, ``weight.scale``, ...)::
+
+    {"qdata": <DTensor of uint8>, "scale": <DTensor of bf16>, ..., "__quant__": '{"format": ...}'}
+
+Each inner entry is a plain-tensor DTensor on the parameter's mesh that
+*aliases* the parameter's inner tensor (no copy), so ``dcp.save`` writes the
+stored bytes and ``dcp.load`` reads into the parameter in place. Its
+placements follow from the layout: ``Shard(d)`` of the weight is ``Shard(d)``
+of an inner tensor that is one-to-one, packed or blocked along ``d`` (the
+chunks coincide whenever the weight's placement is legal, which is checked
+here on every rank from shapes alone), and ``Replicate`` of one that is
+constant along ``d``. DCP's own resharding then moves whole packs and blocks.
+``__quant__`` is a JSON string (format, parameters, logical shape and dtype,
+relations): readable without this library and safe under ``weights_only``.
+
+Without a process group a quantized parameter is a plain
+:class:`~dtensor_quant.QuantizedTensor` and its entries are its plain inner
+tensors. :func:`register` installs the module hooks that make
+``model.state_dict()``, ``load_state_dict``, ``get_model_state_dict`` and
+``set_model_state_dict`` use this form; :func:`dtensor_quant.quantize_` calls
+it. The on-disk format is documented in ``docs/checkpoint.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .._core.format import QuantFormat, weight_layout
+from .._core.layout import (
+    Blocked,
+    Constant,
+    FlatBlocked,
+    InFlat,
+    LayoutError,
+    OneToOne,
+    Packed,
+    inner_slice,
+    partial_refused,
+)
+from .._core.notes import watch
+from .._core.tensor import QuantizedTensor, contiguous_strides
+from .._ops.layout_ops import canonical_dims, canonical_inner
+from .._parallel.quantize import quantize
+
+SPEC_KEY = "__quant__"
+SPEC_VERSION = 1
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint entry that does not fit the model's parameter (format, shape or layout)."""
+
+
+# -- the format spec: what a reader needs to interpret the entries ----------------
+
+
+def relation_name(rel) -> str:
+    """``one-to-one``, ``packed:2``, ``blocked:128`` or ``constant`` (the on-disk spelling)."""
+    if isinstance(rel, OneToOne):
+        return "one-to-one"
+    if isinstance(rel, Packed):
+        return f"packed:{rel.p}"
+    if isinstance(rel, Blocked):
+        return f"blocked:{rel.b}"
+    if isinstance(rel, Constant):
+        return "constant"
+    if isinstance(rel, FlatBlocked):
+        return f"flat-{'packed' if rel.packed else 'blocked'}:{rel.b}:{rel.row}"
+    if isinstance(rel, InFlat):
+        return f"in-flat:{rel.n}"
+    raise LayoutError(f"relation {rel} has no checkpoint form")
+
+
+def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapping[str, torch.dtype]) -> dict:
+    """The ``__quant__`` record of a weight of ``shape``/``dtype`` in ``fmt`` (JSON-able).
+
+    Formerly ``format_spec``, a name it shared with the module
+    :mod:`dtensor_quant._model.format_spec` (format names from command-line
+    strings); the old name stays as an alias.
+    """
+    # A parameter that is None is left out: a format without an optional parameter added later (a scale
+    # dtype, say) keeps the record, and so the checkpoints, it had before the parameter existed.
+    fields = dataclasses.fields(fmt) if dataclasses.is_dataclass(fmt) else ()
+    params = {f.name: getattr(fmt, f.name) for f in fields if getattr(fmt, f.name) is not None}
+    return {
+        "version": SPEC_VERSION,
+        "format": type(fmt).__name__,
+        "params": json.loads(json.dumps(params, default=repr)),
+        "description": str(fmt),
+        "shape": [int(n) for n in shape],
+        "dtype": str(dtype).removeprefix("torch."),
+        "inner": {
+            name: {"dtype": str(inner_dtypes[name]).removeprefix("torch."), "layout": [relation_name(r) for r in rels]}
+            for name, rels in weight_layout(fmt, shape).items()
+        },
+    }
+
+
+format_spec = quant_record  # the old name
+
+
+def parse_spec(value, key: str) -> dict:
+    if isinstance(value, dict):
+        return value
+    try:
+        spec = json.loads(value)
+    except (TypeError, ValueError):
+        raise CheckpointFormatError(f"{key}.{SPEC_KEY}: not a dtensor_quant format record: {value!r:.200}") from None
+    if not isinstance(spec, dict) or "format" not in spec:
+        raise CheckpointFormatError(f"{key}.{SPEC_KEY}: not a dtensor_quant format record: {value!r:.200}")
+    return spec
+
+
+def check_spec(found: dict, expected: dict, key: str) -> None:
+    """Raise, naming both, unless a checkpoint's record fits the model's parameter."""
+    if (found["format"], found.get("params")) != (expected["format"], expected["params"]):
+        raise CheckpointFormatError(
+            f"{key}: the checkpoint holds {found.get('description', found['format'])}, but the model's "
+            f"parameter is {expected['description']}. Quantize the model with "
+            f"{found.get('description', found['format'])} before loading this checkpoint "
+            "(quantized bytes are never silently requantized)."
+        )
+    if list(found["shape"]) != list(expected["shape"]) or found["dtype"] != expected["dtype"]:
+        raise CheckpointFormatError(
+            f"{key}: the checkpoint holds a {found['dtype']} weight of shape {tuple(found['shape'])}, the model's "
+            f"parameter is {expected['dtype']} of shape {tuple(expected['shape'])} ({expected['description']})."
+        )
+
+
+# -- placements of the entries ----------------------------------------------------
+
+
+def _quantized_local(value) -> QuantizedTensor | None:
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    return local if isinstance(local, QuantizedTensor) else None
+
+
+def is_quantized(value) -> bool:
+    return _quantized_local(value) is not None
+
+
+def canonical_view(
+    value, key: str
+) -> tuple[QuantizedTensor, dict[str, torch.Tensor], tuple[int, ...], tuple[int, ...]]:
+    """The local weight, its canonical inner tensors, and the logical->canonical dim map and canonical shape."""
+    q = _quantized_local(value)
+    inner = canonical_inner(q) if q.ndim >= 2 else None
+    if inner is not None:
+        to_canonical = tuple(d[0] for d in q.dims)
+        shape = [0] * q.ndim
+        for d, c in enumerate(to_canonical):
+            shape[c] = value.shape[d]
+        layout = weight_layout(q.fmt, shape)
+    if inner is None or any(rels != layout[n] for n, rels in zip(q.fmt.inner_names, _canonical_rels(q))):
+        raise CheckpointFormatError(
+            f"{key}: a {q!r} is not a plain quantized weight (it was flattened, or gathered from "
+            "shards with different scales), so it has no checkpoint form. Checkpoint the parameter, not a view."
+        )
+    return q, inner, to_canonical, tuple(shape)
+
+
+def _canonical_rels(q: QuantizedTensor):
+    order = [d[0] for d in q.dims]
+    for rels in q.rels:
+        out = [None] * len(rels)
+        for d, c in enumerate(order):
+            out[c] = rels[d]
+        yield tuple(out)
+
+
+def entry_placements(placements, rels, to_canonical) -> tuple:
+    """An inner tensor's placements: a logical shard follows it unless the inner is constant there."""
+    out = []
+    for p in placements:
+        if isinstance(p, Partial):
+            raise partial_refused("a quantized weight", p, " (it has no checkpoint form)")
+        if isinstance(p, (Shard, _StridedShard)):
+            c = to_canonical[p.dim]
+            if isinstance(rels[c], Constant):
+                out.append(Replicate())
+            elif isinstance(p, _StridedShard):
+                out.append(_StridedShard(c, split_factor=p.split_factor))
+            else:
+                out.append(Shard(c))
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def entry_shape(rels, shape) -> tuple[int, ...]:
+    return tuple(r.inner_len(n) for r, n in zip(rels, shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placements: tuple) -> None:
+    """Verify, for every rank of the mesh, that DCP's chunk of each inner entry is its logical chunk.
+
+    ``shape`` and ``placements`` are canonical. Pure arithmetic on shapes, so
+    every rank reaches the same verdict before any collective.
+    """
+    sharding = [n if isinstance(p, (Shard, _StridedShard)) else 1 for n, p in zip(mesh_shape, placements)]
+    for coord in itertools.product(*(range(n) for n in sharding)):  # replicated mesh dims change nothing
+        l_shape, l_off = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        for name, rels in weight_layout(fmt, shape).items():
+            e_place = entry_placements(placements, rels, tuple(range(len(shape))))
+            g_shape = entry_shape(rels, shape)
+            e_shape, e_off = _compute_local_shape_and_global_offset(g_shape, mesh_shape, list(coord), e_place)
+            for dim, rel in enumerate(rels):
+                got = (e_shape[dim], e_off[dim])
+                if isinstance(rel, Constant):
+                    ok = got == (1, 0)
+                elif l_shape[dim] == 0:
+                    ok = e_shape[dim] == 0
+                else:
+                    lo, hi = l_off[dim], l_off[dim] + l_shape[dim]
+                    try:
+                        i0, i1, _ = inner_slice(rel, lo, hi, shape[dim])
+                        ok = got == (i1 - i0, i0)
+                    except LayoutError:
+                        ok = False
+                if not ok:
+                    raise LayoutError(
+                        f"{fmt}: under placements {list(placements)} on mesh {mesh_shape}, the rank at {coord} "
+                        f"holds [{l_off[dim]}, {l_off[dim] + l_shape[dim]}) of dim {dim} of a {shape} weight, "
+                        f"which inner '{name}' ({rel}) cannot follow as one DTensor chunk, so this placement "
+                        "cannot be checkpointed. dtensor_quant.check_placements() lists legal ones."
+                    )
+
+
+# -- weight -> entries -------------------------------------------------------------
+
+
+def to_entries(value, key: str = "weight") -> dict:
+    """The state-dict form of a quantized weight (entries alias its inner tensors).
+
+    A checkpoint loader writes into the entries with plain ``copy_``: the
+    weight's bytes record watches them, so kernels prepared from the old
+    bytes are rebuilt (:func:`dtensor_quant._core.notes.watch`).
+    """
+    q, inner, to_canonical, shape = canonical_view(value, key)
+    watch(q.notes, inner.values())
+    spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
+    out: dict = {}
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        canon = entry_placements(value.placements, (OneToOne(),) * len(shape), to_canonical)
+        check_entry_chunks(q.fmt, shape, tuple(mesh.shape), canon)
+        layout = weight_layout(q.fmt, shape)
+        for name, t in inner.items():
+            rels = layout[name]
+            placements = entry_placements(value.placements, rels, to_canonical)
+            g_shape = entry_shape(rels, shape)
+            out[name] = DTensor.from_local(
+                t, mesh, placements, run_check=False, shape=g_shape, stride=contiguous_strides(g_shape)
+            )
+    else:
+        out.update(inner)
+    out[SPEC_KEY] = json.dumps(spec, sort_keys=True)
+    return out
+
+
+def entries_from_state(state_dict: dict) -> dict:
+    """A shallow copy of ``state_dict`` (nested) with every quantized value in its entry form."""
+    out = {}
+    for k, v in state_dict.items():
+        if isinstance(v, dict) and SPEC_KEY not in v:
+            out[k] = entries_from_state(v)
+        elif isinstance(v, torch.Tensor) and is_quantized(v):
+            out[k] = to_entries(v, str(k))
+        else:
+            out[k] = v
+    return out
+
+
+# -- entries -> weight -------------------------------------------------------------
+
+
+def from_entries(entries: Mapping, like, key: str = "weight") -> torch.Tensor:
+    """A quantized weight placed like parameter ``like``, built from its entries.
+
+    Entries may be DTensors in ``like``'s entry placements (what ``dcp.load``
+    fills: no copy), other DTensors, or full plain tensors (a full state dict);
+    the result always holds this rank's chunk. Raises
+    :class:`CheckpointFormatError` naming both formats if they differ.
+    """
+    q, inner, to_canonical, shape = canonical_view(like, key)
+    expected = quant_record(q.fmt, shape, like.dtype, {n: t.dtype for n, t in inner.items()})
+    if SPEC_KEY in entries:
+        check_spec(parse_spec(entries[SPEC_KEY], key), expected, key)
+    missing = [n for n in q.fmt.inner_names if n not in entries]
+    if missing:
+        raise CheckpointFormatError(
+            f"{key}: entries {missing} of {expected['description']} are missing (found {sorted(entries)})"
+        )
+    local, layout = {}, weight_layout(q.fmt, shape)
+    for name in q.fmt.inner_names:
+        e = entries[name]
+        rels = layout[name]
+        g_shape = entry_shape(rels, shape)
+        if tuple(e.shape) != g_shape or e.dtype != inner[name].dtype:
+            raise CheckpointFormatError(
+                f"{key}.{name}: the entry is {tuple(e.shape)}:{e.dtype}, {expected['description']} "
+                f"of shape {tuple(shape)} needs {g_shape}:{inner[name].dtype}"
+            )
+        local[name] = _local_chunk(e, like, rels, to_canonical) if isinstance(like, DTensor) else _full(e)
+    rels = tuple(layout.values())
+    rebuilt = QuantizedTensor(
+        local, q.fmt, rels, canonical_dims(len(shape)), _local_shape(like, to_canonical), like.dtype
+    )
+    if to_canonical != tuple(range(len(shape))):
+        rebuilt = rebuilt.transpose(-2, -1)
+    if not isinstance(like, DTensor):
+        return rebuilt
+    mesh, placements = like.device_mesh, like.placements
+    return DTensor.from_local(rebuilt, mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def _full(e: torch.Tensor) -> torch.Tensor:
+    return e.full_tensor() if isinstance(e, DTensor) else e
+
+
+def _local_shape(like, to_canonical) -> tuple[int, ...]:
+    local = like._local_tensor if isinstance(like, DTensor) else like
+    shape = [0] * local.ndim
+    for d, c in enumerate(to_canonical):
+        shape[c] = local.shape[d]
+    return tuple(shape)
+
+
+def _local_chunk(e: torch.Tensor, like: DTensor, rels, to_canonical) -> torch.Tensor:
+    mesh = like.device_mesh
+    placements = entry_placements(like.placements, rels, to_canonical)
+    if isinstance(e, DTensor) and e.device_mesh == mesh:
+        if tuple(e.placements) != placements:
+            e = e.redistribute(mesh, placements)
+        return e._local_tensor
+    full = _full(e)
+    return distribute_tensor(full, mesh, placements, src_data_rank=None)._local_tensor
+
+
+def quantize_like(dense: torch.Tensor, like, key: str = "weight") -> torch.Tensor:
+    """Quantize a dense weight (full tensor or DTensor) into ``like``'s format and placement.
+
+    A sharded target is quantized shard by shard with the scale reductions its
+    layout needs, so the scales are those of the full tensor, never per chunk.
+    """
+    q = _quantized_local(like)
+    if q.dims != canonical_dims(q.ndim):
+        raise CheckpointFormatError(f"{key}: cannot quantize a dense checkpoint into a transposed quantized view")
+    if tuple(dense.shape) != tuple(like.shape):
+        raise CheckpointFormatError(
+            f"{key}: the checkpoint holds a dense weight of shape {tuple(dense.shape)}, the model's "
+            f"parameter is {q.fmt} of shape {tuple(like.shape)}"
+        )
+    if not isinstance(like, DTensor):
+        return quantize(_full(dense).to(like.dtype), q.fmt)
+    mesh, placements = like.device_mesh, tuple(like.placements)
+    if isinstance(dense, DTensor) and dense.device_mesh == mesh:
+        dense = dense if tuple(dense.placements) == placements else dense.redistribute(mesh, placements)
+    else:
+        dense = distribute_tensor(_full(dense), mesh, placements, src_data_rank=None)
+    return quantize(dense.to(like.dtype), q.fmt)
+
+
+# -- module hooks ---------------------------------------------------------------------
+
+
+def _state_dict_hook(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    for name, param in module._parameters.items():
+        key = prefix + name
+        if param is not None and is_quantized(param) and key in state_dict:
+            state_dict[key] = to_entries(state_dict[key], key)
+
+
+def _load_hook(module: nn.Module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    for name, param in module._parameters.items():
+        if param is None or not is_quantized(param):
+            continue
+        key = prefix + name
+        flat = {k[len(key) + 1 :]: k for k in state_dict if k.startswith(key + ".")}
+        value = state_dict.get(key)
+        if flat and value is None:
+            value = {short: state_dict.pop(full) for short, full in flat.items()}
+        if isinstance(value, Mapping):
+            try:
+                state_dict[key] = from_entries(value, param, key)
+            except CheckpointFormatError as e:
+                if not _aliases(value, param):
+                    raise
+                raise CheckpointFormatError(
+                    f"{e} These entries are the parameter's own inner tensors (model.state_dict()), so a dcp.load "
+                    "into them has already written the checkpoint's bytes into the parameter: rebuild or reload the "
+                    "model. dtensor_quant.checkpoint.load checks every format record before reading any tensor."
+                ) from None
+        elif isinstance(value, torch.Tensor) and not is_quantized(value):
+            state_dict[key] = quantize_like(value, param, key)
+        elif value is not None and is_quantized(value):
+            found, want = _quantized_local(value).fmt, _quantized_local(param).fmt
+            if found != want:
+                raise CheckpointFormatError(f"{key}: the state dict holds {found}, the model's parameter is {want}")
+
+
+def _aliases(entries: Mapping, param) -> bool:
+    """Whether any entry shares memory with ``param``'s inner tensors (a ``state_dict()`` entry, not a copy)."""
+    q = _quantized_local(param)
+    ours = {t.untyped_storage().data_ptr() for t in q.inner.values() if t.untyped_storage().nbytes()}
+    for e in entries.values():
+        if isinstance(e, torch.Tensor):
+            local = e._local_tensor if isinstance(e, DTensor) else e
+            if local.untyped_storage().nbytes() and local.untyped_storage().data_ptr() in ours:
+                return True
+    return False
+
+
+def register(model: nn.Module) -> nn.Module:
+    """Make ``model``'s state dict hold quantized weights as entries (idempotent).
+
+    Installs a state-dict post-hook and a load pre-hook on every module that
+    owns a quantized parameter. Deep copies keep them.
+    """
+    for module in model.modules():
+        if getattr(module, "_dtensor_quant_hooks", False):
+            continue
+        if any(p is not None and is_quantized(p) for p in module._parameters.values()):
+            module.register_state_dict_post_hook(_state_dict_hook)
+            module.register_load_state_dict_pre_hook(_load_hook)
+            module._dtensor_quant_hooks = True
+    return model

@@ -1,0 +1,125 @@
+"""The op table every QuantizedTensor op goes through: ``implements`` registers, ``dispatch`` looks up.
+
+``QuantizedTensor.__torch_dispatch__`` calls :func:`dispatch` for every aten
+and c10d op. Handlers register by schema name (``"aten::slice"``) from the
+modules that define them -- :mod:`dtensor_quant._ops` (layout ops by kind),
+:mod:`dtensor_quant._parallel.collectives`, :mod:`dtensor_quant._ops.matmul`,
+:mod:`dtensor_quant._parallel.custom_ops` -- which the package imports for exactly that.
+Keying by name matches ops torch registers lazily (such as
+``_c10d_functional::_wrap_tensor_autograd``) when they first arrive, not at
+import. An op with no handler raises :class:`UnsupportedOpError`: nothing is
+dequantized behind the caller's back.
+
+This module is the bottom of the op stack: it imports no other module of the
+package, so the tensor class can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+HANDLERS: dict[str, Callable] = {}
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An op the quantized layout cannot express without dequantizing."""
+
+
+def implements(*names: str):
+    def register(fn):
+        for name in names:
+            HANDLERS[name] = fn
+        _BY_OP.clear()
+        return fn
+
+    return register
+
+
+_BY_OP: dict = {}  # OpOverload -> handler, filled on first use (schema names cost a lookup)
+
+# (predicate, handler) pairs for ops that have no handler of their own, asked in order: a handler
+# for a whole kind of op (every pointwise op, say) registers with ``fallback``.
+FALLBACKS: list[tuple[Callable, Callable]] = []
+
+
+def fallback(predicate: Callable):
+    """Register a handler for every op without one of its own for which ``predicate(op)`` is true."""
+
+    def register(fn):
+        FALLBACKS.append((predicate, fn))
+        _BY_OP.clear()
+        return fn
+
+    return register
+
+
+def dispatch(func, args, kwargs):
+    handler = _BY_OP.get(func)
+    if handler is None:
+        handler = HANDLERS.get(func._schema.name)
+        if handler is None:
+            handler = next((fn for pred, fn in FALLBACKS if pred(func)), None)
+        _BY_OP[func] = handler
+    if handler is None and _composite(func):
+        # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
+        # under inference mode or from inside another subclass's dispatch (a redistribute
+        # DTensor runs while dispatching an op): decompose them into the ops defined here.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    if handler is None:
+        raise refusal(func, args, kwargs)
+    return handler(func, *args, **kwargs)
+
+
+def refusal(func, args, kwargs, hint: str = "") -> UnsupportedOpError:
+    """The error for an op the quantized layout does not define, naming the op and the format."""
+    # The quantized argument (the only kind of tensor dispatched here that has a format).
+    q = next(a for a in flat_args(args, kwargs) if isinstance(a, torch.Tensor) and hasattr(a, "fmt"))
+    return UnsupportedOpError(
+        f"dtensor_quant: {func} is not defined on {q.fmt} quantized tensors: it would "
+        f"need dense values. Call .dequantize() first to work on a dense copy.{hint}"
+    )
+
+
+# -- methods of the tensor implemented above it --------------------------------
+
+#: ``QuantizedTensor`` methods whose code lives in the layers above the tensor (FSDP2's hooks in
+#: :mod:`dtensor_quant._fsdp.all_gather`, ``dequantize`` in :mod:`dtensor_quant._ops.dequant`). Those
+#: modules register them on import, as the op handlers do: the tensor never imports upwards.
+METHODS: dict[str, Callable] = {}
+
+
+def implements_method(name: str):
+    """Register the implementation of ``QuantizedTensor.<name>`` (called with the tensor first)."""
+
+    def register(fn):
+        METHODS[name] = fn
+        return fn
+
+    return register
+
+
+def method(name: str) -> Callable:
+    """The registered implementation of ``QuantizedTensor.<name>``."""
+    fn = METHODS.get(name)
+    if (
+        fn is None
+    ):  # only if dtensor_quant._core was imported without the package (never through ``import dtensor_quant``)
+        raise RuntimeError(f"dtensor_quant: QuantizedTensor.{name} is registered by the package: import dtensor_quant")
+    return fn
+
+
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def flat_args(args, kwargs):
+    """Every argument of an op, with one level of lists and tuples (``cat``'s tensors) unpacked."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a

@@ -1,0 +1,251 @@
+"""Int8Rowwise: symmetric int8 with one scale per output row.
+
+Layout: ``qdata`` int8 ``[out, in]`` follows both dims one-to-one; ``scale``
+``[out, 1]`` (the weight's dtype, or ``scale_dtype``) follows rows and is
+constant along ``in``. So any row or column sharding is legal, and quantizing
+a column-sharded weight all-reduces the row maxima.
+
+Math: ``w ~= q * scale``, in float32, rounded once to the output dtype; with
+``scale_dtype`` rounded to it first, then converted (compressed-tensors'
+``int-quantized`` checkpoints: int8 ``weight`` and bf16 ``weight_scale``
+``[out, 1]``, dequantized as ``q.to(bf16) * scale``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .._core import native
+from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
+from .._core.layout import Constant, OneToOne
+from .._core.reductions import block_reduce, canonical_nan, safe_scale, scaled_into
+from .._core.stochastic import Noise
+
+_QMAX = 127
+# torch 2.13's CPU kernel is vectorized for bf16 only: in fp32/fp16 it runs slower than dequantize + mm
+# (docs/performance.md), so fp32 takes the tiles and fp16 dequantizes.
+_KERNEL_DTYPES = (torch.bfloat16,)
+
+
+def _has_kernel(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    key = {"cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
+
+
+# floor(u + w / s) clamped to +-127 (NaN to 0) with u the hash noise of each element's global index:
+# the torch expression of quantize_stochastic in one pass, the same bits (addcdiv divides, then adds).
+SR_KERNEL_SOURCE = Path(__file__).with_name("int8_stochastic.cpp")  # loaded by dtensor_quant._core.native
+_SR_ARGTYPES = ["const float*", "const float*", "int8_t*"] + ["int64_t"] * 7 + ["int64_t*"]
+
+
+def _sr_probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, torch.empty(0, dtype=torch.int8), 0, 0, 0, 0, 0, 1, 0, level)
+    return int(level)
+
+
+def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.Tensor | None:
+    """The stochastically rounded int8 codes of float32 ``weight`` ``[rows, cols]`` with float32 row ``scale``
+    from the C++ kernel, or None where it cannot run (given noise values, not the CPU, no compiler)."""
+    if noise.values is not None or weight.device.type != "cpu" or weight.ndim != 2 or len(noise.offsets) != 2:
+        return None
+    loaded = native.load("int8_stochastic", SR_KERNEL_SOURCE, _SR_ARGTYPES, _sr_probe)
+    if loaded is None:
+        return None
+    run, _ = loaded
+    w, s = weight.contiguous(), scale.reshape(-1).contiguous()
+    out = torch.empty(w.shape, dtype=torch.int8)
+    row0, col0 = noise.offsets
+    run(
+        w,
+        s,
+        out,
+        w.shape[0],
+        w.shape[1],
+        noise.key,
+        row0,
+        col0,
+        noise.global_shape[1],
+        int(noise.wide),
+        native.level_out(),
+    )
+    return out
+
+
+# Two one-pass helpers of the training path (int8_rows.h), the bits of their torch expressions: each row's largest
+# |w| (NaN if any; ``block_reduce(w.abs(), 1, None, "max")``) and float32 values ``float(q) * s`` (``unpack``).
+_ROWS_KERNELS = {  # int8_rows.h's two helpers, an entry point each
+    "row_absmax": ["const float*", "float*", "int64_t", "int64_t", "int64_t*"],
+    "values": ["const int8_t*", "const float*", "float*", "int64_t", "int64_t", "int64_t*"],
+}
+
+
+def _rows_kernel(name: str):
+    args = _ROWS_KERNELS[name]
+
+    def probe(kernel) -> int:
+        level = native.level_out()
+        empty = torch.empty(0)
+        if name == "row_absmax":
+            kernel(empty, empty, 0, 0, level)
+        else:
+            kernel(torch.empty(0, dtype=torch.int8), empty, empty, 0, 0, level)
+        return int(level)
+
+    return native.load(f"int8_{name}", Path(__file__).with_name(f"int8_{name}.cpp"), args, probe)
+
+
+def _row_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """Each row's largest ``|w|`` as float32 ``[rows, 1]``, NaN where the row has one."""
+    loaded = _rows_kernel("row_absmax") if weight.device.type == "cpu" and weight.ndim == 2 else None
+    if loaded is None:
+        return block_reduce(weight.abs(), 1, None, "max")
+    w = weight.float().contiguous()
+    out = torch.empty((w.shape[0], 1), dtype=torch.float32)
+    loaded[0](w, out, w.shape[0], w.shape[1], native.level_out())
+    return canonical_nan(out)
+
+
+def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's ``amax / 127`` in ``dtype`` (rows cut into column shards reduce their maxima)."""
+    return safe_scale(reduce(_row_absmax(weight), "max", "scale"), _QMAX, dtype)
+
+
+@dataclass(frozen=True)
+class Int8Rowwise(QuantFormat):
+    #: The dtype of ``scale`` (None: the weight's); see the module docstring.
+    scale_dtype: torch.dtype | None = None
+
+    layout = {
+        "qdata": (OneToOne(), OneToOne()),
+        "scale": (OneToOne(), Constant()),
+    }
+    block_size_params = ()  # no blocks: every row and column cut is legal
+
+    def __post_init__(self):
+        dtype_param(self, "scale_dtype")
+
+    __repr__ = compact_repr
+
+    def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
+        scale = _scale(weight, reduce, self.scale_dtype or weight.dtype)
+        q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
+        return {"qdata": q, "scale": scale}
+
+    def quantize_stochastic(self, weight, reduce, noise, dtype):
+        """``floor(noise + w / scale)``: the scale of ``quantize``, the codes rounded at random.
+
+        On the CPU a kernel draws the noise and rounds in one pass (:func:`sr_codes`); the same bits.
+        """
+        scale = _scale(weight, reduce, self.scale_dtype or dtype)
+        q = sr_codes(weight.float(), scale.float(), noise)
+        if q is None:
+            q = torch.addcdiv(noise.uniform(), weight.float(), scale.float()).floor_().clamp_(-_QMAX, _QMAX)
+            q = q.nan_to_num_(0.0).to(torch.int8)
+        return {"qdata": q, "scale": scale}
+
+    def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        values = inner["qdata"].float() * inner["scale"].float()
+        return (values.to(self.scale_dtype) if self.scale_dtype else values).to(dtype)
+
+    def unpack(self, inner, out):
+        if self.scale_dtype is not None and out.dtype != self.scale_dtype:
+            return unpack_through(self, inner, out, self.scale_dtype)
+        q, scale = inner["qdata"], inner["scale"]
+        loaded = _rows_kernel("values") if out.dtype == torch.float32 and out.device.type == "cpu" else None
+        if loaded is not None and out.is_contiguous() and out.ndim == 2:
+            q, s = q.contiguous(), scale.float().reshape(-1).contiguous()
+            loaded[0](q, s, out, out.shape[0], out.shape[1], native.level_out())
+            return True
+        scaled_into(q, scale, out)
+        return True
+
+    def prepare(self, inner):
+        """``(codes, scales)`` for torch's int8 mm, and a :class:`~dtensor_quant._core.native.Lazy` of the tiled
+        kernel's inputs (int8.cpp), built by the first call that runs it."""
+        q, scale = inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
+        return q, scale, native.Lazy(functools.partial(_tile_inputs, q, scale))
+
+    def linear(self, x, prepared, bias):
+        """bf16 activations of up to ``_TORCH_MAX_TOKENS`` rows: ``aten._weight_int8pack_mm`` (per-row scale;
+        CPU, CUDA if built in, untested here; any count on CUDA); more rows, or fp32 activations: the tiled kernel
+        (int8.cpp); else None (dequantize + mm)."""
+        q, scale, tile_inputs = prepared
+        tokens = x.shape[0]
+        # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
+        if (
+            x.dtype in _KERNEL_DTYPES
+            and self.scale_dtype in (None, x.dtype)  # torch's kernel rounds the scales to the activations' dtype
+            and (tokens <= _TORCH_MAX_TOKENS or x.device.type != "cpu")
+            and 0 not in q.shape
+            and not q.shape[1] % 8
+            and _has_kernel(x.device.type)
+        ):
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
+            return out + bias if bias is not None else out
+        # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
+        # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
+        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
+            return None
+        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+            return None
+        out = tiled_linear(x, tile_inputs.get(), rounds=self.scale_dtype == torch.bfloat16)
+        return out + bias if bias is not None and out is not None else out
+
+    def __str__(self) -> str:
+        return compact_repr(self).replace("torch.", "")
+
+
+# torch's int8 kernel reads the weight once per token: from 2 tokens on the tiles, which read it once, win.
+_TORCH_MAX_TOKENS = 1
+
+KERNEL_SOURCE = Path(__file__).with_name("int8.cpp")  # loaded by dtensor_quant._core.native
+_ARGTYPES = [
+    "const int8_t*", "const float*", "const void*", "void*",
+    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
+]  # fmt: skip
+
+
+def _probe(kernel) -> int:
+    level, empty = native.level_out(), torch.empty(0)
+    kernel(empty, empty, empty, empty, 0, 0, 0, native.TILES, native.BEST_LEVEL, 1, level)
+    return int(level)
+
+
+def kernel():
+    """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
+    Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
+    return native.load("int8", KERNEL_SOURCE, _ARGTYPES, _probe)
+
+
+def _tile_inputs(q: torch.Tensor, scale: torch.Tensor):
+    """``(codes, scales in fp32)`` for the tiled kernel, or None where it cannot run (``in % 32``, not a CPU,
+    no kernel here)."""
+    if q.device.type != "cpu" or q.ndim != 2 or 0 in q.shape or q.shape[1] % 32 or kernel() is None:
+        return None
+    return q, scale.float().contiguous()
+
+
+def tiled_linear(x: torch.Tensor, prepared, max_level: int | None = None, rounds: bool = False) -> torch.Tensor | None:
+    """``x @ W.T`` in ``x``'s dtype (bf16 or fp32) through the tiled kernel; None if refused. ``max_level`` caps
+    the vector path (1: AVX2, 2: AVX-512, 3: AVX-512 BF16, 4: AMX, bf16 ``x`` only); ``rounds``: every weight is rounded
+    to bf16 even for fp32 ``x`` (a bf16 ``scale_dtype``)."""
+    codes, scale = prepared
+    if x.shape[1] != codes.shape[1]:
+        raise ValueError(f"int8 kernel: activation width {x.shape[1]} != weight width {codes.shape[1]}")
+    return native.matmul(
+        kernel(),
+        (codes, scale),
+        x,
+        codes.shape[0],
+        (),
+        tiles=True,
+        round_weights=rounds or x.dtype == torch.bfloat16,
+        max_level=max_level,
+    )

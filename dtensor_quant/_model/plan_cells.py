@@ -1,0 +1,373 @@
+"""The planner's verdicts: one weight on one mesh, legal with its bytes per rank or refused with why.
+
+For a weight ``[out, in]`` (or a fused expert stack ``[E, out, in]``) and a
+mesh ``(dp, tp)`` it checks the placements the weight would get, with the
+rule DTensor, FSDP2 and DCP are held to (:func:`~dtensor_quant.check_placements`):
+tensor parallelism shards the rows (``colwise``, ``Shard(0)``), the columns
+(``rowwise``, ``Shard(1)``) or nothing (``replicate``) on the tp dim;
+``packed_colwise``/``packed_rowwise`` (transformers' fused gate_up and
+experts) shard each half of the rows or columns the same way. FSDP2 shards
+dim 0 on the dp dim (a ``_StridedShard`` when tensor parallelism already
+shards dim 0). FSDP2 pads uneven dim-0 shards; it cannot shard other dims
+unevenly, which is why it is only ever asked for dim 0 here.
+
+A model repeats a few shapes many times, so a verdict is computed once per
+(shape, style, format, mesh) and what a refusal suggests (nearest legal
+degrees, a smaller block size, the padding that would make it legal) only
+when someone reads it: a 70B model over 48 meshes has a few hundred
+distinct cells, and rendering it reads the hints of a few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .._core.format import QuantFormat, Reducer, check_shape, weight_layout
+from .._core.layout import MAX_LISTED_MESH_SIZE
+from .._parallel.placements import first_bad_cut
+from .padding import mlp_padding
+from .vocab_padding import vocab_length
+
+STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
+#: Styles of a weight on the tp dim: its rows, its columns, each half of them (transformers' packed
+#: gate_up weights), or the whole weight on every tp rank.
+ALL_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate")
+PACKED = {"packed_colwise": "colwise", "packed_rowwise": "rowwise"}
+DENSE_BYTES = 2  # a weight left unquantized (an embedding, a norm) is counted in bf16
+
+# What padding can fix without changing a model's outputs: the intermediate size of a SwiGLU MLP
+# (dtensor_quant.pad_for_tp) and the vocabulary of the output head and embeddings (pad_vocab_for_tp).
+PADDABLE_KINDS = ("mlp", "vocab")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A weight to plan: its name, shape and tensor-parallel style.
+
+    ``kind``: ``"mlp"`` for a SwiGLU MLP's gate/up/down weight, ``"vocab"``
+    for the output head or an embedding (padding can fix those), else ``""``.
+    ``dense``: left unquantized (embeddings, norms): counted in bf16, always legal.
+    """
+
+    name: str
+    shape: tuple[int, ...]  # [out, in], [experts, out, in] for a fused expert stack, [n] for a norm or bias
+    style: str  # one of ALL_STYLES
+    kind: str = ""
+    dense: bool = False
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One layer on one mesh: legal with ``nbytes`` per rank, or refused ``why``.
+
+    A refused cell's ``alternatives`` (nearest legal degrees, a smaller block
+    size, the column-parallel switch) and ``padding`` (``(dim, padded length,
+    extra bytes of the whole weight)``: what ``pad_for_tp`` or
+    ``pad_vocab_for_tp`` would apply, for an MLP or output head only) are
+    computed when read.
+    """
+
+    dp: int
+    tp: int
+    placements: tuple[Placement, ...]
+    nbytes: int | None = None
+    why: str | None = None
+    subject: tuple | None = field(default=None, repr=False, compare=False)  # (shape, style, fmt, ep, kind) refused
+    fixed_alternatives: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def legal(self) -> bool:
+        return self.why is None
+
+    @property
+    def alternatives(self) -> str | None:
+        if self.legal:
+            return None
+        if self.fixed_alternatives is not None or self.subject is None:
+            return self.fixed_alternatives
+        return _hints(*self.subject[:4], self.dp, self.tp)
+
+    @property
+    def padding(self) -> tuple[int, int, int] | None:
+        if self.legal or self.fixed_alternatives is not None or self.subject is None:
+            return None
+        return _padding(*self.subject, self.dp, self.tp)
+
+
+def placements_for(style: str, dp: int, tp: int, ndim: int = 2) -> tuple[Placement, Placement]:
+    """The (dp, tp) placements of a weight of ``ndim`` dims in ``style``: FSDP2 on dim 0, TP per the style."""
+    style = PACKED.get(style, style)
+    if ndim == 1:  # a bias or norm: a column-parallel layer's bias follows its rows, anything else is whole
+        tp_p = Shard(0) if tp > 1 and style == "colwise" else Replicate()
+        return (Shard(0) if dp > 1 else Replicate()), tp_p
+    lead = ndim - 2  # expert dims in front of the matrix
+    tp_p = Shard(STYLES[style].dim + lead) if tp > 1 and style in STYLES else Replicate()
+    if dp == 1:
+        return Replicate(), tp_p
+    fsdp = _StridedShard(0, split_factor=tp) if tp > 1 and style == "colwise" and not lead else Shard(0)
+    return fsdp, tp_p
+
+
+def mesh_and_placements(shape, style: str, dp: int, tp: int, ep: int):
+    """The mesh and placements of a ``shape`` weight; with ``ep`` > 1 a leading expert-parallel mesh dim."""
+    placements = placements_for(style, dp, tp, len(shape))
+    if ep == 1:
+        return (dp, tp), placements
+    return (ep, dp, tp), (Shard(0) if len(shape) > 2 else Replicate(), *placements)
+
+
+def local_shape(shape, mesh, placements) -> tuple[int, ...]:
+    """The largest local shard (rank 0's: torch.chunk puts the remainder last)."""
+    local = list(shape)
+    for n, p in zip(mesh, placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            local[p.dim] = -(-local[p.dim] // n)
+    return tuple(local)
+
+
+def stored_bytes(fmt: QuantFormat, shape: Sequence[int], dtype=torch.bfloat16, full_shape=None) -> int:
+    """Bytes ``fmt`` stores for a shard of ``shape`` of a ``full_shape`` weight (what its quantize would hold).
+
+    Counted from the layout: each inner tensor's length along a dim is its
+    relation's ``inner_len`` of the shard's length, times its element size,
+    both learned from one quantize of the whole matrix on the meta device
+    (memoised per format, matrix shape and dtype); ``shape`` is a shard of a
+    legal cut, as the planner gives. A format whose inner tensors do not
+    have the shapes its layout gives is quantized on the meta device for
+    every shard shape instead.
+    """
+    if 0 in shape:
+        return 0
+    experts = 1
+    for n in shape[:-2]:  # an expert stack stores each matrix as the 2-D format does
+        experts *= n
+    local, full = tuple(shape[-2:]), tuple(full_shape or shape)[-2:]
+    inner = _inner_entries(fmt, full, dtype)
+    if inner is None:
+        return experts * _quantized_bytes(fmt, local, full, dtype)
+    return experts * sum(numel(r.inner_len(n) for r, n in zip(rels, local)) * size for rels, size in inner)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inner_entries(fmt: QuantFormat, full: tuple[int, int], dtype) -> tuple | None:
+    """``((relations, element size), ...)`` of ``fmt``'s inner tensors for a ``full`` matrix, or None.
+
+    None when a quantized inner tensor's shape is not the one its relations
+    give (then the layout cannot count a shard's bytes).
+    """
+    layout = weight_layout(fmt, full)
+    inner = fmt.quantize(torch.empty(full, dtype=dtype, device="meta"), Reducer(full))
+    if set(inner) != set(layout):
+        return None
+    if any(tuple(t.shape) != tuple(r.inner_len(n) for r, n in zip(layout[k], full)) for k, t in inner.items()):
+        return None
+    return tuple((layout[k], t.element_size()) for k, t in inner.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantized_bytes(fmt: QuantFormat, local: tuple[int, int], full: tuple[int, int], dtype) -> int:
+    inner = fmt.quantize(torch.empty(local, dtype=dtype, device="meta"), Reducer(full))
+    return sum(t.numel() * t.element_size() for t in inner.values())
+
+
+def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
+    """``layer`` on mesh ``(dp, tp)`` (behind ``ep`` expert-parallel groups): legal with its bytes, or why not."""
+    if layer.dense:
+        return _dense(tuple(layer.shape), layer.style, dp, tp, ep)
+    return _check(tuple(layer.shape), layer.style, fmt, dp, tp, ep, layer.kind)
+
+
+@functools.lru_cache(maxsize=65536)
+def _dense(shape: tuple[int, ...], style: str, dp: int, tp: int, ep: int) -> Cell:
+    mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
+    return Cell(dp, tp, placements, nbytes=DENSE_BYTES * numel(local_shape(shape, mesh, placements)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1, kind: str = "") -> Cell:
+    """One verdict per (shape, style, format, mesh, kind): a model repeats a few shapes many times.
+
+    ``kind`` only decides which padding a refusal proposes (:func:`_padding`).
+    """
+    if style in PACKED:  # each half (gate, up) is cut as its own weight, each rank holds a piece of both
+        dim = len(shape) - (2 if style == "packed_colwise" else 1)
+        if shape[dim] % 2:
+            mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
+            why = f"a {style} weight needs an even dim {dim}, this one has {shape[dim]}"
+            return Cell(dp, tp, placements, why=why, fixed_alternatives="use colwise or rowwise for it")
+        half = shape[:dim] + (shape[dim] // 2,) + shape[dim + 1 :]
+        cell = _check(half, PACKED[style], fmt, dp, tp, ep, kind)
+        if cell.legal:
+            return dataclasses.replace(cell, nbytes=2 * cell.nbytes)
+        return dataclasses.replace(cell, why=f"each half {list(half)} of the packed weight: {cell.why}")
+    mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
+    try:
+        check_shape(fmt, shape)
+    except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
+        return Cell(dp, tp, placements, why=str(e), fixed_alternatives="leave this layer unquantized (filter_fn)")
+    if first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
+        return Cell(dp, tp, placements, why=_why(shape, fmt, mesh, placements), subject=(shape, style, fmt, ep, kind))
+    local = local_shape(shape, mesh, placements)
+    return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
+
+
+def _why(shape, fmt: QuantFormat, mesh, placements) -> str:
+    dim, bad, factor = first_bad_cut(shape, fmt, mesh, placements)
+    layout = weight_layout(fmt, shape)
+    needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in layout.items() if rels[dim].factor > 1)
+    what = {len(shape) - 2: "rows", len(shape) - 1: "columns"}.get(dim, "experts")
+    return f"the {shape[dim]} {what} are cut at {what[:-1]} {bad}, not a multiple of {factor} ({needs}; dim {dim})"
+
+
+def legal_at(shape, style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> bool:
+    """Whether a ``shape`` weight in ``style`` is legal on mesh (dp, tp) with the placements the planner gives it.
+
+    FSDP's ``_StridedShard`` takes the tp size as its split factor and tp 1 is
+    no tensor parallelism at all, so a resized mesh gets its own placements.
+    """
+    return first_bad_cut(tuple(shape), fmt, *mesh_and_placements(shape, style, dp, tp, ep)) is None
+
+
+def nearest_degrees(
+    layer: Layer, fmt: QuantFormat, dp: int, tp: int, which: str, limit: int, ep: int = 1
+) -> tuple[int | None, int | None]:
+    """The nearest legal sizes below and above the current one of mesh dim ``which`` ("tp" or "dp").
+
+    Searched outward from the current size, so a large mesh costs only the
+    sizes between it and its nearest legal neighbours; above stops at ``limit``.
+    """
+    return _nearest(tuple(layer.shape), layer.style, fmt, dp, tp, which, limit, ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nearest(shape, style, fmt, dp, tp, which, limit, ep) -> tuple[int | None, int | None]:
+    now = tp if which == "tp" else dp
+    below = above = None
+    for step in range(1, max(now, limit - now) + 1):
+        for n in (now - step, now + step):
+            if not 1 <= n <= limit or (n < now and below is not None) or (n > now and above is not None):
+                continue
+            if legal_at(shape, style, fmt, *((dp, n) if which == "tp" else (n, tp)), ep):
+                below, above = (n, above) if n < now else (below, n)
+        if below is not None and above is not None:
+            break
+    return below, above
+
+
+@functools.lru_cache(maxsize=16384)
+def _hints(shape, style: str, fmt: QuantFormat, ep: int, dp: int, tp: int) -> str:
+    """What would make a refused cell legal: other degrees, a smaller block size, the column-parallel switch."""
+    mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
+    dim = first_bad_cut(shape, fmt, mesh, placements)[0]
+    out = []
+    for mesh_dim, name in ((len(mesh) - 1, "tp"), (len(mesh) - 2, "dp")):
+        p = placements[mesh_dim]
+        if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
+            continue
+        now = mesh[mesh_dim]
+        limit = max(MAX_LISTED_MESH_SIZE, 2 * now)
+        below, above = _nearest(shape, style, fmt, dp, tp, name, limit, ep)
+        near = [str(x) for x in (below, above) if x is not None]
+        text = f"nearest legal {name}: {' or '.join(near) if near else 'none'}"
+        if above is None:
+            text += f" (none above {now} up to {limit}, where the search stops)"
+        out.append(text)
+    smaller = _smaller_block(shape, fmt, mesh, placements)
+    if smaller:
+        out.append(f"{smaller} would be legal here")
+    if style == "rowwise" and len(shape) == 2 and tp > 1 and legal_at(shape, "colwise", fmt, dp, tp, ep):
+        out.append(f"or keep tp={tp} with this layer column-parallel on a gathered input (dtensor_quant.adapt_tp_plan)")
+    expanded = fmt.expanded_format()
+    if expanded is not None and legal_at(shape, style, expanded, dp, tp, ep):
+        extra = stored_bytes(expanded, shape) - stored_bytes(fmt, shape)
+        out.append(
+            f"or store its scales expanded, {expanded}: the same values, {size(extra)} more for the whole weight "
+            "(dtensor_quant.expand_scales; adapt_tp_plan does it)"
+        )
+    return "; ".join(out)
+
+
+@functools.lru_cache(maxsize=16384)
+def _padding(shape, style: str, fmt: QuantFormat, ep: int, kind: str, dp: int, tp: int) -> tuple[int, int, int] | None:
+    """The zero-padding that ``pad_for_tp`` or ``pad_vocab_for_tp`` would apply at this tp: (dim, length, extra bytes).
+
+    Only what those functions pad exactly: a SwiGLU MLP's intermediate dim
+    (``kind`` ``"mlp"``: gate/up rows column-parallel, down columns
+    row-parallel, one length for all three, :func:`~.padding.mlp_padding`)
+    and the output head's vocabulary rows (``"vocab"``, column-parallel,
+    :func:`~.vocab_padding.vocab_length`). The length is theirs at this tp
+    degree (equal, legal tp shards), then checked on the whole mesh. None
+    where the refused cut is not that tp cut, for an expert stack, or for
+    any other weight.
+    """
+    if kind not in PADDABLE_KINDS or len(shape) > 2 or tp == 1:
+        return None
+    mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
+    dim = first_bad_cut(shape, fmt, mesh, placements)[0]
+    if not isinstance(placements[-1], Shard) or placements[-1].dim != dim:
+        return None
+    if kind == "mlp" and (style, dim) in (("colwise", 0), ("rowwise", 1)):
+        length = mlp_padding(shape[dim], shape[1 - dim], fmt, tp)
+    elif kind == "vocab" and (style, dim) == ("colwise", 0):
+        length = vocab_length(shape[0], shape[1], fmt, tp)
+    else:
+        return None
+    if length is None:
+        return None
+    padded = shape[:dim] + (length,) + shape[dim + 1 :]
+    if first_bad_cut(padded, fmt, mesh, placements) is not None:
+        return None
+    return dim, length, padding_cost(tuple(shape), dim, length, fmt)
+
+
+def padding_cost(shape: tuple[int, int], dim: int, length: int, fmt: QuantFormat) -> int:
+    """Bytes ``fmt`` stores for a ``shape`` weight padded along ``dim`` to ``length``, minus unpadded."""
+    padded = list(shape)
+    padded[dim] = length
+    return stored_bytes(fmt, tuple(padded)) - stored_bytes(fmt, tuple(shape))
+
+
+def _smaller_block(shape, fmt: QuantFormat, mesh, placements) -> QuantFormat | None:
+    """The same format with the largest smaller block size (one of ``fmt.block_size_params``) that this mesh allows.
+
+    Only down to a quarter of the current size: smaller blocks cost more in scales than they are worth.
+    """
+    if not dataclasses.is_dataclass(fmt):
+        return None
+    for name in fmt.block_size_params:
+        value = getattr(fmt, name)
+        if not isinstance(value, int):
+            continue
+        size = value // 2
+        while size >= max(1, value // 4):
+            try:
+                candidate = dataclasses.replace(fmt, **{name: size})
+                check_shape(candidate, shape)
+                if first_bad_cut(shape, candidate, mesh, placements) is None:
+                    return candidate
+                size //= 2
+            except ValueError:
+                size //= 2
+    return None
+
+
+def size(n: int) -> str:
+    """``n`` bytes for a reader: ``1.5 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,308 @@
+"""AdamW with its moments kept quantized, in any format, for dense and trainable quantized parameters.
+
+``exp_avg`` and ``exp_avg_sq`` are this library's QuantizedTensors (a
+format of the user's choice; :class:`AdamW8bit` and :class:`AdamW4bit`
+choose :class:`~dtensor_quant.BlockFloat8` / :class:`~dtensor_quant.BlockLog4`),
+and, for a DTensor parameter, DTensors with the parameter's mesh and
+placements. So everything the layout gives a weight, a state gets too:
+``full_tensor()`` and ``redistribute`` of any placement, and DCP entries that
+save in one layout and load in any other, bit for bit.
+
+Which states are quantized is decided from the parameter's *global* shape
+(at least 2-D, at least ``min_quantized_numel`` elements, a shape the format
+holds) -- never from a rank's shard, so every rank and every world size
+agree, and a checkpoint's states fit any layout. A placement the state's
+format cannot cut (a column shard that splits a block) raises
+:class:`~dtensor_quant.LayoutError` on every rank when the optimizer is made.
+
+A step reads each state's local block as float32, runs AdamW's update there
+and requantizes the block into the state's own bytes (rounding to nearest;
+statistics shared across shards reduced over them, as ``dq.quantize`` of a
+DTensor does). A trainable quantized parameter (``quantize_(...,
+trainable=True)``) takes the whole update -- decay and step -- in one
+stochastically rounded requantization; a dense one is updated in place in its
+own dtype. Eager code throughout: nothing depends on ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .._checkpoint.state_dict import SPEC_KEY, from_entries, to_entries
+from .._core.format import QuantFormat, Reducer, check_shape
+from .._core.reductions import canonical_nans
+from .._core.stochastic import Noise
+from .._core.tensor import QuantizedTensor
+from .._formats.block_states import BlockFloat8, BlockLog4
+from .._model import trainable
+from .._ops import writes
+from .._ops.dequant import dequantize
+from .._ops.layout_ops import block_sizes
+from .._ops.unpack import dense_inner
+from .._parallel.placements import check_placements
+from .._parallel.shard_quant import MeshReducer, quantize_local
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class AdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` (decoupled weight decay) with ``exp_avg``/``exp_avg_sq`` stored in ``state_formats``.
+
+    ``state_formats``: the formats of the first and second moment (the
+    second one sees ``v``, never negative; ``None``: dense, in the parameter's
+    dtype); ``min_quantized_numel``: smaller
+    parameters (and 1-D ones: norms, biases) keep dense states in their own
+    dtype, as ``torch.optim.AdamW`` does. ``seed`` keys the stochastic
+    rounding of the moments (each parameter's and moment's own, from its
+    position in ``param_groups``, the step and each element's global index).
+    Not supported: ``amsgrad``, ``maximize``, ``foreach``/``fused`` kernels,
+    sparse gradients.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state_formats: tuple[QuantFormat | None, QuantFormat | None] = (
+            BlockFloat8(256),
+            BlockFloat8(256, nonnegative=True),
+        ),
+        min_quantized_numel: int = 4096,
+        seed: int = 0,
+    ):
+        if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW: invalid lr={lr}, eps={eps} or betas={betas}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if len(state_formats) != 2:
+            raise ValueError(f"AdamW: state_formats holds one format per moment (2), got {len(state_formats)}")
+        self.state_formats = tuple(state_formats)
+        self.min_quantized_numel = min_quantized_numel
+        self.seed = seed
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._check(p)
+        self._reducers: dict = {}
+        self.register_state_dict_post_hook(_states_to_entries)
+        self.register_load_state_dict_pre_hook(_entries_to_states)
+        trainable.track(self)
+
+    # -- which states are quantized (the global shape decides) ---------------------
+
+    def quantizes(self, p: torch.Tensor, fmt: QuantFormat | None) -> bool:
+        """Whether ``p``'s state in ``fmt`` is quantized: from ``p``'s global shape only (never for ``None``)."""
+        if fmt is None or p.ndim < 2 or p.numel() < self.min_quantized_numel or not p.dtype.is_floating_point:
+            return False
+        try:
+            check_shape(fmt, tuple(p.shape))
+        except ValueError:
+            return False
+        return True
+
+    def _check(self, p: torch.Tensor) -> None:
+        local = _local(p)
+        if isinstance(local, QuantizedTensor) and trainable.resolve(local) is None:
+            raise ValueError(
+                f"AdamW: a frozen quantized parameter ({local.fmt}, {tuple(p.shape)}) cannot be updated; make it "
+                "trainable with dtensor_quant.quantize_(..., trainable=True), or leave it out of the optimizer"
+            )
+        if isinstance(p, DTensor):
+            for fmt in self.state_formats:
+                if self.quantizes(p, fmt):
+                    check_placements(tuple(p.shape), fmt, tuple(p.device_mesh.shape), list(p.placements))
+
+    # -- states ----------------------------------------------------------------------
+
+    def _new_state(self, p: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+        if not self.quantizes(p, fmt):
+            return torch.zeros_like(p, memory_format=torch.preserve_format)  # dense, also for a quantized p
+        local = _local(p)
+        zeros = torch.zeros(local.shape, dtype=p.dtype, device=local.device)
+        q = quantize_local(fmt, zeros, Reducer(p.shape), tuple(p.shape))  # zeros: nothing to reduce
+        if not isinstance(p, DTensor):
+            return q
+        return DTensor.from_local(q, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key, fmt in zip(_MOMENTS, self.state_formats):
+                state[key] = self._new_state(p, fmt)
+        return state
+
+    def _place(self, state: torch.Tensor, fmt: QuantFormat) -> tuple[Reducer, tuple[int, ...]]:
+        """``(the reducer quantize would use for this state's placement, its local block's global offsets)``."""
+        if not isinstance(state, DTensor):
+            return Reducer(state.shape), (0,) * state.ndim
+        key = (id(state), fmt)
+        cached = self._reducers.get(key)
+        if cached is None or cached[0] is not state:
+            mesh, placements = state.device_mesh, tuple(state.placements)
+            _, offsets = compute_local_shape_and_global_offset(state.shape, mesh, placements)
+            reducer = MeshReducer.for_mesh(fmt, state.shape, mesh, placements)
+            cached = self._reducers[key] = (state, (reducer, tuple(offsets)))
+        return cached[1]
+
+    @staticmethod
+    def _read(state: torch.Tensor) -> torch.Tensor:
+        local = _local(state)
+        if isinstance(local, QuantizedTensor):
+            out = dense_inner(local.fmt, local.inner, block_sizes(local.rels), tuple(local.shape), torch.float32)
+            return out if out is not None else dequantize(local, torch.float32)
+        return local.float()
+
+    def _write(self, state: torch.Tensor, fmt: QuantFormat, values: torch.Tensor, seed: int, step: int) -> None:
+        """Requantize float32 ``values`` into the state's own bytes, with the format's statistics.
+
+        Stochastically rounded where the format can (keyed by ``seed``, the
+        step and each element's index in the whole state, so any sharding gives
+        the same bytes): a moving average whose every step is smaller than half
+        a code would otherwise stop moving, or drift.
+        """
+        local = _local(state)
+        if not isinstance(local, QuantizedTensor):
+            local.copy_(values)
+            return
+        reduce, offsets = self._place(state, fmt)
+        if values.ndim == 2:
+            inner = None
+            if trainable.supports_training(fmt):
+                noise = Noise(seed, step, tuple(values.shape), offsets, tuple(state.shape), values.device)
+                inner = fmt.quantize_stochastic(values, reduce, noise, local.dtype)
+            inner = inner if inner is not None else fmt.quantize(values, reduce)
+            pairs = [(getattr(local, n), canonical_nans(inner[n])) for n in local.fmt.inner_names]
+        else:  # a stack of matrices (experts): the library's per-matrix math
+            fresh = quantize_local(fmt, values, reduce, tuple(state.shape))
+            pairs = [(getattr(local, n), getattr(fresh, n)) for n in local.fmt.inner_names]
+        writes.write_inner(local, pairs)
+
+    def moment_seeds(self, index: int) -> tuple[int, int]:
+        """The stochastic-rounding seeds of the two moments of the ``index``-th parameter (in param_groups order)."""
+        return tuple(trainable.weight_seed(self.seed, f"adamw.{index}.{key}") for key in _MOMENTS)
+
+    # -- the step ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("AdamW: sparse gradients are not supported")
+                state = self._init_state(p)
+                state["step"] += 1
+                t = state["step"].item()
+                grad = p.grad
+                if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+                    grad = grad.redistribute(p.device_mesh, p.placements)
+                g = _local(grad).float()
+                m, v = self._read(state["exp_avg"]), self._read(state["exp_avg_sq"])
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                seeds = self.moment_seeds(index)
+                self._write(state["exp_avg"], self.state_formats[0], m, seeds[0], int(t))
+                self._write(state["exp_avg_sq"], self.state_formats[1], v, seeds[1], int(t))
+                if lr == 0:
+                    continue  # the update is zero: the parameter's bytes stay as they are
+                denom = v.sqrt_().div_(math.sqrt(1 - beta2**t)).add_(eps)
+                self._update(p, m, denom, lr, decay, lr / (1 - beta1**t))
+        return loss
+
+    @staticmethod
+    def _update(p, m, denom, lr, decay, step_size) -> None:
+        local = _local(p)
+        if isinstance(local, QuantizedTensor):  # one stochastically rounded requantization per step
+            link = trainable.resolve(local)
+            dense = link.dense(local)
+            dense.mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size)
+            link.requantize_(local, dense)
+        elif local.dtype == torch.float32:
+            local.mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size)
+        else:  # bf16/fp16: in float32, rounded once (a mixed-dtype in-place op is a slow path of its own)
+            local.copy_(local.float().mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size))
+
+
+class AdamW8bit(AdamW):
+    """:class:`AdamW` with both moments in :class:`~dtensor_quant.BlockFloat8`: 8-bit codes, a float32 scale per
+    ``block_size`` values of a row (e4m3 for the first moment, e5m2 for the second)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, block_size=256,
+                 min_quantized_numel=4096, seed=0):  # fmt: skip
+        formats = (BlockFloat8(block_size), BlockFloat8(block_size, nonnegative=True))
+        super().__init__(params, lr, betas, eps, weight_decay, state_formats=formats,
+                         min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
+
+
+class AdamW4bit(AdamW):
+    """:class:`AdamW` with both moments in :class:`~dtensor_quant.BlockLog4`: 4-bit codes on a power-of-two grid,
+    a float32 scale per ``block_size`` values of a row."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, block_size=128,
+                 min_quantized_numel=4096, seed=0):  # fmt: skip
+        formats = (BlockLog4(block_size), BlockLog4(block_size, nonnegative=True))
+        super().__init__(params, lr, betas, eps, weight_decay, state_formats=formats,
+                         min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
+
+
+# -- state dicts: quantized states as DCP entries --------------------------------------------
+
+
+def _param_ids(optimizer, state_dict) -> list[tuple[object, torch.Tensor]]:
+    ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return list(zip(ids, params))
+
+
+def _states_to_entries(optimizer: AdamW, state_dict: dict) -> dict:
+    """Each quantized moment as its entries (one tensor per inner tensor plus ``__quant__``), aliasing it."""
+    states = dict(state_dict["state"])
+    for pid, _ in _param_ids(optimizer, state_dict):
+        per = states.get(pid)
+        if per is None or not any(_is_quantized(per.get(k)) for k in _MOMENTS):
+            continue
+        states[pid] = {k: to_entries(v, k) if k in _MOMENTS and _is_quantized(v) else v for k, v in per.items()}
+    state_dict["state"] = states
+    return state_dict
+
+
+def _entries_to_states(optimizer: AdamW, state_dict: dict) -> dict:
+    """Quantized moments back from their entries, into this optimizer's layout (any placement), bit for bit."""
+    states = dict(state_dict["state"])
+    for pid, p in _param_ids(optimizer, state_dict):
+        per = states.get(pid)
+        if per is None or not any(isinstance(per.get(k), Mapping) for k in _MOMENTS):
+            continue
+        mine = optimizer._init_state(p)
+        per = dict(per)
+        for key in _MOMENTS:
+            if isinstance(per.get(key), Mapping) and SPEC_KEY in per[key]:
+                per[key] = from_entries(per[key], mine[key], key)
+        states[pid] = per
+    state_dict = dict(state_dict)
+    state_dict["state"] = states
+    return state_dict
+
+
+def _is_quantized(value) -> bool:
+    return isinstance(value, torch.Tensor) and isinstance(_local(value), QuantizedTensor)
