@@ -75,13 +75,34 @@ def dispatch(func, args, kwargs):
 
 
 def refusal(func, args, kwargs, hint: str = "") -> UnsupportedOpError:
-    """The error for an op the quantized layout does not define, naming the op and the format."""
+    """The error for an op the quantized layout does not define, naming the op, the format and the fix.
+
+    The fix is the one that applies where the op came from: a context hint
+    (:func:`context_hint`: PEFT's in-place merge, say) when one recognises its
+    caller, else the caller's ``hint`` after the generic advice.
+    """
     # The quantized argument (the only kind of tensor dispatched here that has a format).
     q = next(a for a in flat_args(args, kwargs) if isinstance(a, torch.Tensor) and hasattr(a, "fmt"))
+    context = next((text for predicate, text in CONTEXT_HINTS if predicate(func)), None)
+    fix = context if context is not None else f" Call .dequantize() first to work on a dense copy.{hint}"
     return UnsupportedOpError(
-        f"dtensor_quant: {func} is not defined on {q.fmt} quantized tensors: it would "
-        f"need dense values. Call .dequantize() first to work on a dense copy.{hint}"
+        f"dtensor_quant: {func} is not defined on {q.fmt} quantized tensors: it would need dense values.{fix}"
     )
+
+
+#: ``(predicate(func), hint)`` pairs, asked in order by :func:`refusal`: the fix that applies in the
+#: context a refused op comes from (registered by the layers that know that context, like the handlers).
+CONTEXT_HINTS: list[tuple[Callable, str]] = []
+
+
+def context_hint(hint: str):
+    """Register ``predicate(func) -> bool`` (decorated): a refused op for which it holds gets ``hint`` as its fix."""
+
+    def register(predicate):
+        CONTEXT_HINTS.append((predicate, hint))
+        return predicate
+
+    return register
 
 
 # -- methods of the tensor implemented above it --------------------------------

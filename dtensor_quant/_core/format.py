@@ -62,6 +62,11 @@ class Reducer:
 class QuantFormat:
     """Subclass as a ``@dataclass(frozen=True)``; see the module docstring."""
 
+    def __init_subclass__(cls, **kwargs):
+        """Every format class is safe for ``torch.load(weights_only=True)``: a pickled weight names it."""
+        super().__init_subclass__(**kwargs)
+        torch.serialization.add_safe_globals([cls])
+
     @property
     def layout(self) -> dict[str, tuple[Relation, ...]]:
         raise NotImplementedError

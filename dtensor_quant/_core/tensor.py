@@ -23,7 +23,7 @@ import torch
 
 from .dispatch import dispatch, method
 from .format import QuantFormat
-from .layout import LayoutError, Relation
+from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Opaque, Packed, Relation, Stacked
 from .notes import Notes, alias, new_bytes
 
 #: What runs once, when the first quantized tensor of the process is made (:func:`on_first_quantized_tensor`).
@@ -196,6 +196,19 @@ class QuantizedTensor(torch.Tensor):
         )
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
+    # -- torch.save / torch.load (weights_only=True) --------------------------
+    def __reduce_ex__(self, protocol):
+        """Pickled as its inner tensors, format, relations, orientation, shape, strides, dtype and requires_grad.
+
+        Not the notes: which views share these bytes and what kernels prepared
+        from them belong to this process (the loaded tensor starts its own).
+        Every global this needs is registered as safe for ``torch.load``'s
+        default ``weights_only=True`` (:func:`rebuild`, the relations, every
+        format class as it is defined: :class:`~dtensor_quant._core.format.QuantFormat`).
+        """
+        args = (self.inner, self.fmt, self.rels, self.dims, tuple(self.shape), self.dtype, tuple(self.stride()))
+        return rebuild, (*args, self.requires_grad)
+
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         fmt, rels, dims, dtype, stride = ctx
@@ -233,3 +246,16 @@ class QuantizedTensor(torch.Tensor):
         inner = ", ".join(f"{n}={tuple(t.shape)}:{t.dtype}" for n, t in self.inner.items())
         orient = "" if self.dims == tuple((i,) for i in range(len(self.dims))) else f", dims={self.dims}"
         return f"QuantizedTensor({self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}{orient}, {inner})"
+
+
+def rebuild(inner, fmt, rels, dims, shape, dtype, stride, requires_grad) -> QuantizedTensor:
+    """A pickled QuantizedTensor again (``torch.load``): checked like any one built from its parts."""
+    if not isinstance(fmt, QuantFormat) or not isinstance(inner, dict):
+        raise LayoutError(f"not a pickled QuantizedTensor: format {type(fmt).__name__}, inner {type(inner).__name__}")
+    return QuantizedTensor(inner, fmt, rels, dims, torch.Size(shape), dtype, stride, requires_grad=requires_grad)
+
+
+#: What a pickled QuantizedTensor names besides torch's own: safe for ``torch.load(weights_only=True)``
+#: (torch's public allow-list; the format classes register themselves, ``QuantFormat.__init_subclass__``).
+SAFE_GLOBALS = [QuantizedTensor, rebuild, OneToOne, Packed, Blocked, Constant, Stacked, FlatBlocked, InFlat, Opaque]
+torch.serialization.add_safe_globals(SAFE_GLOBALS)

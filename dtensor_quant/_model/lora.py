@@ -11,7 +11,9 @@ any parameter and torch's tensor-parallel styles apply to them by name:
 model (column-parallel ``base`` + ``lora_b``, row-parallel ``base`` + ``lora_a``).
 
 PEFT users merge with :func:`merge_and_unload` (``dq.lora.merge_and_unload(peft_model)``):
-PEFT's own merge adds into the weight in place, which a quantized weight refuses.
+PEFT's own merge adds into the weight in place, which a quantized weight refuses,
+unless the LoRA config went through :func:`peft_config` before ``get_peft_model``
+(PEFT then builds LoRA layers whose merge requantizes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,23 @@ import torch
 from torch import nn
 
 from .peft_merge import merge_and_unload  # noqa: F401  (dq.lora.merge_and_unload: PEFT adapters on quantized Linears)
+
+
+def peft_config(config):
+    """Make PEFT's own ``merge_and_unload()`` work on quantized Linears of models built from ``config``.
+
+    Registers, through PEFT's custom-layer API (``LoraConfig._register_custom_module``),
+    a LoRA layer for every ``nn.Linear`` whose weight is quantized: its
+    ``merge`` dequantizes, adds PEFT's delta and quantizes again (bit-equal to
+    :func:`merge_and_unload`, with PEFT's rounding warning); its ``unmerge``
+    puts back the weight from before the merge. Call it on the
+    ``peft.LoraConfig`` before ``peft.get_peft_model(model, config)`` (or pass
+    the config to ``PeftModel.from_pretrained(..., config=...)``); returns ``config``.
+    See :mod:`dtensor_quant._model.peft_layer`.
+    """
+    from .peft_layer import peft_config as register
+
+    return register(config)
 
 
 class LoRALinear(nn.Module):

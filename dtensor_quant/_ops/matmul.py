@@ -246,13 +246,22 @@ def _mm(func, a, b):
         return linear(a, b)
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
         return dequantize(a, b.dtype) @ b
-    raise UnsupportedOpError(f"dtensor_quant: mm of two quantized tensors ({describe(a)}, {describe(b)})")
+    raise UnsupportedOpError(
+        f"dtensor_quant: mm of two quantized tensors ({describe(a)}, {describe(b)}): a quantized weight multiplies "
+        "dense activations; dequantize one of them first (t.dequantize())"
+    )
+
+
+_DENSE_BIAS = (
+    ": biases stay dense (dtensor_quant.quantize_ quantizes only the weights); pass bias.dequantize(), "
+    "or quantize_ with a filter_fn that leaves the bias's module alone"
+)
 
 
 @implements("aten::addmm")
 def _addmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
-        raise UnsupportedOpError(f"dtensor_quant: addmm with a quantized bias ({describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: addmm with a quantized bias ({describe(bias)}){_DENSE_BIAS}")
     return _plus_bias(_mm(func, a, b), bias, beta, alpha)
 
 
@@ -314,7 +323,7 @@ def _bmm(func, a, b):
 @implements("aten::baddbmm")
 def _baddbmm(func, bias, a, b, beta=1, alpha=1):
     if isinstance(bias, QuantizedTensor):
-        raise UnsupportedOpError(f"dtensor_quant: baddbmm with a quantized bias ({describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: baddbmm with a quantized bias ({describe(bias)}){_DENSE_BIAS}")
     return _plus_bias(_batched(func, a, b), bias, beta, alpha)
 
 
@@ -354,7 +363,7 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
             "stack (a transposed [experts, out, in] weight) are supported"
         )
     if isinstance(bias, QuantizedTensor):
-        raise UnsupportedOpError(f"dtensor_quant: _grouped_mm with a quantized bias ({describe(bias)})")
+        raise UnsupportedOpError(f"dtensor_quant: _grouped_mm with a quantized bias ({describe(bias)}){_DENSE_BIAS}")
     experts = b.shape[0]
     if a.ndim == 3:
         if offs is not None or a.shape[0] != experts:

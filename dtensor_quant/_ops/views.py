@@ -117,4 +117,7 @@ def _permute(func, q, dims):
         return _alias(func, q)
     if dims == list(range(q.ndim - 2)) + [q.ndim - 1, q.ndim - 2]:
         return _transpose(func, q, q.ndim - 2, q.ndim - 1)
-    raise UnsupportedOpError(f"{describe(q)}: permute({dims}) of a quantized tensor")
+    raise UnsupportedOpError(
+        f"{describe(q)}: permute({dims}) of a quantized tensor: only swapping the last two dims is a layout "
+        "change (q.t() of a weight, q.transpose(-2, -1) of an expert stack); else dequantize first (q.dequantize())"
+    )
