@@ -48,6 +48,7 @@ them when sharding; the hooks check what they can see.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -180,8 +181,9 @@ def pre_all_gather(q: QuantizedTensor, mesh, outer_size=None, dense: bool = True
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as uint8 rows ``[rows, bytes per row]`` (a view)."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
+    """``t`` as uint8 rows ``[rows, bytes per row]`` (a view); the row length is spelled out, not ``-1``,
+    which a shard of no rows (a weight with fewer rows than ranks, or none) cannot infer."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
 def post_all_gather(outputs, meta: GatherMeta, param_dtype: torch.dtype, *, out=None):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .._core.format import weight_layout
-from .._core.layout import LayoutError, dim_factor, legal_chunk, legal_chunk_counts
+from .._core.layout import MAX_LISTED_MESH_SIZE, LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .._core.tensor import QuantizedTensor
 from .._ops.arithmetic import trainable
 from .._parallel.placements import shard_like
@@ -104,13 +104,21 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
             )
         if world is not None and world > 1:
             factor = _row_factor(local)
-            if not legal_chunk(local.shape[0], world, factor):
-                legal = legal_chunk_counts(local.shape[0], factor)
+            if not _padded_legal(local.shape[0], world, factor):
+                legal = [n for n in range(1, MAX_LISTED_MESH_SIZE + 1) if _padded_legal(local.shape[0], n, factor)]
                 raise LayoutError(
-                    f"{where}: FSDP2 over {world} ranks cuts its {local.shape[0]} rows into chunks of "
-                    f"{-(-local.shape[0] // world)}, but its layout needs multiples of {factor} along dim 0. "
-                    f"Legal FSDP2 sizes: {', '.join(map(str, legal))}."
+                    f"{where}: FSDP2 over {world} ranks cuts its {local.shape[0]} rows into shards of "
+                    f"{-(-local.shape[0] // world)} rows (the short ones padded), but its layout needs multiples "
+                    f"of {factor} along dim 0. Legal FSDP2 sizes: {', '.join(map(str, legal))}."
                 )
+
+
+def _padded_legal(rows: int, world: int, factor: int) -> bool:
+    """Whether FSDP2's shards of ``rows`` over ``world`` ranks -- each padded to ``ceil(rows / world)`` rows,
+    all of them all-gathered -- cut only on multiples of ``factor``. ``torch.chunk``'s rule
+    (:func:`~dtensor_quant._core.layout.legal_chunk`) but for one row: torch.chunk leaves it whole, FSDP2 pads
+    every other rank with a row of its own, a cut inside a block of more rows."""
+    return world == 1 or factor == 1 or (-(-rows // world)) % factor == 0
 
 
 def _is_group_size(reshard_after_forward) -> bool:

@@ -149,8 +149,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rank_copy(got: torch.Tensor, t: torch.Tensor, group_size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s ``t`` (dtype and shape) out of :func:`_all_gather_bytes`'s result ``got`` for it."""
-    return got.view(group_size, -1)[rank].view(t.dtype).view(t.shape)
+    """Rank ``rank``'s ``t`` (dtype and shape) out of :func:`_all_gather_bytes`'s result ``got`` for it.
+
+    A narrow by byte count, not ``got.view(group_size, -1)[rank]``: for an empty ``t`` (a zero-size shard) that
+    row's storage offset is ``rank`` bytes, which no wider dtype can view."""
+    n = got.numel() // group_size
+    return got.view(-1).narrow(0, rank * n, n).view(t.dtype).view(t.shape)
 
 
 def _all_equal(rank_bytes: torch.Tensor) -> bool:
@@ -286,11 +290,12 @@ def broadcast(func, q, src, group_name):
 def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     """Shard(i) -> Shard(j) on NCCL: every rank sends piece k of its shard to rank k."""
     group = _group(group_name)
-    agree_layout(q, group_name, "all-to-all", shape=False)  # the pieces' shapes may differ between ranks
     n, me = group.size(), torch.distributed.get_rank(group)
-    # Split first: a misaligned target placement raises on every rank before any collective.
+    # Split first: a misaligned target placement raises on every rank before any collective (the layout
+    # agreement's included; redistribute_check has refused a target the layout cannot hold before this).
     pieces = torch.split(q, -(-q.shape[shard_dim] // n), shard_dim) if q.shape[shard_dim] else [q] * n
     pieces = list(pieces) + [slice_dim(q, shard_dim, q.shape[shard_dim], q.shape[shard_dim])] * (n - len(pieces))
+    agree_layout(q, group_name, "all-to-all", shape=False)  # the pieces' shapes may differ between ranks
     names = [name for name in q.fmt.inner_names if varies(q, name, (gather_dim,))]
     kept = [name for name in q.fmt.inner_names if name not in names]
     checked = [getattr(q, name) for name in kept]  # after each piece: every rank gets every rank's copy
@@ -303,7 +308,8 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     split = [sizes.pop()] * n
     out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
     mine = pieces[me]
-    rank_bufs = [unpack(rank_buf, send[me]) for rank_buf in out.view(n, -1)]
+    size = out.numel() // n  # narrowed, not out.view(n, -1)[r]: an empty row there sits at an odd offset
+    rank_bufs = [unpack(out.narrow(0, r * size, size), send[me]) for r in range(n)]
     check_kept(q, kept, [b[len(names) :] for b in rank_bufs], group_name, "all-to-all")
     received = []
     for got in rank_bufs:

@@ -262,3 +262,85 @@ def _explain(fmt, shape, mesh_shape, placements, dim, bad, factor) -> str:
         f"(size {shape[dim]}) of a {tuple(shape)} weight at index {bad}, which is not a multiple of "
         f"{factor} ({why}). " + "; ".join(hints) + "."
     )
+
+
+def check_redistribute(q, shape: Sequence[int], mesh_shape: Sequence[int], src, dst) -> bool:
+    """Raise :class:`LayoutError` unless quantized local ``q`` of a ``shape`` DTensor can move ``src -> dst``.
+
+    The one check every redistribute of a quantized DTensor makes before its first collective
+    (``full_tensor``, ``redistribute`` between any placements, torch's steps and the library's shortcuts
+    alike: :mod:`dtensor_quant._parallel.redistribute_check` calls it where they all start). From shapes
+    alone, so every rank raises the same error, and without it a cut the target cannot hold raised only
+    after the gathers had run, naming a padded intermediate. ``dst`` is held to
+    :func:`check_placements` (the error names the legal mesh sizes); where ``src`` is not held to it
+    (a layout the rule does not describe: a view that is no weight's orientation, a ``from_local`` of
+    other pieces) nothing is decided here and the ops below check their own cuts.
+
+    Returns whether a ``Shard(i) -> Shard(j)`` step would cut the padding DTensor adds to dim ``j``
+    inside a partial block (:func:`padded_cut_splits_block`): legal, but only through ``Replicate``.
+    """
+    if not any(type(p) in _SHARDS for p in dst):  # not isinstance: through the placements' metaclass, ~10 us
+        return False  # a gather (full_tensor, -> Replicate): any pieces join; checked without a cache lookup
+    problem = _redistribute_problem(q.fmt, q.dims, tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst))
+    if isinstance(problem, str):
+        raise LayoutError(problem)
+    return problem
+
+
+_SHARDS = (Shard, _StridedShard)
+
+
+@functools.lru_cache(maxsize=65536)
+def _redistribute_problem(fmt, dims, shape, mesh_shape, src, dst) -> str | bool:
+    """:func:`check_redistribute`'s verdict, once per (layout, move): the error's message, or whether the
+    move must go through ``Replicate``."""
+    if any(isinstance(p, Partial) for p in src + dst) or any(len(d) != 1 for d in dims):
+        return False  # Partial: refused where it is reduced (or by torch); a flattened view: its ops check
+    to_storage = [d[0] for d in dims]  # logical dim -> the format's dim (a transposed weight's are swapped)
+    storage_shape = [0] * len(shape)
+    for logical, stored in enumerate(to_storage):
+        storage_shape[stored] = shape[logical]
+    src_s, dst_s = _in_storage(src, to_storage), _in_storage(dst, to_storage)
+    try:
+        check_placements(storage_shape, fmt, mesh_shape, src_s)
+    except (LayoutError, ValueError):
+        return False  # not a layout the rule describes (see the docstring)
+    try:
+        check_placements(storage_shape, fmt, mesh_shape, dst_s)
+    except LayoutError as e:
+        what = f"redistribute {list(src)} -> {list(dst)}"
+        if dims != tuple((i,) for i in range(len(dims))):
+            what += f" of a transposed view (the weight's placements {src_s} -> {dst_s})"
+        return f"{what}: {e}"
+    return padded_cut_splits_block(storage_shape, fmt, mesh_shape, src_s, dst_s)
+
+
+def _in_storage(placements: tuple, to_storage: list[int]) -> tuple:
+    out = []
+    for p in placements:
+        if isinstance(p, _StridedShard):
+            p = _StridedShard(to_storage[p.dim % len(to_storage)], split_factor=p.split_factor)
+        elif isinstance(p, Shard):
+            p = Shard(to_storage[p.dim % len(to_storage)])
+        out.append(p)
+    return tuple(out)
+
+
+def padded_cut_splits_block(shape, fmt, mesh_shape, src, dst) -> bool:
+    """Whether a ``Shard(i) -> Shard(j)`` step of ``src -> dst`` cuts DTensor's padding of dim ``j`` in a block.
+
+    torch pads dim ``j`` to ``n * ceil(length / n)`` before its all-to-all and cuts every ``ceil(length / n)``:
+    when that chunk is no multiple of dim ``j``'s alignment the cut lands inside a (partial) block. A legal
+    ``dst`` cuts that way between two non-empty chunks only where the dim holds one element, so only a
+    dim of length 1 under a layout blocked along it meets this.
+    """
+    for m, (a, b) in enumerate(zip(src, dst)):
+        if type(a) is not Shard or type(b) is not Shard or a.dim % len(shape) == b.dim % len(shape):
+            continue
+        j = b.dim % len(shape)
+        factor = dim_alignment(fmt, shape, j)
+        outer = tuple((p, mesh_shape[k]) for k, p in enumerate(dst[:m]) if shard_like(p) and p.dim % len(shape) == j)
+        lengths = [sum(e - s for s, e in piece) for piece in shard_pieces(shape[j], outer)] if outer else [shape[j]]
+        if factor > 1 and any((-(-n // mesh_shape[m])) % factor for n in lengths):
+            return True
+    return False

@@ -88,7 +88,7 @@ def test_the_real_patches_are_installed_against_this_torch():
 
     (``import dtensor_quant`` alone installs nothing: tests/test_import.py checks that in a fresh process.)"""
     dq.quantize(torch.randn(8, 64), dq.Int8Rowwise())
-    assert "compile_key" in PATCHES
+    assert "compile_key" in PATCHES and "redistribute_check" in PATCHES
     assert install_fsdp_post_forward_reshard() is PATCHES["fsdp_post_forward_reshard"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # this torch is the tested one: no warning

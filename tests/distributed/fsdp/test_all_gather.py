@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant._core.layout import Constant
+from dtensor_quant._parallel.placements import dim_alignment
 from dtensor_quant.fsdp import fully_shard
 from dtensor_quant.testing import mesh, rank, same_bits, weight
 from tests.support.extra_formats import FORMATS
@@ -98,6 +99,44 @@ GATHER_CASES = [
 @pytest.mark.parametrize("fmt_name", ["int8", "int4g32", "pertensor", "column", "f8row", "f8tensor"])
 def test_unsharded_weight_is_bit_exact(ranks, fmt_name, world, shape):
     ranks(world).run(gather_exact, fmt_name, shape, None)
+
+
+def fewer_rows_than_ranks(fmt_names, rows_list):
+    """Each weight of 0-3 rows over every rank: ``[(case, "gathered" | "refused")]``; a gather is checked
+    bit-exactly (:func:`gather_exact`), a refusal must come from fully_shard with nothing sent."""
+    world, out = torch.distributed.get_world_size(), []
+    for fmt_name in fmt_names:
+        for rows in rows_list:
+            model, _ = quantized_model(fmt_name, (rows, 256))
+            with wire.record() as log:
+                try:
+                    fully_shard(model, mesh=mesh(world))
+                except dq.LayoutError as e:
+                    assert len(log) == 0 and "Legal FSDP2 sizes" in str(e), (log.transfers, str(e))
+                    out.append(((fmt_name, rows), "refused"))
+                    continue
+            gather_exact(fmt_name, (rows, 256), None)  # on a fresh model
+            out.append(((fmt_name, rows), "gathered"))
+    return out
+
+
+# One format per kind of dim-0 relation (rows, row blocks, flat blocks, a per-tensor constant); all of them: slow.
+FEW = ["int8", "nf4", "f8tensor", "f8block32", "mxfp4"]
+
+
+@pytest.mark.parametrize("names", [FEW, pytest.param(list(FORMATS), marks=pytest.mark.slow)], ids=["few", "all"])
+def test_fewer_rows_than_ranks(ranks, names):
+    """Zero-row shards (an all-gather of no rows' bytes). FSDP2 pads every shard to ``ceil(rows / ranks)``
+    rows, so one row of a format blocked over several rows cannot be gathered (torch.chunk would leave it
+    whole): refused when sharding, not at the first unshard."""
+    world = 4
+    results = ranks(world).run(fewer_rows_than_ranks, names, range(4))
+    assert all(r == results[0] for r in results)
+    for (fmt_name, rows), outcome in results[0]:
+        padded = -(-rows // world)
+        expected = "refused" if padded % dim_alignment(FORMATS[fmt_name], (rows, 256), 0) else "gathered"
+        assert outcome == expected, (fmt_name, rows, outcome)
+    assert len(results[0]) == len(names) * 4
 
 
 @pytest.mark.parametrize("world,shape", [(2, (128, 256)), (3, (46, 1024)), (4, (126, 512))])
