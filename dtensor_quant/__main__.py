@@ -1,5 +1,6 @@
 """Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant._model.planner) and
-``python -m dtensor_quant kernels`` (which C++ kernels run on this machine, on which vector path)."""
+``python -m dtensor_quant kernels`` (which C++ kernels run on this machine, on which vector path) and
+``python -m dtensor_quant config`` (every environment variable the library reads, with its value in force)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ._core import native
+from ._core import config, native
 from ._model.format_spec import parse_format
 from ._model.planner import ALL_STYLES, STYLES, Layer, kind_from_name, layers_of, plan
 
@@ -158,9 +159,14 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=120, help="longest line of the report (0: no limit)")
     p.add_argument("--csv", metavar="PATH", help="write every layer on every mesh as CSV ('-': to stdout, no table)")
     sub.add_parser("kernels", help="which C++ kernels run on this machine, on which vector path")
+    sub.add_parser("config", help="every environment variable the library reads, with its value in force")
     args = ap.parse_args(argv)
     if args.command == "kernels":
         print("\n".join(kernels()))
+        return 0
+    if args.command == "config":
+        for env, value, doc in config.describe():
+            print(f"{env}={value!r}\n    {doc}")
         return 0
 
     fmt = parse_format(args.format)

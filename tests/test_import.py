@@ -86,3 +86,27 @@ def test_every_public_module_imports_as_a_normal_import():
         for exported in getattr(module, "__all__", ()):
             assert hasattr(module, exported), f"dtensor_quant.{name}.{exported}"
     assert dq.hf.quantize_like_checkpoint.__module__.startswith("dtensor_quant._")
+
+
+def test_the_config_command_prints_every_setting_in_force(monkeypatch, capsys):
+    import dtensor_quant as dq
+    from dtensor_quant.__main__ import main
+
+    monkeypatch.setenv("DTENSOR_QUANT_MEMO", "0")
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "DTENSOR_QUANT_MEMO='0'" in out
+    assert all(s.env in out for s in dq.config.SETTINGS.values())
+
+
+def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch):
+    import pytest
+
+    import dtensor_quant as dq
+
+    monkeypatch.setenv("DTENSOR_QUANT_AGREE_EVERY_CALL", "maybe")
+    with pytest.raises(dq.config.ConfigError, match="DTENSOR_QUANT_AGREE_EVERY_CALL='maybe'.*1/true/yes/on"):
+        dq.config.get("agree_every_call")
+    monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", "9")
+    with pytest.raises(dq.config.ConfigError, match=r"DTENSOR_QUANT_MAX_LEVEL='9'.*1 \(AVX2\)"):
+        dq.config.get("max_level")
