@@ -105,7 +105,7 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch):
     import dtensor_quant as dq
 
     monkeypatch.setenv("DTENSOR_QUANT_AGREE_EVERY_CALL", "maybe")
-    with pytest.raises(dq.config.ConfigError, match="DTENSOR_QUANT_AGREE_EVERY_CALL='maybe'.*1/true/yes/on"):
+    with pytest.raises(dq.config.ConfigError, match=r"DTENSOR_QUANT_AGREE_EVERY_CALL='maybe'.*1/true/yes/on"):
         dq.config.get("agree_every_call")
     monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", "9")
     with pytest.raises(dq.config.ConfigError, match=r"DTENSOR_QUANT_MAX_LEVEL='9'.*1 \(AVX2\)"):
