@@ -91,17 +91,20 @@ static inline __m256 dq_lookup16_256(__m256 t0, __m256 t1, __m256i idx) {
                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
-// The largest |x| of x[0 .. n) (NaN if any; -inf if n == 0), 8 lanes at a time: the bits of torch's
-// NaN-aware abs-max (a row of Int8Rowwise's training path, a block of BlockFloat8).
+// The largest |x| of x[0 .. n) (-inf if n == 0), 8 lanes at a time, with each |x| = inf counted as inf_as and,
+// with keep_nan, NaN if any NaN (else NaN is skipped): the bits of reductions.block_stat_abs + block_reduce "max"
+// (a row of Int8Rowwise's training path: inf_as 0, keep_nan; a block of BlockFloat8: inf_as 2^-149, NaN skipped).
 __attribute__((target("avx2")))
-static inline float dq_absmax_avx2(const float* x, int64_t n) {
+static inline float dq_absmax_avx2(const float* x, int64_t n, float inf_as, bool keep_nan) {
     __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 inf = _mm256_set1_ps(INFINITY), inf_v = _mm256_set1_ps(inf_as);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
+        __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + j), mask);
+        v = _mm256_blendv_ps(v, inf_v, _mm256_cmp_ps(v, inf, _CMP_EQ_OQ));
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        acc = _mm256_max_ps(acc, v);
+        acc = _mm256_max_ps(v, acc);  // acc where v is NaN (the second operand)
     }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, acc);
@@ -109,9 +112,10 @@ static inline float dq_absmax_avx2(const float* x, int64_t n) {
     for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
     bool any_nan = _mm256_movemask_ps(nan) != 0;
     for (; j < n; ++j) {
-        const float t = std::fabs(x[j]);
+        float t = std::fabs(x[j]);
+        t = t == INFINITY ? inf_as : t;
         if (t != t) any_nan = true;
         else if (t > m) m = t;
     }
-    return any_nan ? NAN : (j > 0 ? m : -INFINITY);
+    return (any_nan && keep_nan) ? NAN : (j > 0 ? m : -INFINITY);
 }

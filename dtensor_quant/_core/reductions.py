@@ -42,6 +42,48 @@ def block_reduce(x: torch.Tensor, dim: int, block: int | None, op: str) -> torch
     return canonical_nan(x.sum(dim + 1))
 
 
+def block_stat_abs(x: torch.Tensor, inf_as: float = 0.0, keep_nan: bool = True) -> torch.Tensor:
+    """``|x|`` for a block maximum that an infinite element does not decide (float32).
+
+    A block's scale is set by its finite values, so they keep the precision
+    they would have without the Inf beside them; the Inf itself is then coded
+    by the format's arithmetic with that scale (it saturates to the largest
+    code, or stays Inf where the code has one). Each ``|x| = inf`` counts as
+    ``inf_as``; NaN stays NaN (``keep_nan``: the block's statistic is NaN, for
+    codes that cannot say NaN) or counts as 0 (the code says NaN by itself).
+    """
+    a = x.float().abs()
+    if keep_nan:
+        return torch.where(a == float("inf"), inf_as, a)
+    return torch.where(a < float("inf"), a, torch.where(a == float("inf"), inf_as, 0.0))
+
+
+def finite_or_nan(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each +-Inf as 0: a signed block's min and max (a range) that an Inf does not decide; NaN stays."""
+    return torch.where(x.isinf(), 0.0, x)
+
+
+# Block statistics below this are multiplied by 2**64 (exact) before a reciprocal: 1 / amax overflows float32 for
+# amax below 2**-128, and top / amax for amax below top * 2**-128.
+RESCALE_BELOW = 2.0**-64
+RESCALE = 2.0**64
+
+
+def rescaled(x: torch.Tensor, stat: torch.Tensor, per_element) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, stat)`` with every block whose ``stat`` is below ``RESCALE_BELOW`` multiplied by ``RESCALE``.
+
+    Exact (a power of two on values below 2**-64: subnormals become normal,
+    nothing overflows), so ``x / stat`` is unchanged in value while ``1 / stat``
+    stays finite. ``per_element(factor, x)`` applies one factor per block.
+    Blocks at or above the threshold keep their bits.
+    """
+    tiny = stat < RESCALE_BELOW
+    if not bool(tiny.any()):
+        return x, stat
+    factor = torch.where(tiny, RESCALE, 1.0)
+    return per_element(factor, x), stat * factor
+
+
 def canonical_nan(x: torch.Tensor) -> torch.Tensor:
     """``x`` with every NaN as the one canonical NaN.
 
@@ -89,27 +131,47 @@ def _unordered(key: torch.Tensor) -> torch.Tensor:
     return torch.where(key < 0, key ^ 0x7FFFFFFF, key).view(torch.float32)
 
 
-def safe_scale(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
-    """``amax / qmax`` in ``dtype``: never zero, and ``qmax * scale`` never overflows ``dtype``.
+def safe_scale(
+    amax: torch.Tensor, qmax: float, dtype: torch.dtype, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``amax / qmax`` in ``dtype``: never zero, and ``qmax * scale`` never overflows ``dtype`` or ``out_dtype``.
 
     The floor is ``dtype``'s smallest subnormal, not its smallest normal, so
     tiny fp16 rows keep their precision, and it is rounded up, so no code is
     clipped: the error stays within half a (rounded) scale, for fp16 at most
     ``amax / (2 * qmax)`` plus half a scale ulp. Where rounding to ``dtype`` pushes
-    ``qmax * scale`` (computed in float32, as dequantize does) past ``dtype``'s
-    maximum, the scale steps down one ulp, so finite weights near the dtype's
-    range never dequantize to Inf. A non-finite ``amax`` (NaN or Inf in the
-    block) stays non-finite: that block dequantizes to NaN rather than to
-    silently wrong finite values.
+    ``qmax * scale`` (computed in float32, as dequantize does) past the limit,
+    the scale steps down one ulp, so finite weights near the dtype's range
+    never dequantize to Inf. The limit is the largest value of ``dtype`` that
+    is finite in ``out_dtype`` too (the weight's dtype: dequantize rounds the
+    product to ``dtype``, then to the weight's; for fp16 weights with bf16
+    scales 65280, as 65504 rounds to bf16 65536): ``amax`` above it saturates
+    there (fp32 weights above bf16's 3.39e38 lose 0.4%; above 65504 with fp16
+    scales, everything above). A non-finite ``amax`` (NaN in the block) stays
+    non-finite: that block dequantizes to NaN rather than to silently wrong
+    finite values.
     """
     info = torch.finfo(dtype)
+    limit = largest_finite(dtype, out_dtype)
     finite = amax.isfinite()
-    scale = (amax / qmax).clamp(min=info.smallest_normal * info.eps).to(dtype)
+    scale = (amax.clamp(max=limit) / qmax).clamp(min=info.smallest_normal * info.eps).to(dtype)
     # Rounded up where rounding went down, so |w| / scale <= qmax and no code is clipped.
-    under = finite & (scale.float() * qmax < amax)
+    under = finite & (scale.float() * qmax < amax.clamp(max=limit))
     scale = torch.where(under, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-    over = finite & (scale.float() * qmax > info.max)
+    over = finite & (scale.float() * qmax > limit)
     return torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+
+
+def largest_finite(dtype: torch.dtype, out_dtype: torch.dtype | None) -> float:
+    """The largest value of ``dtype`` that converts to a finite ``out_dtype`` value (``dtype``'s max if None)."""
+    limit = torch.finfo(dtype).max
+    if out_dtype is None or torch.finfo(out_dtype).max >= limit:
+        return limit
+    top = torch.tensor(torch.finfo(out_dtype).max, dtype=torch.float32)
+    rounded = top.to(dtype)
+    if rounded.float() > top:
+        rounded = torch.nextafter(rounded, torch.zeros_like(rounded))
+    return rounded.item()
 
 
 def expand_blocks(s: torch.Tensor, dim: int, block: int, length: int) -> torch.Tensor:

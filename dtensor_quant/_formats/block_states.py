@@ -23,6 +23,22 @@ over 2**31.8 of range) and BlockLog4 as the nearest power of two ``2**0 ..
 2**-15`` of the maximum in log terms; a value below the smallest code gets
 the smallest code, never zero (it damps its update instead).
 
+Extremes. A block's maximum is taken over its finite values, so an Inf or a
+NaN never costs the rest of its block its precision, and a block of tiny
+values (down to float32's smallest subnormal: Adam's second moment of
+gradients of 1e-19 is 1e-41) is first multiplied by 2**64 (exact), so that
+``top / absmax`` and ``1 / absmax`` stay finite; unpack multiplies such a block
+back by 2**-64 after the scale, rounding once. A non-finite element is then
+coded by the format's own arithmetic: BlockFloat8 keeps NaN (both codes have
+it), keeps Inf in e5m2 and saturates it to +-448 in e4m3fn (torch's
+conversion); a block that holds an Inf has a maximum of at least 2**-149, so
+the Inf survives a block of zeros. BlockLog4 has neither code: a NaN takes the
+zero code (signed) or the largest one (nonnegative), a signed Inf saturates to
++-absmax, and a nonnegative block with an Inf keeps absmax = Inf (every value
+of the block reads Inf: for Adam's second moment, no step for that block, as
+torch's dense state gives no step for the element itself; its finite maximum
+would instead give the element a step of ``m / sqrt(finite max)``, unbounded).
+
 All of it is exact arithmetic (a division, a multiply, round-to-nearest-even,
 comparisons of exponent and fraction bits), so the C++ kernels below give
 the torch expressions' bits on any machine, and a block's codes do not depend
@@ -39,9 +55,21 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.reductions import block_reduce, canonical_nan, expand_blocks, nibbles_into
+from .._core.reductions import (
+    RESCALE,
+    RESCALE_BELOW,
+    block_reduce,
+    block_stat_abs,
+    canonical_nan,
+    expand_blocks,
+    nibbles_into,
+    rescaled,
+)
 from .._core.stochastic import Noise
 
+# The least block maximum of a block that holds an Inf (float32's smallest subnormal): a block of zeros and an Inf
+# would otherwise scale by 0 and read the Inf back as 0 * Inf = NaN.
+_INF_AT_LEAST = 2.0**-149
 # (torch dtype, its largest finite value, its smallest positive value) of BlockFloat8's two codes
 _E4M3 = (torch.float8_e4m3fn, 448.0, 2.0**-9)
 _E5M2 = (torch.float8_e5m2, 57344.0, 2.0**-16)
@@ -119,7 +147,10 @@ def _float8_sr(y: torch.Tensor, u: torch.Tensor, e5m2: bool) -> torch.Tensor:
     a = y.abs()
     normal = ((a.view(torch.int32) + (u * float(1 << k)).to(torch.int32)) >> k) - bias
     sub = torch.floor(a * steps + u).to(torch.int32)
-    code = torch.where(a < limit, sub, normal).clamp_(max=top).masked_fill_(a.isnan(), 0x7F)
+    code = torch.where(a < limit, sub, normal).clamp_(max=top)
+    if e5m2:
+        code.masked_fill_(a == float("inf"), 0x7C)  # Inf's neighbours are Inf (e4m3fn saturates, as torch's `to`)
+    code.masked_fill_(a.isnan(), 0x7F)
     return (code | ((y.view(torch.int32) < 0).to(torch.int32) << 7)).to(torch.uint8)
 
 
@@ -157,9 +188,11 @@ class BlockFloat8(QuantFormat):
         """``(weight scaled per block to the code's range, the block maxima)``, as float32."""
         _, top, tiny = self._code
         x = weight.float()
-        amax = reduce(block_reduce(x.abs(), 1, self.block_size, "max"), "max", "absmax")
-        factor = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
-        y = _per_element(factor, self.block_size, x)  # within +-top up to an ulp, which rounds to top
+        stat = block_stat_abs(x, inf_as=_INF_AT_LEAST, keep_nan=False)
+        amax = reduce(block_reduce(stat, 1, self.block_size, "max"), "max", "absmax")
+        xs, scaled = rescaled(x, amax, lambda f, t: _per_element(f, self.block_size, t))
+        factor = torch.where(scaled > 0, top / scaled, torch.zeros_like(scaled))
+        y = _per_element(factor, self.block_size, xs)  # within +-top up to an ulp, which rounds to top
         if self.nonnegative:
             y = y.clamp_(min=tiny)  # never a zero code (a zero block stays zero: its absmax is 0)
         return y, amax
@@ -192,7 +225,13 @@ class BlockFloat8(QuantFormat):
 
     def dequantize(self, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         code_dtype, top, _ = self._code
-        return (inner["codes"].view(code_dtype).float() * (inner["absmax"] / top)).to(dtype)
+        absmax = inner["absmax"]
+        tiny = absmax < RESCALE_BELOW
+        if not bool(tiny.any()):
+            return (inner["codes"].view(code_dtype).float() * (absmax / top)).to(dtype)
+        scale = (absmax * torch.where(tiny, RESCALE, 1.0)) / top
+        values = inner["codes"].view(code_dtype).float() * scale * torch.where(tiny, 1 / RESCALE, 1.0)
+        return values.to(dtype)
 
     def unpack(self, inner, out):
         if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
@@ -206,7 +245,12 @@ class BlockFloat8(QuantFormat):
                       native.level_out())  # fmt: skip
             return True
         torch.index_select(_values(code_dtype), 0, codes.reshape(-1).int(), out=out.view(-1))
-        _scaled_(out, absmax / top, self.block_size)
+        tiny = absmax < RESCALE_BELOW
+        if not bool(tiny.any()):
+            _scaled_(out, absmax / top, self.block_size)
+            return True
+        _scaled_(out, (absmax * torch.where(tiny, RESCALE, 1.0)) / top, self.block_size)
+        _scaled_(out, torch.where(tiny, 1 / RESCALE, 1.0), self.block_size)
         return True
 
     def __str__(self) -> str:
@@ -249,9 +293,15 @@ class BlockLog4(QuantFormat):
 
     def _quantize(self, weight, reduce, u: torch.Tensor | None) -> dict[str, torch.Tensor]:
         x = weight.float()
-        amax = reduce(block_reduce(x.abs(), 1, self.block_size, "max"), "max", "absmax")
-        factor = torch.where(amax > 0, 1.0 / amax, torch.zeros_like(amax))
-        a = _per_element(factor, self.block_size, x.abs()).contiguous()  # in [0, 1]
+        if self.nonnegative:  # an Inf sets the maximum (see the module docstring); NaN is skipped
+            stat = torch.where(x.isnan(), 0.0, x.abs())
+        else:
+            stat = block_stat_abs(x, keep_nan=False)
+        amax = reduce(block_reduce(stat, 1, self.block_size, "max"), "max", "absmax")
+        xs, scaled = rescaled(x.abs(), amax, lambda f, t: _per_element(f, self.block_size, t))
+        factor = torch.where(scaled > 0, 1.0 / scaled, torch.zeros_like(scaled))
+        # in [0, 1], NaN stays NaN; Inf where it saturates (a finite maximum); NaN where the maximum is Inf
+        a = _per_element(factor, self.block_size, xs).contiguous()
         # a = 1.f * 2**e: exponent and fraction bits decide the code exactly (no log, no rounding of one). Between
         # 2**e and 2**(e+1) the fraction f / 2**23 is how far up a is: nearest rounding compares it with a
         # threshold, stochastic rounding with the noise.
@@ -268,7 +318,7 @@ class BlockLog4(QuantFormat):
             codes = codes.clamp_(0, 6).to(torch.uint8)
             low = a < 2.0**-6
             zero = a < 2.0**-7 if u is None else u * 2.0**-6 >= a
-            codes.masked_fill_(low & zero, 7).masked_fill_(low & ~zero, 6)
+            codes.masked_fill_(low & zero, 7).masked_fill_(low & ~zero, 6).masked_fill_(a.isnan(), 7)  # NaN: zero
             codes.bitwise_or_((x < 0).to(torch.uint8) << 3)
         return {"codes": codes[:, 0::2] | (codes[:, 1::2] << 4), "absmax": amax}
 

@@ -44,8 +44,9 @@ absmax code is the nearest map entry to ``(absmax - offset) /
 nested_absmax``; bitsandbytes' CPU search returns the second-nearest of two
 almost equidistant entries in about 0.3% of blocks, so those codes differ
 by one map step (tests/formats/test_bnb_nf4.py measures both).
-A NaN or Inf weight makes its ``nested_absmax`` non-finite, and with it the
-``block_size * nested_block_size`` values that scale covers, no others; an
+A NaN weight makes its ``nested_absmax`` non-finite, and with it the
+``block_size * nested_block_size`` values that scale covers, no others; an Inf
+weight does not enter its block's absmax and saturates to +-absmax; an
 all-zero block dequantizes to zeros.
 
 Kernels: NF4's (the one-token kernel for one bf16 token, the tiles for more
@@ -64,7 +65,7 @@ import torch
 from .._core import native
 from .._core.format import FlatBlockedFormat, Reducer
 from .._core.layout import Constant, flat_blocked
-from .._core.reductions import expand_to, nibbles_into, reduce_to
+from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 from .nf4 import flat_kernel_inputs, kernel_linear
 
 # The QLoRA paper's NF4 levels in float32 (bitsandbytes' quant_map for "nf4").
@@ -139,7 +140,7 @@ class BnbNF4(FlatBlockedFormat):
         shape = weight.shape
         layout = self.layout_for(reduce.full_shape)
         # float32, one per block; a block of whole rows spans a column cut: its maximum over every shard
-        absmax = reduce(reduce_to(weight.abs(), layout["absmax"], "max"), "max", "absmax")
+        absmax = reduce(reduce_to(block_stat_abs(weight), layout["absmax"], "max"), "max", "absmax")
         pairs = nf4_codes(weight, absmax, layout, shape)
         # The offset: the mean of the finite block maxima (a NaN or Inf poisons its own nested block only).
         finite = absmax.isfinite()

@@ -13,6 +13,11 @@ rounds the product to it before converting: compressed-tensors'
 ``float-quantized`` per-channel checkpoints (e4m3 ``weight``, bf16
 ``weight_scale`` ``[out, 1]``, dequantized as ``q.to(bf16) * scale``);
 ``Float8Tensorwise(scale_dtype=...)`` the same with one scale.
+
+Extremes (docs/hostile_input.md): the scale is the finite values' maximum, so
+a NaN weight is NaN in its own element only (e4m3fn's NaN code), an Inf
+saturates to +-448 * scale, and ``448 * scale`` is capped where rounding to the
+scale's dtype, then the weight's, would overflow (``safe_scale``).
 """
 
 from __future__ import annotations
@@ -25,25 +30,31 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Constant, OneToOne
-from .._core.reductions import block_reduce, safe_scale, scaled_into
+from .._core.reductions import block_reduce, block_stat_abs, safe_scale, scaled_into
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
+def _stat(weight: torch.Tensor) -> torch.Tensor:
+    """``|w|`` for the scale: its finite values only. e4m3fn codes a NaN by itself (NaN there, nowhere else) and
+    an Inf saturates to +-448 * scale (torch's conversion, after the clamp)."""
+    return block_stat_abs(weight, keep_nan=False)
+
+
 def _quantize(weight: torch.Tensor, amax: torch.Tensor, scale_dtype=None) -> dict[str, torch.Tensor]:
-    scale = safe_scale(amax, _E4M3_MAX, scale_dtype or weight.dtype)
+    scale = safe_scale(amax, _E4M3_MAX, scale_dtype or weight.dtype, weight.dtype)
     q = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return {"qdata": q, "scale": scale}
 
 
-def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise, dtype) -> dict:
+def _quantize_stochastic(weight: torch.Tensor, amax: torch.Tensor, noise, dtype, out_dtype=None) -> dict:
     """``_quantize`` with each code rounded at random between its two e4m3 neighbours (scale in ``dtype``).
 
     The nearest code decides which neighbours bracket the value (e4m3fn magnitudes
     are ordered like their 7 low bits); the value rounds to the upper one with
     probability its distance from the lower one over the gap.
     """
-    scale = safe_scale(amax, _E4M3_MAX, dtype)
+    scale = safe_scale(amax, _E4M3_MAX, dtype, out_dtype)
     x = (weight.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX)
     bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
     sign, mag = bits & 0x80, (bits & 0x7F).long()
@@ -225,11 +236,11 @@ class Float8Rowwise(QuantFormat):
     __repr__ = compact_repr
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        return _quantize(weight, reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale"), self.scale_dtype)
+        return _quantize(weight, reduce(block_reduce(_stat(weight), 1, None, "max"), "max", "scale"), self.scale_dtype)
 
     def quantize_stochastic(self, weight, reduce, noise, dtype):
-        amax = reduce(block_reduce(weight.abs(), 1, None, "max"), "max", "scale")
-        return _quantize_stochastic(weight, amax, noise, self.scale_dtype or dtype)
+        amax = reduce(block_reduce(_stat(weight), 1, None, "max"), "max", "scale")
+        return _quantize_stochastic(weight, amax, noise, self.scale_dtype or dtype, dtype)
 
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype, self.scale_dtype)
@@ -268,12 +279,12 @@ class Float8Tensorwise(QuantFormat):
     __repr__ = compact_repr
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
+        amax = block_reduce(block_reduce(_stat(weight), 1, None, "max"), 0, None, "max")
         return _quantize(weight, reduce(amax, "max", "scale"), self.scale_dtype)
 
     def quantize_stochastic(self, weight, reduce, noise, dtype):
-        amax = block_reduce(block_reduce(weight.abs(), 1, None, "max"), 0, None, "max")
-        return _quantize_stochastic(weight, reduce(amax, "max", "scale"), noise, self.scale_dtype or dtype)
+        amax = block_reduce(block_reduce(_stat(weight), 1, None, "max"), 0, None, "max")
+        return _quantize_stochastic(weight, reduce(amax, "max", "scale"), noise, self.scale_dtype or dtype, dtype)
 
     def dequantize(self, inner, dtype):
         return _dequantize(inner, dtype, self.scale_dtype)

@@ -32,7 +32,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Blocked, OneToOne
-from .._core.reductions import block_reduce, expand_blocks, safe_scale
+from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, safe_scale
 from .float8 import codes_into, kernel_linear, kernel_prepare, table_fits
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -71,11 +71,12 @@ class Float8Blockwise(QuantFormat):
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         b = self.block_size
-        amax = reduce(block_reduce(block_reduce(weight.abs(), 1, b, "max"), 0, b, "max"), "max", "scale_inv")
+        stat = block_stat_abs(weight, keep_nan=False)  # finite values only: e4m3fn codes a NaN in its element
+        amax = reduce(block_reduce(block_reduce(stat, 1, b, "max"), 0, b, "max"), "max", "scale_inv")
         if self.scale_dtype is None:
             scale = (amax / _E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         else:
-            scale = safe_scale(amax, _E4M3_MAX, self.scale_dtype)
+            scale = safe_scale(amax, _E4M3_MAX, self.scale_dtype, weight.dtype)
         full = expand_blocks(expand_blocks(scale.float(), 0, b, weight.shape[0]), 1, b, weight.shape[1])
         q = (weight.float() / full).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
         return {"qdata": q, "scale_inv": scale}

@@ -30,7 +30,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.reductions import block_reduce, expand_blocks, nibbles_into
+from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 
@@ -39,12 +39,13 @@ _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
 _KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def _fit_range(scale, zero, lo, hi, dtype):
+def _fit_range(scale, zero, lo, hi, dtype, out_dtype):
     """Step ``scale`` down (and ``zero`` with it) where code 0 or 15 would dequantize to Inf in ``dtype``.
 
-    Dequantize computes ``(q - 8) * scale + zero`` in float32; a group whose
-    range touches the dtype's maximum can round one ulp past it. Groups with
-    NaN or Inf stay as they are (they dequantize to NaN).
+    Dequantize computes ``(q - 8) * scale + zero`` in float32, rounds it to
+    ``dtype`` then to the weight's ``out_dtype``; a group whose range touches
+    their maximum can round one ulp past it. Groups with
+    NaN stay as they are (they dequantize to NaN).
     """
     finite = lo.isfinite() & hi.isfinite()
     # (q - 8) * scale must not overflow float32 itself: a group wider than 15/8 of float32's maximum
@@ -57,7 +58,7 @@ def _fit_range(scale, zero, lo, hi, dtype):
     zero = torch.where(wide, (lo + scale.to(lo.dtype) * 8).to(dtype), zero)
     for _ in range(8):
         s, z = scale.float(), zero.float()
-        ends = torch.stack([(7 * s + z).to(dtype), (-8 * s + z).to(dtype)])
+        ends = torch.stack([(7 * s + z).to(dtype).to(out_dtype), (-8 * s + z).to(dtype).to(out_dtype)])
         bad = finite & ~ends.isfinite().all(0)
         if not bool(bad.any()):
             break
@@ -100,8 +101,13 @@ class Int4Groupwise(QuantFormat):
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         g, n_in, dtype = self.group_size, weight.shape[1], self.scale_dtype or weight.dtype
-        lo = reduce(block_reduce(weight, 1, g, "min"), "min", "scale")
-        hi = reduce(block_reduce(weight, 1, g, "max"), "max", "scale")
+        stat = finite_or_nan(weight)  # an Inf does not set its group's range: it saturates to code 0 or 15
+        lo = reduce(block_reduce(stat, 1, g, "min"), "min", "scale")
+        hi = reduce(block_reduce(stat, 1, g, "max"), "max", "scale")
+        # weights beyond what the scale dtype can give back in the weight's dtype (fp16 scales of larger
+        # weights) saturate there; within both ranges this changes nothing
+        limit = largest_finite(dtype, weight.dtype)
+        lo, hi = lo.clamp(min=-limit), hi.clamp(max=limit)
         finite = lo.isfinite() & hi.isfinite()
         scale = ((hi - lo).clamp(min=1e-6) / 15).to(dtype)
         zero = (lo + scale.float() * 8).to(dtype)
@@ -114,7 +120,7 @@ class Int4Groupwise(QuantFormat):
             scale = torch.where(wide, ((hi64 - lo64) / 15).to(dtype), scale)
             zero = torch.where(wide, (lo64 + scale.double() * 8).to(dtype), zero)
         if not weight.is_meta:
-            scale, zero = _fit_range(scale, zero, lo.double(), hi.double(), dtype)
+            scale, zero = _fit_range(scale, zero, lo.double(), hi.double(), dtype, weight.dtype)
         lo_q = zero.float() - scale.float() * 8
         w = weight.float()
         q = ((w - expand_blocks(lo_q, 1, g, n_in)) / expand_blocks(scale.float(), 1, g, n_in)).round().clamp(0, 15)

@@ -36,7 +36,10 @@ tests/core/test_native_tiles.py).
 Quantize (min-max, the range widened to include 0 as compressed-tensors'
 observer does): ``scale = (max - min) / 15`` rounded up to the scale's dtype
 (no code clips), ``z = round(-min / scale)``, ``q = clamp(round(w / scale) +
-z, 0, 15)``. A group with NaN or Inf gets a NaN scale and dequantizes to NaN.
+z, 0, 15)``. A group with a NaN gets a NaN scale and dequantizes to NaN; an Inf
+does not enter min and max (its group's range is its finite values' and 0)
+and saturates to code 0 or 15. Weights beyond what the scale dtype gives back
+finite in the weight's dtype (fp16 scales of larger weights) saturate there.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.reductions import block_reduce, expand_blocks, nibbles_into
+from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
 _CODES = tuple(float(c) for c in range(16))
 
@@ -93,13 +96,17 @@ class Int4GroupwiseIntZero(QuantFormat):
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         g, n_in, dtype = self.group_size, weight.shape[1], self.scale_dtype or weight.dtype
-        lo = reduce(block_reduce(weight, 1, g, "min"), "min", "scale").double().clamp(max=0)
-        hi = reduce(block_reduce(weight, 1, g, "max"), "max", "scale").double().clamp(min=0)
+        stat = finite_or_nan(weight)  # an Inf does not set its group's range: it saturates to code 0 or 15
+        lo = reduce(block_reduce(stat, 1, g, "min"), "min", "scale").double().clamp(max=0)
+        hi = reduce(block_reduce(stat, 1, g, "max"), "max", "scale").double().clamp(min=0)
+        # weights beyond what the scale dtype can give back in the weight's dtype saturate there
+        limit = largest_finite(dtype, weight.dtype)
+        lo, hi = lo.clamp(min=-limit), hi.clamp(max=limit)
         finite = lo.isfinite() & hi.isfinite()
         tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
         scale = _round_up(((hi - lo) / 15).clamp(min=tiny), dtype)
         if not weight.is_meta:  # a model built on "meta" has no values to fit
-            scale = self._fit_range(scale, lo, finite, dtype)
+            scale = self._fit_range(scale, lo, finite, dtype, limit)
         zero = torch.where(finite, (-lo / scale.double()).round().clamp(0, 15), 0)
         scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
         codes = (weight.float() / expand_blocks(scale.float(), 1, g, n_in)).round()
@@ -108,15 +115,15 @@ class Int4GroupwiseIntZero(QuantFormat):
         return {"qdata": q[:, ::2] | (q[:, 1::2] << 4), "scale": scale, "zero": zero.to(torch.uint8)}
 
     @staticmethod
-    def _fit_range(scale, lo, finite, dtype):
-        """Shrink ``scale`` where an end code would dequantize past ``dtype``'s range (Inf).
+    def _fit_range(scale, lo, finite, dtype, big):
+        """Shrink ``scale`` (in ``dtype``) where an end code would dequantize past ``big`` (Inf in the scale's or
+        the weight's dtype: ``largest_finite``).
 
         ``(q - z) * scale`` reaches ``max(z, 15 - z) * scale``: a group as wide
         as the dtype's range (fp16 weights near +-65504, or fp16 scales for
         larger weights) gets the widest scale that keeps it finite and clips
         its far end, as rounding to the scale's dtype could otherwise give Inf.
         """
-        big = torch.finfo(dtype).max
         for _ in range(4):  # z moves with the scale; two rounds settle it
             zero = (-lo / scale.double()).round().clamp(0, 15)
             reach = torch.maximum(zero, 15 - zero)

@@ -9,6 +9,11 @@ Math: ``w ~= q * scale``, in float32, rounded once to the output dtype; with
 ``scale_dtype`` rounded to it first, then converted (compressed-tensors'
 ``int-quantized`` checkpoints: int8 ``weight`` and bf16 ``weight_scale``
 ``[out, 1]``, dequantized as ``q.to(bf16) * scale``).
+
+Extremes (docs/hostile_input.md): the scale is the row's finite maximum, so
+an Inf saturates to +-127 * scale and a NaN makes its row NaN (int8 has no NaN
+code); ``127 * scale`` is capped at the largest scale-dtype value finite in the
+weight's dtype (``safe_scale``), so finite weights never dequantize to Inf.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Constant, OneToOne
-from .._core.reductions import block_reduce, canonical_nan, safe_scale, scaled_into
+from .._core.reductions import block_reduce, block_stat_abs, canonical_nan, safe_scale, scaled_into
 from .._core.stochastic import Noise
 
 _QMAX = 127
@@ -79,7 +84,8 @@ def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.T
 
 
 # Two one-pass helpers of the training path (int8_rows.h), the bits of their torch expressions: each row's largest
-# |w| (NaN if any; ``block_reduce(w.abs(), 1, None, "max")``) and float32 values ``float(q) * s`` (``unpack``).
+# finite |w| (NaN if any; ``block_reduce(block_stat_abs(w), 1, None, "max")``) and float32 values ``float(q) * s``
+# (``unpack``).
 _ROWS_KERNELS = {  # int8_rows.h's two helpers, an entry point each
     "row_absmax": ["const float*", "float*", "int64_t", "int64_t", "int64_t*"],
     "values": ["const int8_t*", "const float*", "float*", "int64_t", "int64_t", "int64_t*"],
@@ -102,19 +108,21 @@ def _rows_kernel(name: str):
 
 
 def _row_absmax(weight: torch.Tensor) -> torch.Tensor:
-    """Each row's largest ``|w|`` as float32 ``[rows, 1]``, NaN where the row has one."""
+    """Each row's largest finite ``|w|`` as float32 ``[rows, 1]``, NaN where the row has one (int8 has no NaN code;
+    an Inf saturates to +-127 * scale without costing its row its precision)."""
     loaded = _rows_kernel("row_absmax") if weight.device.type == "cpu" and weight.ndim == 2 else None
     if loaded is None:
-        return block_reduce(weight.abs(), 1, None, "max")
+        return block_reduce(block_stat_abs(weight), 1, None, "max")
     w = weight.float().contiguous()
     out = torch.empty((w.shape[0], 1), dtype=torch.float32)
     loaded[0](w, out, w.shape[0], w.shape[1], native.level_out())
     return canonical_nan(out)
 
 
-def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype) -> torch.Tensor:
-    """Each row's ``amax / 127`` in ``dtype`` (rows cut into column shards reduce their maxima)."""
-    return safe_scale(reduce(_row_absmax(weight), "max", "scale"), _QMAX, dtype)
+def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """Each row's ``amax / 127`` in ``dtype``, its products finite in ``out_dtype`` too (the weight's)
+    (rows cut into column shards reduce their maxima)."""
+    return safe_scale(reduce(_row_absmax(weight), "max", "scale"), _QMAX, dtype, out_dtype)
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ class Int8Rowwise(QuantFormat):
     __repr__ = compact_repr
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        scale = _scale(weight, reduce, self.scale_dtype or weight.dtype)
+        scale = _scale(weight, reduce, self.scale_dtype or weight.dtype, weight.dtype)
         q = torch.round(weight.float() / scale.float()).clamp(-_QMAX, _QMAX).to(torch.int8)
         return {"qdata": q, "scale": scale}
 
@@ -143,7 +151,7 @@ class Int8Rowwise(QuantFormat):
 
         On the CPU a kernel draws the noise and rounds in one pass (:func:`sr_codes`); the same bits.
         """
-        scale = _scale(weight, reduce, self.scale_dtype or dtype)
+        scale = _scale(weight, reduce, self.scale_dtype or dtype, dtype)
         q = sr_codes(weight.float(), scale.float(), noise)
         if q is None:
             q = torch.addcdiv(noise.uniform(), weight.float(), scale.float()).floor_().clamp_(-_QMAX, _QMAX)

@@ -26,7 +26,11 @@ absolute maximum rounded to a power of two (up when its significand is at
 least 1.75), minus 2 (e2m1's largest exponent) gives the scale's exponent,
 clamped to the e8m0 range; each value divided by the scale rounds to the
 nearest e2m1 value, ties to even, saturating at +-6. An all-zero block gets
-exponent 0; a block with NaN or Inf gets 255.
+exponent 0. The block maximum is over finite values, so an Inf saturates at
++-6 times its block's scale and the rest of the block keeps its precision; a
+block with a NaN gets exponent 255 and code 0 throughout, so every value of it
+is 0 * inf = NaN in every reference dequantizer (a nonzero code would read
++-Inf).
 
 Kernels: NF4's (the one-token kernel for one bf16 token, the tiles for more
 and for fp32 activations) with the e2m1 values as levels and each block's
@@ -48,7 +52,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.reductions import block_reduce, expand_blocks, nibbles_into
+from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, nibbles_into
 from .nf4 import kernel as nf4_kernel
 from .nf4 import kernel_linear
 
@@ -87,7 +91,7 @@ class MXFP4(QuantFormat):
             )
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
-        amax = reduce(block_reduce(weight.abs(), 1, BLOCK, "max"), "max", "scale")
+        amax = reduce(block_reduce(block_stat_abs(weight), 1, BLOCK, "max"), "max", "scale")  # Inf saturates at 6
         mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2 ** exponent, mantissa in [0.5, 1)
         biased = exponent - 1 + (mantissa >= 0.875).int() - 2 + 127  # floor(log2) rounded up from 1.75
         biased = torch.where(amax == 0, 0, biased.clamp(0, 254))
@@ -112,7 +116,8 @@ class MXFP4(QuantFormat):
         mag = x.abs()
         index = sum((mag > b).int() for b in _TIES_DOWN) + sum((mag >= b).int() for b in _TIES_UP)
         codes = (torch.where(x < 0, 8, 0) + index).to(torch.uint8)
-        return torch.where(x.isnan(), 0, codes).to(torch.uint8)  # its block's scale is 255: NaN there
+        poisoned = expand_blocks(biased == 255, 1, BLOCK, weight.shape[1])  # code 0: NaN (0 * inf) throughout
+        return torch.where(x.isnan() | poisoned, 0, codes).to(torch.uint8)
 
     @staticmethod
     def _values(codes: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,9 @@ otherwise):
 
 * an all-zero block gets code 7 (level 0.0) and dequantizes to exact zeros
   (torchao divides 0/0 and keeps the code its NaN search gives);
-* the mean is over the *finite* block scales, so a NaN or Inf weight makes
-  its own factor NaN (or 0) and with it the ``block_size * scaler_block_size``
+* a block's scale is its finite values' maximum, so an Inf saturates to
+  +-scale (level 1.0); the mean is over the *finite* block scales, so a NaN
+  weight makes its own factor NaN and with it the ``block_size * scaler_block_size``
   weights that factor covers -- never fewer, because a block's own scale is
   an int8 that cannot hold NaN, and never more (in torchao the mean, and so
   the whole weight, becomes NaN);
@@ -65,7 +66,7 @@ import torch
 from .._core import native
 from .._core.format import FlatBlockedFormat, Reducer
 from .._core.layout import Constant, flat_blocked
-from .._core.reductions import expand_to, nibbles_into, reduce_to
+from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 
 # torchao's table (to_nf4): the QLoRA levels rounded to 4 decimals.
 NF4_LEVELS = (
@@ -99,7 +100,7 @@ class NF4(FlatBlockedFormat):
         dtype, shape = weight.dtype, weight.shape
         layout = self.layout_for(reduce.full_shape)
         # a block of whole rows spans a column cut: its maximum over every shard holding part of it
-        absmax = reduce(reduce_to(weight.abs(), layout["scaler"], "max"), "max", "scaler").to(dtype)
+        absmax = reduce(reduce_to(block_stat_abs(weight), layout["scaler"], "max"), "max", "scaler").to(dtype)
         # The mean of the finite block scales: a NaN or Inf weight poisons its own factor's blocks, not all.
         finite = absmax.isfinite()
         stats = torch.stack([torch.where(finite, absmax, 0).double().sum(), finite.double().sum()])
@@ -119,7 +120,8 @@ class NF4(FlatBlockedFormat):
         per_scale = reduce_to(expand_to(factor, layout["factor"], shape), layout["scaler"], "max").to(dtype)
         scaler = (centred * per_scale).round().clamp(-128, 127)
         scales = expand_to(absmax, layout["scaler"], shape)
-        codes = nearest_codes(torch.where(scales == 0, 0, weight / scales))  # a zero block: level 0.0, not 0/0
+        # a zero block: level 0.0, not 0/0; an Inf (not in its block's scale): +-1, the largest level
+        codes = nearest_codes(torch.where(scales == 0, 0, weight / scales).clamp(-1, 1))
         pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
         return {
             "qdata": (pairs[..., 0] << 4) | pairs[..., 1],

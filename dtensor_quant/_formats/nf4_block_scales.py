@@ -31,8 +31,8 @@ Two uses, one layout:
 Quantize stores each block's absolute maximum (``"bitsandbytes"``: in
 float32, the codes as :class:`~dtensor_quant.BnbNF4` picks them, equal to
 bitsandbytes'; ``"torchao"``: in the weight's dtype, codes as NF4 picks
-them). An all-zero block dequantizes to zeros; a NaN or Inf poisons its own
-block only.
+them). An all-zero block dequantizes to zeros; a NaN poisons its own block
+only; an Inf saturates to +-(its block's scale), which its finite values set.
 
 Layout (:func:`~dtensor_quant._core.layout.flat_blocked`): ``qdata`` uint8
 packs 2 codes per byte over the flat index (the first in the high nibble),
@@ -55,7 +55,7 @@ import torch
 from .._core import native
 from .._core.format import FlatBlockedFormat, QuantFormat, Reducer, expansion_of
 from .._core.layout import flat_blocked
-from .._core.reductions import expand_to, nibbles_into, reduce_to
+from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 from .bnb_nf4 import NF4_LEVELS_F32, BnbNF4, nf4_codes
 from .nf4 import NF4, NF4_LEVELS, flat_kernel_inputs, kernel_linear, nearest_codes
 
@@ -83,14 +83,15 @@ class NF4BlockScales(FlatBlockedFormat):
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         shape, layout = weight.shape, self.layout_for(reduce.full_shape)
         # each block's maximum (over every shard holding part of it, where a block of whole rows spans a column cut)
-        absmax = reduce(reduce_to(weight.abs(), layout["scale"], "max"), "max", "scale")
+        absmax = reduce(reduce_to(block_stat_abs(weight), layout["scale"], "max"), "max", "scale")
         if self.levels == "bitsandbytes":
             scale = absmax  # float32, as bitsandbytes' absmax
             pairs = nf4_codes(weight, scale, layout, shape)
         else:
             scale = absmax.to(weight.dtype)
             scales = expand_to(scale, layout["scale"], shape)
-            codes = nearest_codes(torch.where(scales == 0, 0, weight / scales))  # a zero block: level 0.0
+            normalized = torch.where(scales == 0, 0, weight / scales).clamp(-1, 1)  # a zero block: 0; Inf: +-1
+            codes = nearest_codes(normalized)
             pairs = codes.reshape(*(r.inner_len(n) for r, n in zip(layout["qdata"], shape)), 2)
         return {"qdata": (pairs[..., 0] << 4) | pairs[..., 1], "scale": scale}
 

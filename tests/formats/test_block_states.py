@@ -57,6 +57,13 @@ def _sweep(top: float) -> torch.Tensor:
     return torch.cat([torch.full((x.shape[0], 1), top), x], 1)  # each block's maximum is top: the factor is 1
 
 
+def _with_extremes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with an Inf, a -Inf and a NaN in some vector-width groups and in some scalar tails."""
+    x = x.clone()
+    x[0, 3], x[1, 260], x[2, 511], x[3, 8:16] = float("inf"), -float("inf"), float("nan"), float("inf")
+    return x
+
+
 @pytest.mark.parametrize("fmt", [dq.BlockFloat8(256), dq.BlockFloat8(256, nonnegative=True)], ids=str)
 def test_block_float8_kernels_give_the_torch_bits(monkeypatch, fmt):
     top = 57344.0 if fmt.nonnegative else 448.0
@@ -64,6 +71,16 @@ def test_block_float8_kernels_give_the_torch_bits(monkeypatch, fmt):
         _sweep(top),  # every rounding case of the code, ties included
         torch.randn(37, 300, generator=torch.Generator().manual_seed(1)) * torch.logspace(-12, 3, 300),
         torch.tensor([[0.0, -0.0, 1e-30, float("nan"), 3.0], [0.0] * 5, [float("inf"), 1.0, 2.0, 3.0, 4.0]]),
+        # subnormal block maxima (rescaled by 2**64), an Inf among zeros, Inf beside NaN and subnormals
+        torch.tensor(
+            [
+                [1e-41, -3e-42, 0.0, 1.4e-45, 5e-40],
+                [float("inf"), 0, 0, 0, 0],
+                [-float("inf"), 1e-41, float("nan"), 0, 2e-39],
+            ]
+        ),
+        torch.randn(9, 300, generator=torch.Generator().manual_seed(2)) * torch.logspace(-45, -20, 300),
+        _with_extremes(torch.randn(6, 512, generator=torch.Generator().manual_seed(6)) * 1e-40),
     ]
     for x in cases:
         x = x.abs() if fmt.nonnegative else x

@@ -83,23 +83,39 @@ def test_values_at_the_dtype_max_stay_finite(fmt_name, dtype):
 
 @pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
 def test_one_poisoned_value_poisons_at_most_its_block(fmt_name):
+    """An Inf never costs its block its precision: the scale is its finite values', the Inf saturates to the
+    largest code. A NaN poisons its block where the code has no NaN (int8, int4: the block says NaN rather than
+    hold a finite wrong value); float8's e4m3fn codes keep it in its own element. See docs/hostile_input.md."""
     fmt = FORMATS[fmt_name]
     w = torch.randn(8, 128, dtype=torch.bfloat16)
     clean = dq.quantize(w, fmt).dequantize()
-    for value in (float("nan"), float("inf")):
+    for value in (float("nan"), float("inf"), -float("inf")):
         bad = w.clone()
         bad[3, 70] = value
         d = dq.quantize(bad, fmt).dequantize()
-        if fmt_name == "f8tensor":  # one scale: the whole tensor is the block (documented)
-            assert d.isnan().all()
-            continue
         block = torch.zeros_like(d, dtype=torch.bool)
         if fmt_name == "int4g32":
             block[3, 64:96] = True
+        elif fmt_name == "f8tensor":  # one scale: the whole tensor is the block
+            block[:] = True
         else:
             block[3] = True
+        element = torch.zeros_like(block)
+        element[3, 70] = True
         assert torch.equal(d[~block], clean[~block]), "a value outside the poisoned block changed"
-        assert d[block].isnan().all(), "the poisoned block must say so (NaN), not hold finite wrong values"
+        if value != value and fmt_name in ("int8", "int4g32"):
+            assert d[block].isnan().all(), "the poisoned block must say so (NaN), not hold finite wrong values"
+            continue
+        rest = block & ~element
+        ref = dq.quantize(torch.where(element, 0, bad), fmt).dequantize()  # the block without the value
+        if fmt_name != "int4g32":  # int4's range includes 0 either way; float8 and int8 scale by the max
+            assert torch.equal(d[rest], ref[rest]), "the rest of the block lost precision to the non-finite value"
+        assert d[rest].isfinite().all()
+        if value != value:
+            assert d[element].isnan().all()
+        else:  # saturates: the largest code of its sign, times the block's scale
+            assert d[element].isfinite().all() and (d[element] * value > 0).all()
+            assert (d[element] >= d[rest].max()) if value > 0 else (d[element] <= d[rest].min())
 
 
 @pytest.mark.parametrize("fmt_name", EXTREME_FORMATS)
@@ -136,3 +152,25 @@ def test_empty_weights():
         except ValueError:
             continue
         assert q.dequantize().shape == (64, 0)
+
+
+@pytest.mark.parametrize(
+    "fmt", [dq.Int8Rowwise(scale_dtype=torch.bfloat16), dq.Float8Rowwise(scale_dtype=torch.bfloat16)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bf16_scales_of_weights_at_the_dtype_max_stay_finite(fmt, dtype):
+    """Before: bf16 scales turned fp16 weights of 65504 (65504 rounds to bf16 65536) and fp32 weights of 3.4e38
+    (the cap used bf16's range only) into Inf. Now they saturate at the largest bf16 value finite in the weight's
+    dtype, within the code's rounding of it, and the other rows are as quantized on their own."""
+    from dtensor_quant._core.reductions import largest_finite
+
+    m = torch.finfo(dtype).max
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    w[0, 0], w[1], w[2, ::2] = m, -m, m
+    d = dq.quantize(w, fmt).dequantize()
+    assert d.dtype == dtype and d.isfinite().all()
+    limit = largest_finite(torch.bfloat16, dtype)
+    qmax = 127 if isinstance(fmt, dq.Int8Rowwise) else 448
+    step = limit / qmax if qmax == 127 else limit / 16  # int8: one code; e4m3: 3 fraction bits
+    assert ((d[:3].double() - w[:3].double().clamp(-limit, limit)).abs() <= step).all()
+    assert torch.equal(d[3:], dq.quantize(w[3:], fmt).dequantize())

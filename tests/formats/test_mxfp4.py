@@ -82,8 +82,12 @@ def test_mxfp4_shapes_and_extremes():
     w[1, 3], w[2, 40], w[3, :32] = float("nan"), float("inf"), 0
     q = dq.quantize(w, dq.MXFP4())
     d = q.dequantize()
-    assert (~d[1, :32].isfinite()).all() and (~d[2, 32:].isfinite()).all() and (d[3, :32] == 0).all()
-    assert d[0].isfinite().all() and d[1, 32:].isfinite().all() and d[2, :32].isfinite().all()
+    assert (~d[1, :32].isfinite()).all() and (d[3, :32] == 0).all()  # a NaN: its block's scale is e8m0's NaN
+    assert d[0].isfinite().all() and d[1, 32:].isfinite().all() and d[2].isfinite().all()
+    # an Inf saturates at 6 times its block's scale, which its finite values set
+    assert d[2, 40] == 6 * 2.0 ** (q.scale[2, 1].item() - 127)
+    without = dq.quantize(torch.where(w.isinf(), 0, w), dq.MXFP4()).dequantize()
+    assert torch.equal(d[2, 32:40], without[2, 32:40]) and torch.equal(d[2, 41:], without[2, 41:])
     big = torch.full((2, 32), torch.finfo(torch.float32).max)
     assert dq.quantize(big, dq.MXFP4()).dequantize().isfinite().all()  # one exponent smaller: values saturate
     near = torch.full((2, 32), 60000.0, dtype=torch.float16)  # the reference rounds it to 4 * 2**14 = 65536: Inf
