@@ -41,6 +41,51 @@ MODELS = {
     "Phi-3-mini": (32, 3072, 8192, 32, 32, 96, 32064),
     "Gemma-2-9B": (42, 3584, 14336, 16, 8, 256, 256000),
 }
+# The transformers config of each (model type, its fields): the shapes above, the tied embeddings and fused weights
+# as each model has them, and five more (MoE and MLA among them) for whole-model reports
+# (``python -m dtensor_quant plan --config``, bench/plan_reports.py). Written locally, no weights.
+TYPES = {"TinyLlama-1.1B": "llama", "Llama-2-7B": "llama", "Llama-3-8B": "llama", "Llama-3.2-3B": "llama",
+         "Llama-3-70B": "llama", "Mistral-7B": "mistral", "Qwen2.5-0.5B": "qwen2", "Qwen2.5-1.5B": "qwen2",
+         "Qwen2-7B": "qwen2", "Qwen2-72B": "qwen2", "Phi-3-mini": "phi3", "Gemma-2-9B": "gemma2"}  # fmt: skip
+TIED = {"Llama-3.2-3B", "Qwen2.5-0.5B", "Qwen2.5-1.5B", "Gemma-2-9B"}
+MORE = {
+    "Qwen2.5-72B": ("qwen2", dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=29568,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=152064)),
+    "Mixtral-8x7B": ("mixtral", dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000)),
+    "DeepSeek-V2-Lite": ("deepseek_v2", dict(num_hidden_layers=27, hidden_size=2048, intermediate_size=10944,
+                                             moe_intermediate_size=1408, num_attention_heads=16,
+                                             num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+                                             num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+                                             q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                             v_head_dim=128, vocab_size=102400)),
+    "gpt-oss-20b": ("gpt_oss", dict(num_hidden_layers=24, hidden_size=2880, intermediate_size=2880,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, vocab_size=201088)),
+}  # fmt: skip
+
+
+def config_fields(name: str) -> tuple[str, dict]:
+    """``(model type, config fields)`` of model ``name`` (one of MODELS or MORE)."""
+    if name in MORE:
+        return MORE[name]
+    n_layers, hidden, inter, heads, kv_heads, head_dim, vocab = MODELS[name]
+    fields = dict(num_hidden_layers=n_layers, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                  tie_word_embeddings=name in TIED)  # fmt: skip
+    return TYPES[name], fields
+
+
+def write_config(name: str, path) -> str:
+    """Model ``name``'s config.json in directory ``path`` (transformers' ``save_pretrained``; no weights)."""
+    import transformers
+
+    model_type, fields = config_fields(name)
+    transformers.AutoConfig.for_model(model_type, **fields).save_pretrained(path)
+    return str(path)
+
+
 FORMATS = list(where(is_default).values())  # every built-in format with its defaults, from the test registry
 TP = (1, 2, 4, 8)
 

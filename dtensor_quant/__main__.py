@@ -1,6 +1,11 @@
 """Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant._model.planner) and
 ``python -m dtensor_quant kernels`` (which C++ kernels run on this machine, on which vector path) and
-``python -m dtensor_quant config`` (every environment variable the library reads, with its value in force)."""
+``python -m dtensor_quant config`` (every environment variable the library reads, with its value in force).
+
+A user error (a format, shape, path or option it cannot use) is one line on
+stderr naming what would work, and exit status 2 -- never a traceback
+(:func:`run`); :func:`main` raises them, for code and tests.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,15 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from ._core import config, native
 from ._model.format_spec import parse_format
-from ._model.planner import ALL_STYLES, STYLES, Layer, kind_from_name, layers_of, plan
+from ._model.plan_checkpoint import stored_layers
+from ._model.planner import ALL_STYLES, RUNTIMES, STYLES, Layer, attention_role, kind_from_name, layers_of, plan
 
 
 def _load(target: str):
@@ -27,18 +34,25 @@ def _load(target: str):
         raise SystemExit(f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}")
     if where.endswith(".py"):
         path = Path(where).resolve()
+        if not path.is_file():
+            raise SystemExit(f"{where}: no such file (give MODULE:FUNCTION or FILE.py:FUNCTION)")
         sys.path.insert(0, str(path.parent))  # let the file import its neighbours
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise SystemExit(f"cannot import {where!r} ({e}); give MODULE:FUNCTION or FILE.py:FUNCTION") from None
+    if not hasattr(module, attr):
+        raise SystemExit(f"{where} has no {attr!r}; give MODULE:FUNCTION or FILE.py:FUNCTION")
     return getattr(module, attr)
 
 
-def _shape(text: str) -> list[Layer]:
-    """``[NAME=][EXPERTSx]OUTxIN[:STYLE]``."""
+def _shape(text: str, heads=None) -> list[Layer]:
+    """``[NAME=][EXPERTSx]OUTxIN[:STYLE]``; an attention projection's NAME takes ``heads`` (--heads)."""
     name, _, rest = text.rpartition("=")
     dims, _, style = rest.partition(":")
     try:
@@ -51,7 +65,9 @@ def _shape(text: str) -> list[Layer]:
         ) from None
     if style and style not in ALL_STYLES:
         raise SystemExit(f"bad --shape {text!r}: style must be one of {', '.join(ALL_STYLES)}")
-    return [Layer(name or dims, shape, s, kind_from_name(name)) for s in ([style] if style else STYLES)]
+    role = attention_role(name) if heads else ""
+    extra = {"heads": tuple(heads), "role": role} if role else {}
+    return [Layer(name or dims, shape, s, kind_from_name(name), **extra) for s in ([style] if style else STYLES)]
 
 
 def _from_config(path: str):
@@ -60,14 +76,17 @@ def _from_config(path: str):
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise SystemExit("--config needs transformers (pip install transformers)") from None
-    config = AutoConfig.from_pretrained(str(Path(path).parent if path.endswith(".json") else path))
+    where = Path(path).parent if path.endswith(".json") else Path(path)
+    if not (where / "config.json").is_file():
+        raise SystemExit(f"{path}: no config.json there (give a Hugging Face model directory or its config.json)")
+    config = AutoConfig.from_pretrained(str(where))
     return AutoModelForCausalLM.from_config(config)
 
 
 def _model_and_plan(args):
     """The model (on the meta device) and the TP plan to plan it with, with a line saying which plan that is."""
     with torch.device("meta"):
-        model = _from_config(args.config) if args.config else _load(args.model)()
+        model = _from_config(args.config or args.checkpoint) if args.config or args.checkpoint else _load(args.model)()
     own = getattr(model, "_tp_plan", None) or None
     if args.tp_plan in (None, "model"):
         if own is None and args.tp_plan == "model":
@@ -109,7 +128,7 @@ def kernels() -> list[str]:
                 break
     have = " ".join(f for f in _CPU_FLAGS if f in flags) or "(no /proc/cpuinfo flags)"
     lines.append(f"CPU: {have}; torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}")
-    lines.append(f"{'kernel':<11}{'formats':<51}tiles (several tokens)")
+    lines.append(f"{'kernel':<11}{'formats':<51}vector path (several tokens)")
     for name, formats in KERNELS.items():
         module = importlib.import_module(f"{__package__}._formats.{name}")
         with warnings.catch_warnings():  # the report says why, in its own line
@@ -117,7 +136,7 @@ def kernels() -> list[str]:
             built = module.kernel()
         if built is not None:
             level = min(built[1], native.MAX_LEVEL)
-            path = f"{level} {native.LEVEL_NAMES[level]}"
+            path = f"{native.LEVEL_NAMES[level]} tiles"
         elif not native.enabled():
             path = "none (DTENSOR_QUANT_NATIVE=0)"
         else:
@@ -125,14 +144,22 @@ def kernels() -> list[str]:
             path = f"none ({why.splitlines()[0][:100]})"
         lines.append(f"{name:<11}{formats:<51}{path}")
     lines.append("(one token: the one-token kernels, at most AVX-512 BF16; no kernel: dequantize + mm)")
+    lines.append("(AVX2, AVX-512, AVX-512 BF16 tiles: the CPU's vector instructions; AMX tiles: its matrix units)")
     return lines
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as one line (:func:`run` prints it, exit status 2)."""
+
+    def error(self, message):
+        raise SystemExit(f"{message} (see {self.prog} --help)")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dtensor_quant")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="python -m dtensor_quant")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="which TP/FSDP degrees each quantized weight can take, and why not")
-    p.add_argument("--format", required=True, help="int8, int4, int4:64, nf4, Int4Groupwise(32), ...")
+    p.add_argument("--format", help="int8, int4, int4:64, fp8, nf4, bnb-nf4, mxfp4, NF4(block_size=32), ...")
     p.add_argument(
         "--shape",
         action="append",
@@ -147,6 +174,12 @@ def main(argv=None) -> int:
         help="a Hugging Face config.json (or its directory): the model is built from it on the meta device",
     )
     p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a pre-quantized Hugging Face checkpoint: each weight planned in the format that holds it as stored "
+        "(read from config.json's quantization_config and the safetensors headers; no weights read)",
+    )
+    p.add_argument(
         "--tp-plan",
         metavar="MODULE:FN|model|none",
         help="a function model -> {name ('*' allowed): torch ParallelStyle or transformers style name}; "
@@ -156,7 +189,22 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="tensor-parallel degrees")
     p.add_argument("--dp", type=int, nargs="+", default=[1], help="FSDP degrees (FSDP2 shards dim 0)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the [EXPERTSxOUTxIN] stacks")
+    p.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="torch",
+        help="whose attention-head rule: torch (torch/transformers TP: heads and KV heads divisible by tp; default) "
+        "or vllm (KV heads replicated when tp is a multiple of them)",
+    )
+    p.add_argument(
+        "--heads",
+        type=int,
+        nargs=2,
+        metavar=("HEADS", "KV_HEADS"),
+        help="attention and KV heads for --shape NAMEs like attn.q_proj (a model's config gives its own)",
+    )
     p.add_argument("--width", type=int, default=120, help="longest line of the report (0: no limit)")
+    p.add_argument("--max-lines", type=int, default=40, help="past this many lines, the notes in short (0: every word)")
     p.add_argument("--csv", metavar="PATH", help="write every layer on every mesh as CSV ('-': to stdout, no table)")
     sub.add_parser("kernels", help="which C++ kernels run on this machine, on which vector path")
     sub.add_parser("config", help="every environment variable the library reads, with its value in force")
@@ -169,33 +217,50 @@ def main(argv=None) -> int:
             print(f"{env}={value!r}\n    {doc}")
         return 0
 
-    fmt = parse_format(args.format)
+    sources = [n for n in ("model", "config", "checkpoint") if getattr(args, n)]
+    if len(sources) > 1:
+        ap.error(f"give one of --model, --config, --checkpoint, not {' and '.join('--' + n for n in sources)}")
+    if args.checkpoint and args.format:
+        ap.error("--checkpoint plans each weight in the format its files store; leave out --format")
+    if not args.checkpoint and not args.format:
+        ap.error("give --format (e.g. int4, nf4, fp8), or --checkpoint DIR for a pre-quantized checkpoint")
+    for name in ("tp", "dp"):
+        if min(getattr(args, name)) < 1:
+            ap.error(f"--{name} takes degrees >= 1, got {getattr(args, name)}")
+    if args.ep < 1 or args.width < 0 or args.max_lines < 0:
+        ap.error("--ep must be >= 1, --width and --max-lines >= 0")
+    if args.heads and (min(args.heads) < 1 or args.heads[0] % args.heads[1]):
+        ap.error(f"--heads HEADS KV_HEADS: KV heads must divide the heads, got {args.heads}")
+    fmt = parse_format(args.format) if args.format else None
     start = time.perf_counter()
-    layers = [layer for s in args.shape for layer in _shape(s)]
+    layers = [layer for s in args.shape for layer in _shape(s, args.heads)]
     header = None
-    if args.model and args.config:
-        ap.error("give --model or --config, not both")
-    if args.model or args.config:
+    if sources:
         model, tp_plan, header = _model_and_plan(args)
-        layers += layers_of(model, tp_plan, dense=tp_plan is not None)
+        layers += layers_of(model, tp_plan, dense=tp_plan is not None, heads=args.heads)
+        if args.checkpoint:
+            layers, methods = stored_layers(model, args.checkpoint, layers)
+            header += "\nstored: " + "; ".join(f"{m} x{n}" for m, n in methods.items())
+            fmt = Counter(layer.fmt for layer in layers if layer.fmt is not None).most_common(1)[0][0]
     if not layers:
-        ap.error("give --model, --config or at least one --shape")
+        ap.error("give --model, --config, --checkpoint or at least one --shape")
     built = time.perf_counter()
-    result = plan(layers, fmt, tp=args.tp, dp=args.dp, ep=args.ep)
+    result = plan(layers, fmt, tp=args.tp, dp=args.dp, ep=args.ep, runtime=args.runtime)
     if args.csv:
         text = result.csv()
         if args.csv == "-":
             sys.stdout.write(text)
             return 0
         Path(args.csv).write_text(text)
-    report = result.render(args.width)
+    above = len(header.splitlines()) if header else 0  # the report's budget counts the header lines too
+    report = result.render(args.width, args.max_lines and max(args.max_lines - above, 1))
     done = time.perf_counter()
     if header:
         print(header)
     print(report)
     if args.csv:
         print(f"\nevery layer on every mesh: {args.csv}")
-    what = "model built (with its imports)" if args.model or args.config else "shapes read"
+    what = "model built (with its imports)" if sources else "shapes read"
     print(
         f"\n{len(layers)} parameters x {len(result.meshes)} meshes: {what} in {built - start:.1f} s, "
         f"planned and rendered in {done - built:.1f} s"
@@ -203,5 +268,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def run(argv=None) -> int:
+    """The command line: :func:`main`, with a user error printed as one line on stderr and exit status 2.
+
+    User errors are what :func:`main` raises as ``SystemExit(message)`` or
+    ``ValueError`` (a format, a shape, a layout, a checkpoint it cannot read),
+    ``OSError`` (a path) and ``ImportError`` (a missing optional package).
+    """
+    try:
+        return main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        message = e.code
+    except (ValueError, OSError, ImportError) as e:
+        message = str(e) or type(e).__name__
+    print(f"python -m dtensor_quant: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

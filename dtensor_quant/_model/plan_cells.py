@@ -11,6 +11,15 @@ dim 0 on the dp dim (a ``_StridedShard`` when tensor parallelism already
 shards dim 0). FSDP2 pads uneven dim-0 shards; it cannot shard other dims
 unevenly, which is why it is only ever asked for dim 0 here.
 
+An attention projection also obeys the head rule of the runtime that will
+run it (:func:`heads_refusal`): torch's and transformers' TP give each rank
+whole heads, so the degree must divide the attention heads and the KV heads;
+vLLM replicates the KV heads when the degree is a multiple of them (each
+rank then holds one whole KV head: k/v are cut ``kv_heads`` ways) and still
+needs the query heads divisible. A layer's ``heads`` and ``role`` say which
+rule applies; the nearest degrees a refusal names satisfy layout and heads
+together.
+
 A model repeats a few shapes many times, so a verdict is computed once per
 (shape, style, format, mesh) and what a refusal suggests (nearest legal
 degrees, a smaller block size, the padding that would make it legal) only
@@ -32,7 +41,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .._core.format import QuantFormat, Reducer, check_shape, weight_layout
 from .._core.layout import MAX_LISTED_MESH_SIZE
 from .._parallel.placements import first_bad_cut
-from .padding import mlp_padding
+from .._parallel.quantize import quantize
+from .padding import mlp_padding, zero_padded
 from .vocab_padding import vocab_length
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
@@ -41,6 +51,9 @@ STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 ALL_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate")
 PACKED = {"packed_colwise": "colwise", "packed_rowwise": "rowwise"}
 DENSE_BYTES = 2  # a weight left unquantized (an embedding, a norm) is counted in bf16
+
+#: The runtimes whose head rule the planner applies: torch/transformers TP, vLLM (KV heads replicated).
+RUNTIMES = ("torch", "vllm")
 
 # What padding can fix without changing a model's outputs: the intermediate size of a SwiGLU MLP
 # (dtensor_quant.pad_for_tp) and the vocabulary of the output head and embeddings (pad_vocab_for_tp).
@@ -54,6 +67,12 @@ class Layer:
     ``kind``: ``"mlp"`` for a SwiGLU MLP's gate/up/down weight, ``"vocab"``
     for the output head or an embedding (padding can fix those), else ``""``.
     ``dense``: left unquantized (embeddings, norms): counted in bf16, always legal.
+    ``heads``: ``(attention heads, KV heads)`` of the model, for an attention
+    projection whose ``role`` is ``"q"`` (cut into whole query heads: q, o,
+    MLA's q_b/kv_b) or ``"kv"`` (whole KV heads: k, v); empty: no head rule.
+    ``fmt``: this weight's own format (a checkpoint's stored one), else the
+    plan's; ``stored``: its block size is fixed by the files, so no smaller
+    one is proposed and padding only where the quantized bytes pad exactly.
     """
 
     name: str
@@ -61,6 +80,10 @@ class Layer:
     style: str  # one of ALL_STYLES
     kind: str = ""
     dense: bool = False
+    heads: tuple[int, ...] = ()
+    role: str = ""
+    fmt: QuantFormat | None = None
+    stored: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +102,8 @@ class Cell:
     placements: tuple[Placement, ...]
     nbytes: int | None = None
     why: str | None = None
-    subject: tuple | None = field(default=None, repr=False, compare=False)  # (shape, style, fmt, ep, kind) refused
+    # (shape, style, fmt, ep, kind, heads, role, runtime, stored) of a refused cell, for its hints
+    subject: tuple | None = field(default=None, repr=False, compare=False)
     fixed_alternatives: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -92,7 +116,12 @@ class Cell:
             return None
         if self.fixed_alternatives is not None or self.subject is None:
             return self.fixed_alternatives
-        return _hints(*self.subject[:4], self.dp, self.tp)
+        return _hints(*self.subject, self.dp, self.tp)
+
+    @property
+    def heads_refused(self) -> bool:
+        """Refused by the runtime's head rule (no layout, padding or switch fixes that)."""
+        return not self.legal and self.subject is not None and heads_refusal(self.subject[5], self.tp, self.subject[7])
 
     @property
     def padding(self) -> tuple[int, int, int] | None:
@@ -177,11 +206,58 @@ def _quantized_bytes(fmt: QuantFormat, local: tuple[int, int], full: tuple[int, 
     return sum(t.numel() * t.element_size() for t in inner.values())
 
 
-def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> Cell:
-    """``layer`` on mesh ``(dp, tp)`` (behind ``ep`` expert-parallel groups): legal with its bytes, or why not."""
+def heads_refusal(heads: tuple[int, ...], tp: int, runtime: str = "torch") -> str | None:
+    """Why ``runtime`` cannot run attention of ``heads`` = (attention heads, KV heads) at ``tp``, or None.
+
+    torch/transformers: every rank computes whole heads of its own (q, k, v
+    column-parallel, o row-parallel, the heads a ``view(..., -1, head_dim)``
+    away), so ``tp`` divides both counts: a 2-KV-head model at TP 4 fails in
+    ``k_proj(...).view``. vLLM: ``tp`` divides the attention heads, and
+    divides the KV heads or is a multiple of them (each KV head is then held
+    whole by ``tp / kv_heads`` ranks).
+    """
+    if not heads or tp == 1:
+        return None
+    h, kv = heads
+    if runtime == "vllm":
+        if h % tp:
+            return f"vLLM needs tp to divide the {h} attention heads"
+        if kv % tp and tp % kv:
+            return f"vLLM needs tp to divide the {kv} KV heads or be a multiple of them (it replicates them)"
+        return None
+    bad = [f"the {n} {what}" for n, what in ((h, "attention heads"), (kv, "KV heads")) if n % tp]
+    if not bad:
+        return None
+    return f"tp={tp} does not divide {' nor '.join(bad)}: torch/transformers TP gives each rank whole heads"
+
+
+def heads_rule(heads: tuple[int, ...], runtime: str = "torch") -> str:
+    """The head rule of ``runtime`` for ``heads`` in words, whatever the degree."""
+    h, kv = heads
+    if runtime == "vllm":
+        return f"vLLM needs tp to divide the {h} attention heads, and to divide the {kv} KV heads or be a multiple"
+    return (
+        f"torch/transformers TP gives each rank whole heads: tp must divide the {h} attention heads and {kv} KV heads"
+    )
+
+
+def cut_degree(heads: tuple[int, ...], role: str, tp: int, runtime: str) -> int:
+    """How many ways the layer is cut at ``tp``: ``tp``, or the KV heads where vLLM replicates them."""
+    if runtime == "vllm" and role == "kv" and heads and tp > heads[1]:
+        return heads[1]
+    return tp
+
+
+def check(layer: Layer, fmt: QuantFormat, dp: int, tp: int, ep: int = 1, runtime: str = "torch") -> Cell:
+    """``layer`` on mesh ``(dp, tp)`` (behind ``ep`` expert-parallel groups): legal with its bytes, or why not.
+
+    ``runtime`` ("torch" or "vllm") decides the head rule of an attention projection (:func:`heads_refusal`).
+    """
     if layer.dense:
         return _dense(tuple(layer.shape), layer.style, dp, tp, ep)
-    return _check(tuple(layer.shape), layer.style, fmt, dp, tp, ep, layer.kind)
+    heads = tuple(layer.heads) if layer.role and layer.style != "replicate" else ()
+    return _check(tuple(layer.shape), layer.style, layer.fmt or fmt, dp, tp, ep, layer.kind, heads,
+                  layer.role if heads else "", runtime, layer.stored)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=65536)
@@ -191,11 +267,34 @@ def _dense(shape: tuple[int, ...], style: str, dp: int, tp: int, ep: int) -> Cel
 
 
 @functools.lru_cache(maxsize=65536)
-def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1, kind: str = "") -> Cell:
-    """One verdict per (shape, style, format, mesh, kind): a model repeats a few shapes many times.
+def _check(
+    shape: tuple[int, ...],
+    style: str,
+    fmt: QuantFormat,
+    dp: int,
+    tp: int,
+    ep: int = 1,
+    kind: str = "",
+    heads: tuple[int, ...] = (),
+    role: str = "",
+    runtime: str = "torch",
+    stored: bool = False,
+) -> Cell:
+    """One verdict per (shape, style, format, mesh, kind, heads): a model repeats a few shapes many times.
 
     ``kind`` only decides which padding a refusal proposes (:func:`_padding`).
     """
+    subject = (shape, style, fmt, ep, kind, heads, role, runtime, stored)
+    if heads and tp > 1:
+        bad = heads_refusal(heads, tp, runtime)
+        if bad:
+            return Cell(dp, tp, mesh_and_placements(shape, style, dp, tp, ep)[1], why=bad, subject=subject)
+        degree = cut_degree(heads, role, tp, runtime)
+        cell = _check(shape, style, fmt, dp, degree, ep, kind, stored=stored)
+        if degree != tp:  # vLLM: each KV head whole on tp / kv_heads ranks
+            why = cell.why and f"k/v replicated over {tp // degree} ranks, cut {degree} ways: {cell.why}"
+            return dataclasses.replace(cell, tp=tp, why=why, subject=cell.subject and subject)
+        return dataclasses.replace(cell, subject=cell.subject and subject)
     if style in PACKED:  # each half (gate, up) is cut as its own weight, each rank holds a piece of both
         dim = len(shape) - (2 if style == "packed_colwise" else 1)
         if shape[dim] % 2:
@@ -203,7 +302,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
             why = f"a {style} weight needs an even dim {dim}, this one has {shape[dim]}"
             return Cell(dp, tp, placements, why=why, fixed_alternatives="use colwise or rowwise for it")
         half = shape[:dim] + (shape[dim] // 2,) + shape[dim + 1 :]
-        cell = _check(half, PACKED[style], fmt, dp, tp, ep, kind)
+        cell = _check(half, PACKED[style], fmt, dp, tp, ep, kind, stored=stored)
         if cell.legal:
             return dataclasses.replace(cell, nbytes=2 * cell.nbytes)
         return dataclasses.replace(cell, why=f"each half {list(half)} of the packed weight: {cell.why}")
@@ -213,7 +312,7 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), fixed_alternatives="leave this layer unquantized (filter_fn)")
     if first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
-        return Cell(dp, tp, placements, why=_why(shape, fmt, mesh, placements), subject=(shape, style, fmt, ep, kind))
+        return Cell(dp, tp, placements, why=_why(shape, fmt, mesh, placements), subject=subject)
     local = local_shape(shape, mesh, placements)
     return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
@@ -221,18 +320,27 @@ def _check(shape: tuple[int, ...], style: str, fmt: QuantFormat, dp: int, tp: in
 def _why(shape, fmt: QuantFormat, mesh, placements) -> str:
     dim, bad, factor = first_bad_cut(shape, fmt, mesh, placements)
     layout = weight_layout(fmt, shape)
-    needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in layout.items() if rels[dim].factor > 1)
+    # the inner tensors whose alignment this cut breaks (all that align the dim, if the rule is their joint one)
+    culprits = [(n, rels) for n, rels in layout.items() if rels[dim].factor > 1 and bad % rels[dim].factor]
+    culprits = culprits or [(n, rels) for n, rels in layout.items() if rels[dim].factor > 1]
+    needs = ", ".join(f"'{n}' is {rels[dim]}" for n, rels in culprits)
     what = {len(shape) - 2: "rows", len(shape) - 1: "columns"}.get(dim, "experts")
     return f"the {shape[dim]} {what} are cut at {what[:-1]} {bad}, not a multiple of {factor} ({needs}; dim {dim})"
 
 
-def legal_at(shape, style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1) -> bool:
+def legal_at(
+    shape, style: str, fmt: QuantFormat, dp: int, tp: int, ep: int = 1, heads=(), role="", runtime="torch"
+) -> bool:
     """Whether a ``shape`` weight in ``style`` is legal on mesh (dp, tp) with the placements the planner gives it.
 
     FSDP's ``_StridedShard`` takes the tp size as its split factor and tp 1 is
     no tensor parallelism at all, so a resized mesh gets its own placements.
+    With ``heads``, the runtime's head rule too, and the cut at the degree it gives (:func:`cut_degree`).
     """
-    return first_bad_cut(tuple(shape), fmt, *mesh_and_placements(shape, style, dp, tp, ep)) is None
+    if heads_refusal(heads, tp, runtime):
+        return False
+    degree = cut_degree(heads, role, tp, runtime)
+    return first_bad_cut(tuple(shape), fmt, *mesh_and_placements(shape, style, dp, degree, ep)) is None
 
 
 def nearest_degrees(
@@ -243,18 +351,21 @@ def nearest_degrees(
     Searched outward from the current size, so a large mesh costs only the
     sizes between it and its nearest legal neighbours; above stops at ``limit``.
     """
-    return _nearest(tuple(layer.shape), layer.style, fmt, dp, tp, which, limit, ep)
+    heads = tuple(layer.heads) if layer.role and layer.style != "replicate" else ()
+    return _nearest(tuple(layer.shape), layer.style, layer.fmt or fmt, dp, tp, which, limit, ep, heads, layer.role)
 
 
 @functools.lru_cache(maxsize=4096)
-def _nearest(shape, style, fmt, dp, tp, which, limit, ep) -> tuple[int | None, int | None]:
+def _nearest(
+    shape, style, fmt, dp, tp, which, limit, ep, heads=(), role="", runtime="torch"
+) -> tuple[int | None, int | None]:
     now = tp if which == "tp" else dp
     below = above = None
     for step in range(1, max(now, limit - now) + 1):
         for n in (now - step, now + step):
             if not 1 <= n <= limit or (n < now and below is not None) or (n > now and above is not None):
                 continue
-            if legal_at(shape, style, fmt, *((dp, n) if which == "tp" else (n, tp)), ep):
+            if legal_at(shape, style, fmt, *((dp, n) if which == "tp" else (n, tp)), ep, heads, role, runtime):
                 below, above = (n, above) if n < now else (below, n)
         if below is not None and above is not None:
             break
@@ -262,30 +373,43 @@ def _nearest(shape, style, fmt, dp, tp, which, limit, ep) -> tuple[int | None, i
 
 
 @functools.lru_cache(maxsize=16384)
-def _hints(shape, style: str, fmt: QuantFormat, ep: int, dp: int, tp: int) -> str:
-    """What would make a refused cell legal: other degrees, a smaller block size, the column-parallel switch."""
-    mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
-    dim = first_bad_cut(shape, fmt, mesh, placements)[0]
+def _hints(shape, style: str, fmt: QuantFormat, ep: int, kind, heads, role, runtime, stored, dp: int, tp: int) -> str:
+    """What would make a refused cell legal: other degrees, a smaller block size, the column-parallel switch.
+
+    Degrees are those where layout and the head rule both hold; a stored
+    format (a checkpoint's) gets no smaller block size.
+    """
+    heads_bad = heads_refusal(heads, tp, runtime)
+    degree = cut_degree(heads, role, tp, runtime)
+    mesh, placements = mesh_and_placements(shape, style, dp, degree, ep)
+    bad = None if heads_bad else first_bad_cut(shape, fmt, mesh, placements)
     out = []
     for mesh_dim, name in ((len(mesh) - 1, "tp"), (len(mesh) - 2, "dp")):
         p = placements[mesh_dim]
-        if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
+        if not (heads_bad and name == "tp") and (
+            bad is None or not isinstance(p, (Shard, _StridedShard)) or p.dim != bad[0]
+        ):
             continue
-        now = mesh[mesh_dim]
+        now = (dp, tp)[mesh_dim - len(mesh) + 2]
         limit = max(MAX_LISTED_MESH_SIZE, 2 * now)
-        below, above = _nearest(shape, style, fmt, dp, tp, name, limit, ep)
+        below, above = _nearest(shape, style, fmt, dp, tp, name, limit, ep, heads, role, runtime)
         near = [str(x) for x in (below, above) if x is not None]
-        text = f"nearest legal {name}: {' or '.join(near) if near else 'none'}"
+        what = "legal tp with whole heads" if heads and name == "tp" else f"legal {name}"
+        text = f"nearest {what}: {' or '.join(near) if near else 'none'}"
         if above is None:
             text += f" (none above {now} up to {limit}, where the search stops)"
         out.append(text)
-    smaller = _smaller_block(shape, fmt, mesh, placements)
+    if heads_bad:
+        if runtime == "torch" and legal_at(shape, style, fmt, dp, tp, ep, heads, role, "vllm"):
+            out.append("vLLM serves this degree, replicating the KV heads (--runtime vllm)")
+        return "; ".join(out)
+    smaller = None if stored else _smaller_block(shape, fmt, mesh, placements)
     if smaller:
         out.append(f"{smaller} would be legal here")
-    if style == "rowwise" and len(shape) == 2 and tp > 1 and legal_at(shape, "colwise", fmt, dp, tp, ep):
+    if style == "rowwise" and len(shape) == 2 and tp > 1 and legal_at(shape, "colwise", fmt, dp, degree, ep):
         out.append(f"or keep tp={tp} with this layer column-parallel on a gathered input (dtensor_quant.adapt_tp_plan)")
     expanded = fmt.expanded_format()
-    if expanded is not None and legal_at(shape, style, expanded, dp, tp, ep):
+    if expanded is not None and legal_at(shape, style, expanded, dp, degree, ep):
         extra = stored_bytes(expanded, shape) - stored_bytes(fmt, shape)
         out.append(
             f"or store its scales expanded, {expanded}: the same values, {size(extra)} more for the whole weight "
@@ -295,7 +419,9 @@ def _hints(shape, style: str, fmt: QuantFormat, ep: int, dp: int, tp: int) -> st
 
 
 @functools.lru_cache(maxsize=16384)
-def _padding(shape, style: str, fmt: QuantFormat, ep: int, kind: str, dp: int, tp: int) -> tuple[int, int, int] | None:
+def _padding(
+    shape, style: str, fmt: QuantFormat, ep: int, kind: str, heads, role, runtime, stored, dp: int, tp: int
+) -> tuple[int, int, int] | None:
     """The zero-padding that ``pad_for_tp`` or ``pad_vocab_for_tp`` would apply at this tp: (dim, length, extra bytes).
 
     Only what those functions pad exactly: a SwiGLU MLP's intermediate dim
@@ -305,9 +431,10 @@ def _padding(shape, style: str, fmt: QuantFormat, ep: int, kind: str, dp: int, t
     :func:`~.vocab_padding.vocab_length`). The length is theirs at this tp
     degree (equal, legal tp shards), then checked on the whole mesh. None
     where the refused cut is not that tp cut, for an expert stack, or for
-    any other weight.
+    any other weight. A ``stored`` weight (a checkpoint's quantized bytes)
+    only where its format pads them exactly (:func:`pads_quantized`).
     """
-    if kind not in PADDABLE_KINDS or len(shape) > 2 or tp == 1:
+    if kind not in PADDABLE_KINDS or len(shape) > 2 or tp == 1 or heads_refusal(heads, tp, runtime):
         return None
     mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
     dim = first_bad_cut(shape, fmt, mesh, placements)[0]
@@ -324,7 +451,19 @@ def _padding(shape, style: str, fmt: QuantFormat, ep: int, kind: str, dp: int, t
     padded = shape[:dim] + (length,) + shape[dim + 1 :]
     if first_bad_cut(padded, fmt, mesh, placements) is not None:
         return None
+    if stored and not pads_quantized(fmt, tuple(shape), dim, length):
+        return None
     return dim, length, padding_cost(tuple(shape), dim, length, fmt)
+
+
+@functools.lru_cache(maxsize=1024)
+def pads_quantized(fmt: QuantFormat, shape: tuple[int, int], dim: int, length: int) -> bool:
+    """Whether a quantized ``shape`` weight pads exactly to ``length`` along ``dim`` (on meta; zeros on the CPU)."""
+    try:
+        zero_padded(quantize(torch.empty(shape, dtype=torch.bfloat16, device="meta"), fmt), dim, length, "")
+    except ValueError:
+        return False
+    return True
 
 
 def padding_cost(shape: tuple[int, int], dim: int, length: int, fmt: QuantFormat) -> int:

@@ -11,11 +11,17 @@ only (``SequenceParallel``, ``"replicated_with_grad_allreduce"``).
 
 Without a plan every matmul weight is listed both column- and row-parallel
 (to explore), as before.
+
+Attention projections carry the model's head counts (:func:`model_heads`,
+from a transformers config) and their role, so the planner applies the
+runtime's head rule to them. A weight tied between an embedding and the
+output head is listed at both: the embedding dense and the head as the head
+(``quantize_`` quantizes the head's weight and leaves the embedding's).
 """
 
 from __future__ import annotations
 
-import re
+from fnmatch import fnmatchcase
 
 from torch import nn
 
@@ -48,6 +54,12 @@ KNOWN_STYLE_NAMES = sorted(_COLWISE | _ROWWISE | _PACKED | set(_EMBEDDING) | _RE
 # Output heads and embeddings by name, for weights given as bare shapes (a model says so itself).
 _VOCAB_NAMES = {"lm_head", "output", "embed_tokens", "tok_embeddings", "wte", "embed_out", "word_embeddings"}
 _MLP_NAMES = {name for trio in MLP_NAMES for name in trio}
+# Attention projections by name (under a module whose name holds "attn" or "attention"), by the heads they hold
+# whole: query heads (q, o, MLA's q_b and kv_b, a fused qkv cut with both) or KV heads (k, v).
+_Q_NAMES = {"q_proj", "o_proj", "q_b_proj", "kv_b_proj", "wq", "wo", "out_proj", "qkv_proj", "query_key_value",
+            "query", "dense"}  # fmt: skip
+_KV_NAMES = {"k_proj", "v_proj", "wk", "wv", "key", "value"}
+_HEAD_FIELDS = (("num_attention_heads", "num_key_value_heads"), ("n_heads", "n_kv_heads"), ("n_head", "n_kv_head"))
 
 
 def weight_style(style, module: nn.Module | None, key: str) -> str | None:
@@ -93,39 +105,73 @@ def weight_style(style, module: nn.Module | None, key: str) -> str | None:
     )
 
 
+def key_matches(key: str, name: str) -> bool:
+    """Whether TP-plan ``key`` names module (or parameter) ``name``, as ``parallelize_module`` matches it.
+
+    torch walks the key one dotted atom at a time and ``fnmatch``-es each
+    atom against a child's name, so ``*`` (and ``?``, ``[...]``) stays inside
+    one atom: ``layers.*.wo`` matches ``layers.3.wo``, not ``layers.3.attn.wo``.
+    The one rule of the planner and :func:`~dtensor_quant.adapt_tp_plan`.
+    """
+    atoms, parts = key.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(map(fnmatchcase, parts, atoms))
+
+
+def is_pattern(key: str) -> bool:
+    return any(c in key for c in "*?[")
+
+
 class PlanKeys:
-    """A TP plan's keys, matched against module and parameter names as ``parallelize_module`` matches them.
+    """A TP plan's keys, matched against module and parameter names by :func:`key_matches`.
 
     An exact key wins over a pattern; among patterns, the later key in the
     plan (``parallelize_module`` applies them in order, so it has the last word).
     """
 
     def __init__(self, plan: dict):
-        self.exact = {k: v for k, v in plan.items() if "*" not in k and "?" not in k and "[" not in k}
-        self.patterns = [
-            (len(k.split(".")), re.compile(r"\.".join(_atom(a) for a in k.split("."))), v)
-            for k, v in plan.items()
-            if k not in self.exact
-        ]
+        self.exact = {k: v for k, v in plan.items() if not is_pattern(k)}
+        self.patterns = [(k, v) for k, v in plan.items() if is_pattern(k)]
 
     def get(self, name: str):
         if name in self.exact:
             return self.exact[name]
-        atoms = name.count(".") + 1
         found = None
-        for n, regex, style in self.patterns:
-            if n == atoms and regex.fullmatch(name):
+        for key, style in self.patterns:
+            if key_matches(key, name):
                 found = style
         return found
 
 
-def _atom(pattern: str) -> str:
-    """One atom of a key as a regex that stays inside the atom (fnmatch's ``*`` would cross dots)."""
-    return "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in pattern)
+def model_heads(model: nn.Module) -> tuple[int, int] | None:
+    """``(attention heads, KV heads)`` from the model's config (transformers' ``config``), or None if it has none.
+
+    The KV heads default to the attention heads (multi-head attention), as transformers' configs do.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    for heads, kv in _HEAD_FIELDS:
+        h = getattr(config, heads, None)
+        if isinstance(h, int) and h > 0:
+            k = getattr(config, kv, None)
+            return h, k if isinstance(k, int) and k > 0 else h
+    return None
+
+
+def attention_role(name: str) -> str:
+    """``"q"``, ``"kv"`` or ``""`` for a weight named ``name`` (``model.layers.0.self_attn.k_proj``)."""
+    atoms = [a for a in name.split(".") if a not in ("weight", "bias")]
+    if len(atoms) < 2 or not any("attn" in a or "attention" in a for a in atoms[:-1]):
+        return ""
+    return "q" if atoms[-1] in _Q_NAMES else "kv" if atoms[-1] in _KV_NAMES else ""
 
 
 def layers_of(
-    model: nn.Module, tp_plan: dict | None = None, styles: dict[str, str] | None = None, dense: bool = False
+    model: nn.Module,
+    tp_plan: dict | None = None,
+    styles: dict[str, str] | None = None,
+    dense: bool = False,
+    heads: tuple[int, int] | None = None,
 ) -> list[Layer]:
     """The matmul weights of ``model`` with their TP style (from ``tp_plan`` or ``styles``; else both styles).
 
@@ -134,22 +180,26 @@ def layers_of(
     is ``replicate``. ``styles``: ``{exact name: planner style}``, over the
     plan. ``dense``: also list the parameters ``quantize_`` leaves dense
     (embeddings, norms, biases), with ``dense=True``, so a whole model's
-    bytes per rank add up.
+    bytes per rank add up. ``heads``: ``(attention heads, KV heads)`` for the
+    head rule of attention projections (default: :func:`model_heads`).
     """
     keys = PlanKeys(tp_plan) if tp_plan else None
     styles = dict(styles or {})
+    heads = heads or model_heads(model)
     mlp = _mlp_weights(model)
     vocab = _vocab_weights(model)
     out, seen = [], set()
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen:  # a tied weight (lm_head = embed_tokens) is planned once, where first met
+            quantized = is_matmul_weight(module, name, p)
+            # A tied weight (lm_head = embed_tokens) is listed once per role: the dense embedding, and the head
+            # that quantize_ quantizes (it replaces the head's parameter, the embedding keeps the dense one).
+            if (id(p), quantized) in seen:
                 continue
-            seen.add(id(p))
+            seen.add((id(p), quantized))
             key = f"{fqn}.{name}" if fqn else name
             shown = fqn if isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight" else key
             kind = "mlp" if id(p) in mlp else "vocab" if id(p) in vocab else ""
-            quantized = is_matmul_weight(module, name, p)
             if not quantized and not dense:
                 continue
             if shown in styles or key in styles:
@@ -160,7 +210,9 @@ def layers_of(
                 chosen = list(STYLES)
             else:
                 chosen = ["replicate"]
-            out += [Layer(shown, tuple(p.shape), s, kind, not quantized) for s in chosen]
+            role = attention_role(shown) if heads else ""
+            extra = {"heads": tuple(heads), "role": role} if role else {}
+            out += [Layer(shown, tuple(p.shape), s, kind, not quantized, **extra) for s in chosen]
     return out
 
 

@@ -76,10 +76,23 @@ def mesh_label(dp: int, tp: int) -> str:
     return f"dp={dp},tp={tp}" if dp > 1 and tp > 1 else (f"dp={dp}" if dp > 1 else f"tp={tp}")
 
 
-def render(p, width: int = WIDTH) -> str:
-    """The plan ``p`` as text: collapsed rows, totals per rank, notes; no line longer than ``width`` (0: no limit)."""
+def render(p, width: int = WIDTH, max_lines: int = 0) -> str:
+    """The plan ``p`` as text: collapsed rows, totals per rank, notes; no line longer than ``width`` (0: no limit).
+
+    ``max_lines`` (0: no limit): past it, the notes are given in short (two
+    lines each at most: where, why, the remedies by name); ``csv_rows`` keeps
+    every word.
+    """
     rows = groups(p.rows)
-    notes = {i: n + 1 for n, i in enumerate(i for i, g in enumerate(rows) if any(not c.legal for c in g.cells))}
+    notes, shared = {}, {}  # row -> note number; rows refused alike (q/k/v by the head rule, gate/up) share one
+    for i, g in enumerate(rows):
+        refused = [c for c in g.cells if not c.legal]
+        if not refused:
+            continue
+        alike = all(c.heads_refused for c in refused)
+        key = (tuple((c.dp, c.tp, c.why) for c in refused), refused[0].alternatives, refused[0].padding, g.count,
+               None if alike else (g.layer.shape, g.layer.style))  # fmt: skip
+        notes[i] = shared.setdefault(key, len(shared) + 1)
     one_style = len({layer.name for layer, _ in p.rows}) == len(p.rows)
     table = [["layer", "shape", "style", *(mesh_label(d, t) for d, t in p.meshes)]]
     small = [g for g in rows if g.layer.dense and len(g.layer.shape) == 1]  # norms and biases: one row
@@ -93,10 +106,9 @@ def render(p, width: int = WIDTH) -> str:
         count = sum(g.count for g in small)
         per_mesh = [sum(g.count * g.cells[m].nbytes for g in small) for m in range(len(p.meshes))]
         table.append([f"1-D parameters x{count} (bf16)", "", "norms", *(size(b) for b in per_mesh)])
-    lines = [
-        f"{p.fmt}: bytes each rank stores per weight (largest shard); NO = refused, see notes"
-        + (f"; expert stacks over ep={p.ep}" if p.ep > 1 else "")
-    ]
+    title = f"{_formats(p)}: bytes each rank stores per weight (largest shard); NO = refused, see notes"
+    title += f"; expert stacks over ep={p.ep}" if p.ep > 1 else ""
+    lines = textwrap.wrap(title, width, subsequent_indent="    ", break_long_words=False) if width else [title]
     if one_style:
         totals = [_total(p, rows, m) for m in range(len(p.meshes))]
         whole = "model" if any(g.layer.dense for g in rows) else "weights"
@@ -107,13 +119,38 @@ def render(p, width: int = WIDTH) -> str:
         lines.append("~: refused weights counted at their whole size divided by the ranks that share them")
     if notes:
         lines.append("")
-    for i, number in notes.items():
-        lines += _note(number, rows[i], p, width)
-    return "\n".join(lines)
+    numbers = sorted(set(notes.values()))
+    full = []
+    for number in numbers:
+        full += _note(number, [rows[i] for i, n in notes.items() if n == number], p, width)
+    for short in (2, 1):  # past max_lines: each note in two lines at most, then in one
+        if not (numbers and max_lines and len(lines) + len(full) > max_lines):
+            break
+        full = ["Notes in short (every word: --csv, or --max-lines 0):"]
+        for number in numbers:
+            full += _note(number, [rows[i] for i, n in notes.items() if n == number], p, width, short=short)
+    return "\n".join(lines + full)
+
+
+def _formats(p) -> str:
+    """The plan's format, or the formats its layers carry (a checkpoint's, as stored)."""
+    own = {}
+    for layer, _ in p.rows:
+        if layer.fmt is not None and not layer.dense:
+            own[str(layer.fmt)] = own.get(str(layer.fmt), 0) + 1
+    if not own:
+        return str(p.fmt)
+    if len(own) == 1:
+        return f"{next(iter(own))} as stored"
+    return "as stored: " + ", ".join(f"{f} x{n}" for f, n in own.items())
+
+
+_HEADS = ("lm_head", "output", "embed_out")
 
 
 def _style(layer: Layer) -> str:
-    if layer.kind == "vocab" and layer.dense:  # an embedding [vocab, dim]: torch calls its row cut rowwise
+    head = layer.name.rpartition(".")[2] in _HEADS
+    if layer.kind == "vocab" and layer.dense and not head:  # an embedding [vocab, dim]: torch calls its row cut rowwise
         return {"colwise": "rowwise", "rowwise": "colwise"}.get(layer.style, layer.style)
     return layer.style
 
@@ -129,7 +166,7 @@ def _total(p, rows: list[Group], m: int) -> tuple[int, bool]:
         estimated = True
         mesh, placements = mesh_and_placements(g.layer.shape, g.layer.style, c.dp, c.tp, p.ep)
         ways = numel(n for n, pl in zip(mesh, placements) if isinstance(pl, (Shard, _StridedShard)))
-        total += g.count * -(-stored_bytes(p.fmt, g.layer.shape) // ways)
+        total += g.count * -(-stored_bytes(g.layer.fmt or p.fmt, g.layer.shape) // ways)
     return total, estimated
 
 
@@ -148,6 +185,9 @@ def _blocks(table: list[list[str]], width: int) -> list[str]:
     fixed, meshes = 3, list(range(3, len(widths)))
     if width:
         room = width - sum(widths[1:fixed]) - 2 * fixed - (widths[3] if meshes else 0)
+        every = width - sum(widths[1:]) - 2 * (len(widths) - 1)  # the names' room with every mesh in one block
+        if widths[0] > every >= min(28, widths[0]):  # shorter names rather than a second block
+            room = every
         if widths[0] > room:  # names too long: keep their ends
             widths[0] = max(room, 24)
             for r in table:
@@ -173,12 +213,29 @@ def _blocks(table: list[list[str]], width: int) -> list[str]:
     return out
 
 
-def _note(number: int, g: Group, p, width: int) -> list[str]:
+def _note(number: int, same: list[Group], p, width: int, short: int = 0) -> list[str]:
+    """The note of one row, or of rows refused alike (q, k, v by the same head rule: one note).
+
+    ``short``: at most that many lines: where, why without the layout's details, and the remedies by name.
+    """
+    g = same[0]
     refused = [c for c in g.cells if not c.legal]
     first = refused[0]
     kind = {"rowwise": "row-parallel", "colwise": "column-parallel"}.get(g.layer.style, g.layer.style)
-    who = g.label + (f" x{g.count}" if g.count > 1 else "")
-    text = f"({number}) {who} [{'x'.join(map(str, g.layer.shape))}, {kind}] refused at {_where(refused, p.meshes)}"
+    labels = [s.label for s in same]
+    head, _, _ = labels[0].rpartition(".")
+    if len(same) == 1:
+        who = labels[0]
+    elif all(x.rpartition(".")[0] == head for x in labels):
+        who = head + ".{" + ",".join(x.rpartition(".")[2] for x in labels) + "}"
+    else:
+        who = ", ".join(labels)
+    who += f" x{g.count}" if g.count > 1 else ""
+    alike = len({(s.layer.shape, s.layer.style) for s in same}) == 1
+    what = f" [{'x'.join(map(str, g.layer.shape))}, {kind}]" if alike else ""
+    text = f"({number}) {who}{what} refused at {where_meshes(refused, p.meshes)}"
+    if short:
+        return _short_note(text, first, g.layer, width, short)
     if len(refused) > 1:
         text += f". At {mesh_label(first.dp, first.tp)}: {first.why}."
     else:
@@ -199,8 +256,35 @@ def _note(number: int, g: Group, p, width: int) -> list[str]:
     return out
 
 
-def _where(refused: list[Cell], meshes: list[tuple[int, int]]) -> str:
-    """The refused meshes in few words: ``every mesh``, ``tp=2, 4, 8``, ``tp=3 (every dp); dp=8,16 with tp=6``."""
+def _short_note(text: str, first: Cell, layer: Layer, width: int, max_lines: int) -> list[str]:
+    why = re.sub(r" \([^()]*(\([^()]*\)[^()]*)*\)", "", first.why)  # without "('qdata' is packed by 2, ...)"
+    at = f" (tp={first.tp})" if first.tp > 1 else ""
+    text += f": {why}{at}."
+    hints, later = [], []
+    for item in (first.alternatives or "").split("; "):
+        if item.startswith("nearest"):
+            hints.append(item.split(" (none above")[0])
+        elif "adapt_tp_plan)" in item and "column-parallel" in item:
+            hints.append("column-parallel switch (adapt_tp_plan)")
+        elif "expand_scales" in item:
+            hints.append("scales expanded (adapt_tp_plan)")
+        elif item:
+            later.append(item)  # a smaller block size: the longest, last
+    if first.padding:
+        fn = "pad_vocab_for_tp" if layer.kind == "vocab" else "pad_for_tp"
+        hints.append(f"{fn} to {first.padding[1]} (+{size(first.padding[2])})")
+    hints += later
+    if hints:
+        text += " " + "; ".join(hints)[0].upper() + "; ".join(hints)[1:] + "."
+    if not width:
+        return [text]
+    return textwrap.wrap(text, width, subsequent_indent="    ", max_lines=max_lines, placeholder=" ...",
+                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
+
+
+def where_meshes(refused, meshes: list[tuple[int, int]]) -> str:
+    """Some meshes (anything with ``dp`` and ``tp``: cells, verdicts) in few words: ``every mesh``, ``tp=2, 4, 8``,
+    ``tp=3 (every dp); dp=8,16 with tp=6``."""
     if len(refused) == len(meshes) > 1:
         return "every mesh"
     dps = sorted({d for d, _ in meshes})
@@ -218,21 +302,22 @@ def _where(refused: list[Cell], meshes: list[tuple[int, int]]) -> str:
 
 
 def padding_hint(shape, padding: tuple[int, int, int], kind: str = "mlp", tp: int | None = None) -> str:
-    """The padding proposal of a refused cell (at tensor-parallel degree ``tp``), naming what applies it exactly."""
+    """The padding proposal of a refused cell (at tensor-parallel degree ``tp``), naming what applies it exactly.
+
+    Short: what the functions guarantee (no output changes; exact zero
+    blocks, or pad before quantizing) is docs/planning.md's.
+    """
     dim, length, extra = padding
     at = f"for tp={tp}, " if tp else ""
     if kind == "vocab":
         return (
-            f"Or, {at}zero-pad the vocabulary from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
-            f"dtensor_quant.pad_vocab_for_tp(model, tp, fmt) pads the output head (and a tied embedding); "
-            f"the padded logits are sliced away or set to -inf."
+            f"Or, {at}zero-pad the vocabulary from {shape[dim]} to {length} (+{size(extra)} for the whole weight) "
+            f"with dtensor_quant.pad_vocab_for_tp(model, tp, fmt): the padded logits never show."
         )
     what = "rows" if dim == 0 else "columns"
     return (
-        f"Or, {at}zero-pad its {what} from {shape[dim]} to {length} (+{size(extra)} for the whole weight): "
-        f"dtensor_quant.pad_for_tp(model, tp, fmt) pads a SwiGLU MLP's gate/up rows and down columns "
-        f"together to this length, which changes no output of the dense MLP (a quantized one is padded by "
-        f"whole zero blocks where its format allows, else pad it before quantizing)."
+        f"Or, {at}zero-pad its {what} from {shape[dim]} to {length} (+{size(extra)} for the whole weight) with "
+        f"dtensor_quant.pad_for_tp(model, tp, fmt) (gate/up rows and down columns alike; no output changes)."
     )
 
 
@@ -252,7 +337,8 @@ def csv_rows(p) -> str:
             pad = c.padding or (None, None, None)
             writer.writerow([
                 layer.name, "x".join(map(str, layer.shape)), layer.style, layer.kind, int(layer.dense),
-                "bf16" if layer.dense else str(p.fmt), c.dp, c.tp, " ".join(map(str, c.placements)), int(c.legal),
+                "bf16" if layer.dense else str(layer.fmt or p.fmt), c.dp, c.tp, " ".join(map(str, c.placements)),
+                int(c.legal),
                 "" if c.nbytes is None else c.nbytes, c.why or "", c.alternatives or "",
                 *("" if v is None else v for v in pad),
             ])  # fmt: skip

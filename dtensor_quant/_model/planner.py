@@ -17,6 +17,13 @@ for a format with a block size, the largest block size that would be legal;
 for an MLP or the vocabulary, the zero-padding that would make it legal.
 Legal cells show the bytes the largest shard holds on one rank.
 
+Attention projections obey the head rule of the runtime (``runtime``:
+``"torch"`` for torch's and transformers' TP, ``"vllm"``, which replicates
+KV heads): the heads come from a model's config or ``heads=(H, KV)``.
+The report opens with the verdict per mesh after adaptation
+(:mod:`.plan_verdict`, ``Plan.summary()``): legal as is, with
+``adapt_tp_plan``, with padding, or not at all.
+
 Fused expert stacks ``[E, out, in]`` (mixture-of-experts layers) are planned
 too: with ``ep`` > 1 a leading mesh dim of that size shards their experts
 (``Shard(0)``, expert parallelism; 2-D weights are replicated over it), tensor
@@ -32,21 +39,27 @@ from dataclasses import dataclass
 from torch import nn
 
 from .._core.format import QuantFormat
-from .plan_cells import ALL_STYLES, STYLES, Cell, Layer, check, nearest_degrees, stored_bytes
-from .plan_layers import kind_from_name, layers_of
+from .plan_cells import ALL_STYLES, RUNTIMES, STYLES, Cell, Layer, check, heads_refusal, nearest_degrees, stored_bytes
+from .plan_layers import attention_role, kind_from_name, layers_of, model_heads
 from .plan_report import WIDTH, csv_rows, groups, padding_hint, render
+from .plan_verdict import Verdict, summary_lines, verdicts
 
 __all__ = [
     "ALL_STYLES",
+    "RUNTIMES",
     "STYLES",
     "Cell",
     "Layer",
     "Plan",
+    "Verdict",
+    "attention_role",
     "check",
     "csv_rows",
     "groups",
+    "heads_refusal",
     "kind_from_name",
     "layers_of",
+    "model_heads",
     "nearest_degrees",
     "padding_hint",
     "plan",
@@ -55,12 +68,16 @@ __all__ = [
 ]
 
 
+MAX_LINES = 40  # a report a terminal shows whole: past it, the notes are given in short
+
+
 @dataclass
 class Plan:
-    fmt: QuantFormat
+    fmt: QuantFormat  # the plan's format; a layer with its own (``Layer.fmt``: a checkpoint's) keeps that
     meshes: list[tuple[int, int]]
     rows: list[tuple[Layer, list[Cell]]]
     ep: int = 1  # expert-parallel degree of the expert stacks
+    runtime: str = "torch"  # whose head rule: "torch" (torch/transformers TP) or "vllm"
 
     @property
     def refusals(self) -> list[tuple[Layer, Cell]]:
@@ -72,19 +89,27 @@ class Plan:
         cells = [cells[m] for _, cells in self.rows]
         return None if any(not c.legal for c in cells) else sum(c.nbytes for c in cells)
 
-    def render(self, width: int = WIDTH) -> str:
-        """The report: identical layers collapsed, totals per rank, refusals explained; lines within ``width``."""
-        return render(self, width)
+    def summary(self) -> list[Verdict]:
+        """Per mesh: legal as is, with ``adapt_tp_plan`` (which layers), with padding (bytes added), or not at all."""
+        if not hasattr(self, "_summary"):
+            self._summary = verdicts(self)
+        return self._summary
+
+    def render(self, width: int = WIDTH, max_lines: int = MAX_LINES) -> str:
+        """The report: the verdict per mesh, then identical layers collapsed, totals per rank, refusals explained;
+        lines within ``width``; past ``max_lines`` (0: no limit) the notes in short."""
+        head = summary_lines(self, width)
+        return "\n".join([*head, render(self, width, max_lines and max(max_lines - len(head), 1))])
 
     def csv(self) -> str:
         """Every layer on every mesh as CSV, nothing collapsed."""
         return csv_rows(self)
 
     def __str__(self) -> str:
-        return render(self)
+        return self.render()
 
 
-def _as_layers(source) -> list[Layer]:
+def _as_layers(source, heads) -> list[Layer]:
     out = []
     for i, item in enumerate(source):
         if isinstance(item, Layer):
@@ -93,7 +118,9 @@ def _as_layers(source) -> list[Layer]:
             out += [Layer(f"layer{i}", tuple(item), s) for s in STYLES]
         else:
             name, shape, *style = item
-            out += [Layer(name, tuple(shape), s, kind_from_name(name)) for s in (style or STYLES)]
+            role = attention_role(name) if heads else ""
+            extra = {"heads": tuple(heads), "role": role} if role else {}
+            out += [Layer(name, tuple(shape), s, kind_from_name(name), **extra) for s in (style or STYLES)]
     return out
 
 
@@ -105,6 +132,8 @@ def plan(
     tp_plan: dict | None = None,
     ep: int = 1,
     dense: bool | None = None,
+    heads: tuple[int, int] | None = None,
+    runtime: str = "torch",
 ) -> Plan:
     """Check every layer of ``source`` on every mesh ``(dp, tp)``.
 
@@ -120,15 +149,26 @@ def plan(
     (default: with a ``tp_plan``). ``ep`` > 1 shards every expert stack's
     experts over a leading mesh dim of that size (expert parallelism) and
     replicates 2-D weights over it.
+
+    ``heads``: ``(attention heads, KV heads)``; attention projections
+    (``...attn.q_proj``, ``k_proj``, ...) then obey ``runtime``'s head rule:
+    ``"torch"`` (torch/transformers TP: the degree divides both) or
+    ``"vllm"`` (KV heads replicated when the degree is a multiple of them).
+    A model's own config gives its heads when ``heads`` is None.
     """
     if ep < 1:
         raise ValueError(f"ep must be >= 1, got {ep}")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {runtime!r}")
+    if heads is not None and (len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]):
+        raise ValueError(f"heads must be (attention heads, KV heads), KV heads dividing the heads; got {heads}")
     if isinstance(source, nn.Module):
-        layers = layers_of(source, tp_plan, dense=bool(tp_plan) if dense is None else dense)
+        layers = layers_of(source, tp_plan, dense=bool(tp_plan) if dense is None else dense, heads=heads)
     else:
-        layers = _as_layers(source)
+        layers = _as_layers(source, heads)
     for layer in layers:
         if layer.style not in ALL_STYLES:
             raise ValueError(f"{layer.name}: style must be one of {list(ALL_STYLES)}, got {layer.style!r}")
     meshes = [(d, t) for d in dp for t in tp]
-    return Plan(fmt, meshes, [(layer, [check(layer, fmt, d, t, ep) for d, t in meshes]) for layer in layers], ep)
+    rows = [(layer, [check(layer, fmt, d, t, ep, runtime) for d, t in meshes]) for layer in layers]
+    return Plan(fmt, meshes, rows, ep, runtime)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from fnmatch import fnmatch
 
 import torch
 from torch import nn
@@ -51,6 +50,7 @@ from .._ops.unpack import whole_blocks
 from .._parallel.quantize import quantize
 from .expand_scales import expand_scales
 from .plan_cells import Layer, check
+from .plan_layers import is_pattern, key_matches
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def adapt_tp_plan(
             continue
         # A key with "*" (transformers' _tp_plan: "model.layers.*.mlp.down_proj") stays one key unless
         # some module it matches is switched; then every match gets its own entry, in the same place.
-        fqns = _matching(model, key) if "*" in key else [key]
+        fqns = _matching(model, key) if is_pattern(key) else [key]
         styles = {
             fqn: _adapted(model, fqn, style, degree, fmt, kernels, expand_scales, switched, refused) for fqn in fqns
         }
@@ -114,13 +114,8 @@ def adapt_tp_plan(
 
 
 def _matching(model: nn.Module, pattern: str) -> list[str]:
-    """The module names ``pattern`` matches atom by atom (fnmatch), as ``parallelize_module`` matches them."""
-    atoms = pattern.split(".")
-    return [
-        name
-        for name, _ in model.named_modules()
-        if name and len(name.split(".")) == len(atoms) and all(map(fnmatch, name.split("."), atoms))
-    ]
+    """The module names ``pattern`` matches: :func:`~.plan_layers.key_matches`, ``parallelize_module``'s rule."""
+    return [name for name, _ in model.named_modules() if name and key_matches(pattern, name)]
 
 
 def _adapted(model, fqn, style, degree, fmt, kernels, expand, switched, refused) -> ParallelStyle:
