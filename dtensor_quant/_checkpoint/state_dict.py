@@ -28,6 +28,7 @@ it. The on-disk format is documented in ``docs/checkpoint.md``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -92,14 +93,10 @@ def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapp
     :mod:`dtensor_quant._model.format_spec` (format names from command-line
     strings); the old name stays as an alias.
     """
-    # A parameter that is None is left out: a format without an optional parameter added later (a scale
-    # dtype, say) keeps the record, and so the checkpoints, it had before the parameter existed.
-    fields = dataclasses.fields(fmt) if dataclasses.is_dataclass(fmt) else ()
-    params = {f.name: getattr(fmt, f.name) for f in fields if getattr(fmt, f.name) is not None}
     return {
         "version": SPEC_VERSION,
         "format": type(fmt).__name__,
-        "params": json.loads(json.dumps(params, default=repr)),
+        "params": record_params(fmt),
         "description": str(fmt),
         "shape": [int(n) for n in shape],
         "dtype": str(dtype).removeprefix("torch."),
@@ -108,6 +105,18 @@ def quant_record(fmt: QuantFormat, shape, dtype: torch.dtype, inner_dtypes: Mapp
             for name, rels in weight_layout(fmt, shape).items()
         },
     }
+
+
+def record_params(fmt: QuantFormat) -> dict:
+    """A format's parameters as its ``__quant__`` record holds them (JSON values; a dtype as ``"torch.float32"``).
+
+    A parameter that is None is left out: a format without an optional
+    parameter added later (a scale dtype, say) keeps the record, and so the
+    checkpoints, it had before the parameter existed.
+    """
+    fields = dataclasses.fields(fmt) if dataclasses.is_dataclass(fmt) else ()
+    params = {f.name: getattr(fmt, f.name) for f in fields if getattr(fmt, f.name) is not None}
+    return json.loads(json.dumps(params, default=repr))
 
 
 format_spec = quant_record  # the old name
@@ -122,6 +131,11 @@ def parse_spec(value, key: str) -> dict:
         raise CheckpointFormatError(f"{key}.{SPEC_KEY}: not a dtensor_quant format record: {value!r:.200}") from None
     if not isinstance(spec, dict) or "format" not in spec:
         raise CheckpointFormatError(f"{key}.{SPEC_KEY}: not a dtensor_quant format record: {value!r:.200}")
+    if not isinstance(spec.get("shape"), list) or not isinstance(spec.get("dtype"), str):
+        raise CheckpointFormatError(
+            f"{key}.{SPEC_KEY}: the format record's 'shape' ({spec.get('shape')!r:.60}) or 'dtype' "
+            f"({spec.get('dtype')!r:.60}) is damaged: expected a list of sizes and a dtype name"
+        )
     return spec
 
 
@@ -244,6 +258,86 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
 # -- weight -> entries -------------------------------------------------------------
 
 
+class Entries(dict):
+    """One quantized weight's entries (what :func:`to_entries` returns): a dict that checks the format record a
+    plain ``dcp.load`` reads into it before any of the weight's bytes reach the parameter.
+
+    The entries alias the parameter's inner tensors, so ``dcp.load`` writes
+    the checkpoint's bytes straight into the parameter; DCP reads the
+    ``__quant__`` record in the same pass, and ``load_state_dict`` checked it
+    only after the bytes were written. DCP calls nothing of a state dict's
+    between reading its metadata and writing, except this: its load planner
+    assigns every value back into its dict (``_init_state_dict``) as it sets
+    up the load, which a save never does. That assignment of the record
+    arms this dict: until the record DCP reads is checked, a chunk DCP asks
+    an entry for (``__get_tensor_shard__``, its lookup of the tensor to read
+    into) is a scratch copy of this rank's entry, not the parameter. The
+    record is the dict's first entry, so DCP usually reads it first and
+    nothing is staged; a chunk in a file read before the record's file is
+    staged. A record that fits commits the staged chunks; one that does not
+    raises :class:`CheckpointFormatError` with the parameter untouched.
+
+    Pickles, and deep-copies, as an ``OrderedDict`` (``weights_only`` loads stay safe).
+    """
+
+    def __init__(self, key: str, record: str):
+        super().__init__()
+        dict.__setitem__(self, SPEC_KEY, record)
+        self._key, self._record = key, record
+        self._staged: dict | None = None  # armed: {name: (local, scratch)}; None: not in a load, or checked
+
+    def __setitem__(self, name, value) -> None:
+        if name == SPEC_KEY and value is dict.get(self, SPEC_KEY):
+            self._arm()  # DCP's load planner, setting up a load
+        elif name == SPEC_KEY and self._staged is not None:
+            self._check(value)  # the checkpoint's record, read by the load
+        dict.__setitem__(self, name, value)
+
+    def __reduce__(self):  # as an OrderedDict (a state dict's own type), which weights_only loads accept
+        return collections.OrderedDict, (), None, None, iter(self.items())
+
+    def staged(self) -> bool:
+        """Whether a load read chunks into scratch copies that no record committed (a record never read)."""
+        return bool(self._staged)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._staged = {}
+        for name, e in self.items():
+            if isinstance(e, torch.Tensor):
+                e.__get_tensor_shard__ = functools.partial(self._target, name, e)
+
+    def _disarm(self) -> dict:
+        staged, self._staged = self._staged or {}, None
+        for e in self.values():
+            if isinstance(e, torch.Tensor):
+                e.__dict__.pop("__get_tensor_shard__", None)
+        return staged
+
+    def _target(self, name: str, e: torch.Tensor, index) -> torch.Tensor:
+        """What DCP reads entry ``name``'s chunk into: a scratch copy while the record is unchecked."""
+        local = e._local_tensor if isinstance(e, DTensor) else e
+        if self._staged is None:
+            return local
+        if name not in self._staged:
+            self._staged[name] = (local, local.clone())  # unread parts keep their bytes when committed
+        return self._staged[name][1]
+
+    def _check(self, value) -> None:
+        staged = self._disarm()
+        try:
+            check_spec(parse_spec(value, self._key), parse_spec(self._record, self._key), self._key)
+        except CheckpointFormatError as e:
+            raise CheckpointFormatError(
+                f"{e} Nothing was written into the parameter: the load checked this record before the weight's bytes."
+            ) from None
+        for local, scratch in staged.values():
+            local.copy_(scratch)
+
+
+# -- weight -> entries -------------------------------------------------------------
+
+
 def to_entries(value, key: str = "weight") -> dict:
     """The state-dict form of a quantized weight (entries alias its inner tensors).
 
@@ -254,7 +348,7 @@ def to_entries(value, key: str = "weight") -> dict:
     q, inner, to_canonical, shape = canonical_view(value, key)
     watch(q.notes, inner.values())
     spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
-    out: dict = {}
+    out = Entries(key, json.dumps(spec, sort_keys=True))  # the record first: DCP reads it first, where it can
     if isinstance(value, DTensor):
         mesh = value.device_mesh
         canon = entry_placements(value.placements, (OneToOne(),) * len(shape), to_canonical)
@@ -268,8 +362,7 @@ def to_entries(value, key: str = "weight") -> dict:
                 t, mesh, placements, run_check=False, shape=g_shape, stride=contiguous_strides(g_shape)
             )
     else:
-        out.update(inner)
-    out[SPEC_KEY] = json.dumps(spec, sort_keys=True)
+        out.update({n: t.detach() for n, t in inner.items()})  # aliases of its own (DCP's hook goes on them)
     return out
 
 
@@ -395,6 +488,13 @@ def _load_hook(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
         value = state_dict.get(key)
         if flat and value is None:
             value = {short: state_dict.pop(full) for short, full in flat.items()}
+        if isinstance(value, Entries) and value.staged():
+            value._disarm()
+            raise CheckpointFormatError(
+                f"{key}: the load read this weight's entries without their {SPEC_KEY} format record (the "
+                "checkpoint has none), so they were not written into the parameter: a record is what says the "
+                "bytes are in the parameter's format. Load a checkpoint saved with its records."
+            )
         if isinstance(value, Mapping):
             try:
                 state_dict[key] = from_entries(value, param, key)

@@ -16,6 +16,7 @@ from torch import nn
 
 from .._checkpoint.hf.prequantized import StoredLayout, detect, quantization_config
 from .._checkpoint.hf.safetensors_io import Checkpoint
+from .._checkpoint.state_dict import CheckpointFormatError
 from .quantize_model import is_matmul_weight, quantize_
 
 
@@ -42,6 +43,8 @@ def quantize_like_checkpoint(model: nn.Module, path) -> dict[str, StoredLayout]:
                 key = f"{fqn}.{name}" if fqn else name
                 try:
                     layout = detect(qc, ckpt, key, tuple(p.shape), p.dtype)
+                except CheckpointFormatError:
+                    raise  # a damaged file: at once, naming it
                 except ValueError as e:
                     errors.append(str(e))
                     continue

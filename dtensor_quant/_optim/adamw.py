@@ -30,10 +30,19 @@ import math
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .._checkpoint.state_dict import SPEC_KEY, from_entries, to_entries
+from .. import _formats as formats
+from .._checkpoint.state_dict import (
+    SPEC_KEY,
+    CheckpointFormatError,
+    from_entries,
+    parse_spec,
+    quantize_like,
+    record_params,
+    to_entries,
+)
 from .._core.format import QuantFormat, Reducer, check_shape
 from .._core.reductions import canonical_nans
 from .._core.stochastic import Noise
@@ -287,21 +296,112 @@ def _states_to_entries(optimizer: AdamW, state_dict: dict) -> dict:
 
 
 def _entries_to_states(optimizer: AdamW, state_dict: dict) -> dict:
-    """Quantized moments back from their entries, into this optimizer's layout (any placement), bit for bit."""
+    """Moments back into this optimizer's own state formats (any placement), whatever form they were saved in.
+
+    Saved in this optimizer's format: the stored bytes, bit for bit. Saved in
+    another one (another ``state_formats``, or a ``min_quantized_numel`` that
+    kept the moment dense there and quantizes it here, or the reverse): the
+    saved values are read exactly and stored in this optimizer's format --
+    what every step does to a moment anyway (read it as float32, write it
+    back in its format), so resuming under other settings loses no more than
+    a step does. A moment that cannot be read (an unknown format, another
+    shape) is refused naming the parameter.
+    """
     states = dict(state_dict["state"])
     for pid, p in _param_ids(optimizer, state_dict):
         per = states.get(pid)
-        if per is None or not any(isinstance(per.get(k), Mapping) for k in _MOMENTS):
+        if per is None:
             continue
-        mine = optimizer._init_state(p)
         per = dict(per)
-        for key in _MOMENTS:
-            if isinstance(per.get(key), Mapping) and SPEC_KEY in per[key]:
-                per[key] = from_entries(per[key], mine[key], key)
+        for key, fmt in zip(_MOMENTS, optimizer.state_formats):
+            saved = per.get(key)
+            plain = isinstance(saved, torch.Tensor) and not _is_quantized(saved)
+            if saved is None or (plain and not optimizer.quantizes(p, fmt)):
+                continue  # dense into dense: torch's own load_state_dict casts and places it
+            name = f"the optimizer state {key!r} of parameter {pid!r} (shape {tuple(p.shape)})"
+            per[key] = _moment_into(saved, optimizer._init_state(p)[key], name)
         states[pid] = per
     state_dict = dict(state_dict)
     state_dict["state"] = states
     return state_dict
+
+
+def _moment_into(saved, mine: torch.Tensor, name: str):
+    """``saved`` (entries, a dense tensor or a quantized one) as a value in ``mine``'s format and placement."""
+    ours = _local(mine).fmt if _is_quantized(mine) else None
+    if isinstance(saved, Mapping):
+        if SPEC_KEY not in saved:
+            raise CheckpointFormatError(
+                f"{name}: the saved moment is a dict without a {SPEC_KEY} record: {sorted(saved)}"
+            )
+        record = parse_spec(saved[SPEC_KEY], name)
+        if (
+            ours is not None
+            and record.get("format") == type(ours).__name__
+            and record.get("params") == record_params(ours)
+        ):
+            return from_entries(saved, mine, name)  # the stored bytes
+        dense = _dense_of_entries(saved, record, name)
+    elif _is_quantized(saved):
+        if ours is not None and _local(saved).fmt == ours and _is_dtensor(saved) == _is_dtensor(mine):
+            return saved
+        dense = saved.full_tensor() if isinstance(saved, DTensor) else saved
+        dense = dequantize(dense, torch.float32)
+    elif isinstance(saved, torch.Tensor):
+        if ours is None:
+            return saved
+        dense = saved.full_tensor() if isinstance(saved, DTensor) else saved
+    else:
+        raise CheckpointFormatError(f"{name}: a moment is a tensor or its entries, got {type(saved).__name__}")
+    if tuple(dense.shape) != tuple(mine.shape):
+        raise CheckpointFormatError(
+            f"{name}: the saved moment has shape {tuple(dense.shape)}, the parameter {tuple(mine.shape)}"
+        )
+    if ours is not None:
+        return quantize_like(dense, mine, name)
+    dense = dense.to(mine.dtype)
+    if isinstance(mine, DTensor):
+        return distribute_tensor(dense, mine.device_mesh, mine.placements, src_data_rank=None)
+    return dense
+
+
+def _is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def _dense_of_entries(entries: Mapping, record: dict, name: str) -> torch.Tensor:
+    """The float32 values of a moment saved as entries of any built-in format (exact: a dequantization)."""
+    fmt = _format_of(record, name)
+    try:
+        shape, dtype = tuple(int(n) for n in record["shape"]), getattr(torch, str(record["dtype"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointFormatError(
+            f"{name}: the {SPEC_KEY} record's shape/dtype are damaged: {record.get('shape')!r}, {record.get('dtype')!r}"
+        ) from None
+    like = quantize_local(fmt, torch.zeros(shape, dtype=dtype), Reducer(shape), shape)
+    return dequantize(from_entries(entries, like, name), torch.float32)
+
+
+def _format_of(record: dict, name: str) -> QuantFormat:
+    """The built-in format a ``__quant__`` record names, rebuilt from its parameters (exactly, or refused)."""
+    cls = getattr(formats, str(record.get("format")), None)
+    params = record.get("params")
+    if cls is None or not isinstance(params, dict):
+        raise CheckpointFormatError(
+            f"{name}: the saved moment's format {record.get('format')!r} ({record.get('description')!r}) is "
+            f"not one this optimizer can read; built-in ones: {', '.join(formats.__all__)}"
+        )
+    args = {k: getattr(torch, v.removeprefix("torch.")) if isinstance(v, str) and v.startswith("torch.") else v
+            for k, v in params.items()}  # fmt: skip
+    try:
+        fmt = cls(**args)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointFormatError(
+            f"{name}: cannot rebuild {record.get('description')!r} from its record ({e})"
+        ) from None
+    if record_params(fmt) != params:
+        raise CheckpointFormatError(f"{name}: {fmt} does not reproduce the record's parameters {params}")
+    return fmt
 
 
 def _is_quantized(value) -> bool:

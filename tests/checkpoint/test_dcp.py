@@ -2,11 +2,14 @@
 mismatched checkpoints are refused with the documented error types.
 """
 
+import dataclasses
 import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadItemType
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
@@ -61,22 +64,73 @@ def test_missing_checkpoint_names_the_partial_save(tmp_path):
         ckpt.load(cc.reference(SEED, "int8"), str(path))
 
 
-def test_plain_dcp_load_of_another_format_says_the_bytes_were_written(tmp_path):
+def model_bytes(net) -> dict[str, torch.Tensor]:
+    """Every stored byte of a model: each quantized weight's inner tensors, each dense tensor."""
+    out = {}
+    for name, p in net.named_parameters():
+        tensors = p.inner if isinstance(p, dq.QuantizedTensor) else {"": p.detach()}
+        out.update({f"{name}.{k}": t.contiguous().view(torch.uint8).clone() for k, t in tensors.items()})
+    return out
+
+
+class TensorsFirst(dcp.FileSystemReader):
+    """Reads every tensor chunk before any bytes entry: what DCP does when a weight's chunk lies in a file it
+    reads before the file holding the weight's format record (several ranks' files)."""
+
+    def prepare_local_plan(self, plan):
+        plan = super().prepare_local_plan(plan)
+        return dataclasses.replace(plan, items=sorted(plan.items, key=lambda i: i.type == LoadItemType.BYTE_IO))
+
+
+@pytest.mark.parametrize("order", ["as planned", "tensors first"])
+def test_plain_dcp_load_of_another_format_leaves_the_model_untouched(tmp_path, order):
     """Int8Rowwise and Float8Rowwise entries have the same names and shapes: DCP's planning lets them through and
-    copies int8 codes into the float8 qdata (DCP converts dtypes). dq.checkpoint.load refuses before reading;
-    plain dcp.load cannot be stopped before it writes (DCP has no hook between reading its metadata and writing
-    the tensors), so load_state_dict's refusal says that the parameter already holds the checkpoint's bytes."""
+    would copy int8 codes into the float8 qdata (DCP converts dtypes). The state dict's entries check the record
+    DCP reads before the weight's bytes reach the parameter (a chunk read before its record waits in a scratch
+    copy): the load raises and no quantized weight changed. Before, the bytes were written and only
+    load_state_dict refused."""
     path = str(tmp_path / "ckpt")
     ckpt.save(cc.reference(SEED, "int8"), path)
     net = cc.reference(OTHER, "f8row")
-    before = {k: v.clone() for k, v in net.a.weight.inner.items()}
+    before = model_bytes(net)
     with pytest.raises(ckpt.CheckpointFormatError, match=r"Int8Rowwise.*Float8Rowwise"):
         ckpt.load(net, path)
-    assert all(torch.equal(net.a.weight.inner[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
+    reader = TensorsFirst(path) if order == "tensors first" else dcp.FileSystemReader(path)
+    with pytest.raises(CheckpointException, match=r"(?s)Int8Rowwise.*Float8Rowwise.*Nothing was written"):
+        dcp.load(net.state_dict(), storage_reader=reader, no_dist=True)
+    after = model_bytes(net)
+    changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
+    if order == "as planned":  # the first entry DCP reads is a.weight's record: nothing at all is written
+        assert not changed, changed
+    else:  # no quantized weight is written; a dense tensor read before the refused record is loaded, as plain
+        assert changed == ["b.bias."], changed  # DCP loads what it meets (dq.checkpoint.load checks all first)
+
+
+@pytest.mark.parametrize("order", ["as planned", "tensors first"])
+def test_plain_dcp_load_of_the_same_format_is_bit_exact(tmp_path, order):
+    """The check costs nothing when the record is read first; chunks read before it are committed after it."""
+    path = str(tmp_path / "ckpt")
+    ckpt.save(cc.reference(SEED, "int8"), path)
+    net = cc.reference(OTHER, "int8")
     sd = net.state_dict()
-    dcp.load(sd, checkpoint_id=path, no_dist=True)
-    with pytest.raises(ckpt.CheckpointFormatError, match=r"already written the checkpoint's bytes"):
-        net.load_state_dict(sd)
+    reader = TensorsFirst(path) if order == "tensors first" else dcp.FileSystemReader(path)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    expected = model_bytes(cc.reference(SEED, "int8"))
+    got = model_bytes(net)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())  # in place, before load_state_dict
+    net.load_state_dict(sd)
+    assert all(torch.equal(model_bytes(net)[k], v) for k, v in expected.items())
+
+
+def test_entries_pickle_as_a_plain_state_dict(tmp_path):
+    """torch.save of model.state_dict() loads with weights_only=True (the entries are an OrderedDict there)."""
+    net = cc.reference(SEED, "int8")
+    torch.save(net.state_dict(), tmp_path / "sd.pt")
+    back = torch.load(tmp_path / "sd.pt", weights_only=True)
+    fresh = cc.reference(OTHER, "int8")
+    fresh.load_state_dict(back)
+    expected = model_bytes(net)
+    assert all(torch.equal(model_bytes(fresh)[k], v) for k, v in expected.items())
 
 
 def test_damaged_checkpoint_single_process(tmp_path):

@@ -5,6 +5,8 @@ tests/distributed/optim/test_adamw.py.
 """
 
 import copy
+import json
+import math
 
 import pytest
 import torch
@@ -228,3 +230,67 @@ def test_gradients_of_1e_19_train_like_gradients_of_1(cls, block):
         assert ours.isfinite().all() and dense.isfinite().all()
         err[name] = (ours - dense).abs().amax().item()
     assert err["tiny"] <= 1.1 * err["unit"], err  # up to the rounding of subnormal second moments
+
+
+# -- state dicts across state formats and thresholds ---------------------------------------------
+
+STATE_CONFIGS = {
+    "dense": dict(state_formats=(None, None)),
+    "8bit": dict(state_formats=(dq.BlockFloat8(256), dq.BlockFloat8(256, nonnegative=True))),
+    "4bit": dict(state_formats=(dq.BlockLog4(128), dq.BlockLog4(128, nonnegative=True))),
+    "8bit-kept-dense": dict(  # the threshold keeps every moment dense
+        state_formats=(dq.BlockFloat8(256), dq.BlockFloat8(256, nonnegative=True)), min_quantized_numel=10**6
+    ),
+    "8bit-64": dict(state_formats=(dq.BlockFloat8(64), dq.BlockLog4(64, nonnegative=True)), min_quantized_numel=1),
+}
+
+
+def _values(state: torch.Tensor) -> torch.Tensor:
+    return state.dequantize(torch.float32) if isinstance(state, dq.QuantizedTensor) else state.float()
+
+
+@pytest.mark.parametrize("dst", list(STATE_CONFIGS))
+@pytest.mark.parametrize("src", list(STATE_CONFIGS))
+def test_state_dicts_load_across_state_formats_and_thresholds(src, dst):
+    """Saved in one optimizer's state formats, loaded into another's: the same format gives the stored bytes;
+    another gives the saved values stored in the loading optimizer's format (what its step does to a moment:
+    read as float32, write back in its format); then training goes on."""
+    m = model()
+    saver = dq.optim.AdamW(m.parameters(), lr=2e-3, **STATE_CONFIGS[src])
+    train(m, saver, 2)
+    saved = copy.deepcopy(saver.state_dict())
+    loader = dq.optim.AdamW(m.parameters(), lr=2e-3, **STATE_CONFIGS[dst])
+    loader.load_state_dict(saved)
+    for p in m.parameters():
+        for key, fmt in zip(("exp_avg", "exp_avg_sq"), loader.state_formats):
+            was, got = saver.state[p][key], loader.state[p][key]
+            if not loader.quantizes(p, fmt):
+                assert type(got) is torch.Tensor and got.dtype == p.dtype
+                assert torch.equal(got, _values(was).to(p.dtype)), (key, p.shape)
+            elif isinstance(was, dq.QuantizedTensor) and was.fmt == fmt:
+                assert all(torch.equal(getattr(got, n), getattr(was, n)) for n in fmt.inner_names)
+            else:
+                expected = dq.quantize(_values(was).to(p.dtype), fmt)
+                assert got.fmt == fmt and all(
+                    torch.equal(getattr(got, n), getattr(expected, n)) for n in fmt.inner_names
+                )
+    losses = train(m, loader, 2, first=2)
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_a_moment_that_does_not_fit_is_refused_naming_the_parameter():
+    m = model()
+    opt = dq.optim.AdamW8bit(m.parameters(), lr=2e-3)
+    train(m, opt, 1)
+    other = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 64)).bfloat16()
+    saved = copy.deepcopy(opt.state_dict())
+    for config in ("8bit", "dense", "8bit-kept-dense"):
+        with pytest.raises(
+            dq.checkpoint.CheckpointFormatError, match=r"'exp_avg' of parameter 0 \(shape \(128, 128\)\)"
+        ):
+            dq.optim.AdamW(other.parameters(), **STATE_CONFIGS[config]).load_state_dict(copy.deepcopy(saved))
+    unknown = copy.deepcopy(saved)
+    record = json.loads(unknown["state"][0]["exp_avg"]["__quant__"])
+    unknown["state"][0]["exp_avg"]["__quant__"] = json.dumps(dict(record, format="NotAFormat"))
+    with pytest.raises(dq.checkpoint.CheckpointFormatError, match=r"'exp_avg' of parameter 0 .*NotAFormat"):
+        dq.optim.AdamW4bit(m.parameters()).load_state_dict(unknown)

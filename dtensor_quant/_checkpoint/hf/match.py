@@ -14,7 +14,7 @@ from torch import nn
 
 from ..._core.format import weight_layout
 from ..._ops.layout_ops import canonical_dims
-from ..state_dict import is_quantized
+from ..state_dict import CheckpointFormatError, is_quantized
 from .prequantized import check, find, quantization_config
 from .safetensors_io import Checkpoint, Pieces
 from .tensors import describe, local_slice, local_tensor, model_tensors, unpadded_shapes
@@ -119,6 +119,8 @@ def plan(model: nn.Module, ckpt: Checkpoint, strict: bool):
                     errors.append(f"{key}: a weight padded by pad_for_tp or pad_vocab_for_tp is not read as stored "
                                   f"({describe(t)}); load a dense checkpoint into it")  # fmt: skip
                 errors.extend(check(stored, key, t, ckpt))
+            except CheckpointFormatError:
+                raise  # a damaged file: at once, not one of the model's mismatches
             except ValueError as e:
                 errors.append(f"{key}: {e}")
             used.update(stored.keys(key))

@@ -15,7 +15,7 @@ Every rank reaches the same verdict from the files alone, with no collective.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +35,24 @@ from ..._formats import (
     NF4BlockScales,
 )
 from ..._formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
-from ..state_dict import canonical_view, entry_placements, entry_shape, from_entries
+from ..state_dict import CheckpointFormatError, canonical_view, entry_placements, entry_shape, from_entries
+from . import fields
+from .fields import BOOL, INT, NUMBER, POSITIVE, REQUIRED, STRING, Fields, either, exactly, list_of
 from .safetensors_io import Checkpoint
-from .stored import Extra, Fill, Flat, JsonField, PackedCodes, Reshaped, Same, Stored, Transposed, Words, json_of, small
+from .stored import (
+    Extra,
+    Fill,
+    Flat,
+    JsonField,
+    PackedCodes,
+    Reshaped,
+    Same,
+    Stored,
+    Transposed,
+    Words,
+    json_doc,
+    small,
+)
 from .tensors import box, describe
 
 
@@ -66,17 +81,25 @@ class StoredLayout:
 # -- the checkpoint's quantization_config ------------------------------------------------------
 
 
-def quantization_config(path) -> dict | None:
-    """``config.json``'s ``quantization_config`` in checkpoint directory ``path``, or None."""
+def quantization_config(path) -> Fields | None:
+    """``config.json``'s ``quantization_config`` in checkpoint directory ``path`` (a dict), or None.
+
+    A ``config.json`` that is not a JSON object, or whose
+    ``quantization_config`` is not one, is refused naming the file.
+    """
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
-    qc = json.loads(config.read_text()).get("quantization_config")
-    return qc if isinstance(qc, dict) else None
+    return fields.load(config).sub("quantization_config")
 
 
-def _method(qc: dict | None) -> str | None:
-    return None if qc is None else str(qc.get("quant_method", "")).lower() or None
+def _fields(qc) -> Fields | None:
+    """``qc`` (a ``quantization_config``) as :class:`~.fields.Fields`: the loader's own, or a caller's dict."""
+    return None if qc is None else Fields.of(qc, getattr(qc, "file", "quantization_config"))
+
+
+def _method(qc: Fields | None) -> str | None:
+    return None if qc is None else qc.field("quant_method", STRING, "").lower() or None
 
 
 # -- producers ------------------------------------------------------------------------------------
@@ -104,10 +127,12 @@ def _ct_target(target: str, name: str) -> bool:
     return name == target
 
 
-def _ct_scheme(qc: dict, module: str) -> dict | None:
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+def _ct_scheme(qc: Fields, module: str, key: str) -> Fields | None:
+    config_groups = qc.sub("config_groups", Fields({}, qc.file), tensor=key)
+    groups = [config_groups.sub(name, REQUIRED, tensor=key) for name in config_groups]
     if len(groups) > 1:
-        groups = [g for g in groups if any(_ct_target(t, module) for t in g.get("targets", []))] or groups[:1]
+        targets = [g.field("targets", list_of(STRING), [], tensor=key) for g in groups]
+        groups = [g for g, ts in zip(groups, targets) if any(_ct_target(t, module) for t in ts)] or groups[:1]
     return groups[0] if groups else None
 
 
@@ -119,11 +144,15 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
     packed, scale = key + "_packed", key + "_scale"
     if scale not in tensors:
         return None  # left dense (the scheme's ignore list, lm_head)
-    scheme = _ct_scheme(qc, key[: -len(".weight")])
-    args = (scheme or {}).get("weights") or {}
-    fmt_name = (scheme or {}).get("format") or qc.get("format")
-    bits, kind = args.get("num_bits"), args.get("type", "int")
-    strategy, group, sym = args.get("strategy"), args.get("group_size"), args.get("symmetric", True)
+    scheme = _ct_scheme(qc, key[: -len(".weight")], key)
+    args = (scheme.sub("weights", None, tensor=key) if scheme is not None else None) or Fields({}, qc.file, key)
+    fmt_name = (scheme.field("format", STRING, tensor=key) if scheme is not None else None) or qc.field(
+        "format", STRING, tensor=key
+    )
+    # compressed-tensors' own defaults (QuantizationArgs) for what a scheme leaves out
+    bits, kind = args.field("num_bits", POSITIVE, 8, tensor=key), args.field("type", STRING, "int", tensor=key)
+    strategy, group = args.field("strategy", STRING, tensor=key), args.field("group_size", POSITIVE, tensor=key)
+    sym = args.field("symmetric", BOOL, True, tensor=key)
     what = f"compressed-tensors {fmt_name} ({kind}{bits}, {strategy}{f' {group}' if group else ''}"
     what += f"{'' if sym else ', asymmetric'})"
     s_dtype = tensors[scale].dtype
@@ -150,7 +179,7 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
         if strategy == "channel":
             inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), scale_same)
             return StoredLayout(Float8Rowwise(scale_dtype=s_dtype), what, inner)
-        block = args.get("block_structure")
+        block = args.field("block_structure", list_of(POSITIVE, 2), tensor=key)
         if strategy == "block" and block and block[0] == block[1]:
             what = f"compressed-tensors {fmt_name} (fp8, {block[0]}x{block[1]} blocks)"
             inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale", s_dtype)))
@@ -193,16 +222,26 @@ def _gptq_awq(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | No
     if base + ".qweight" not in ckpt.tensors:
         return None
     gptq = _method(qc) == "gptq"
-    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    bits = qc.field("bits", INT, tensor=key) if "bits" in qc else qc.field("w_bit", INT, tensor=key)
+    groups = either(POSITIVE, exactly(-1))
+    group = (
+        qc.field("group_size", groups, tensor=key)
+        if "group_size" in qc
+        else qc.field("q_group_size", groups, tensor=key)
+    )
     group = shape[1] if group in (None, -1) else group
     name = "GPTQ" if gptq else "AWQ"
-    version = qc.get("checkpoint_format", "gptq") if gptq else str(qc.get("version", "gemm")).lower()
-    what = f"{name} ({version}, int{bits}, group {group}{', desc_act' if qc.get('desc_act') else ''})"
+    if gptq:
+        version = qc.field("checkpoint_format", STRING, "gptq", tensor=key)
+    else:
+        version = qc.field("version", STRING, "gemm", tensor=key).lower()
+    desc_act = qc.field("desc_act", BOOL, False, tensor=key)
+    what = f"{name} ({version}, int{bits}, group {group}{', desc_act' if desc_act else ''})"
     if bits != 4:
         raise ValueError(f"{key}: {what}: only 4-bit GPTQ/AWQ is read")
     if version not in ("gptq", "gemm"):
         raise ValueError(f"{key}: {what}: only GPTQ v1 ('gptq') and AWQ GEMM checkpoints are read")
-    if not gptq and qc.get("zero_point") is False:
+    if not gptq and qc.field("zero_point", BOOL, True, tensor=key) is False:
         raise ValueError(f"{key}: {what}: AWQ without zero points is not read")
     s_dtype = ckpt.tensors[base + ".scales"].dtype
     order = (0, 1, 2, 3, 4, 5, 6, 7) if gptq else _AWQ_ORDER
@@ -210,20 +249,30 @@ def _gptq_awq(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | No
     zero = PackedCodes("{base}.qzeros", torch.int32, along=1, transposed=True, order=order, add=1 if gptq else 0,
                        unpacked=True)  # fmt: skip
     inner = (("qdata", codes), ("scale", Transposed("{base}.scales", s_dtype)), ("zero", zero))
-    extras = (_g_idx(group, qc.get("desc_act")),) if gptq and base + ".g_idx" in ckpt.tensors else ()
+    extras = (_g_idx(group, desc_act),) if gptq and base + ".g_idx" in ckpt.tensors else ()
     return StoredLayout(Int4GroupwiseIntZero(group, scale_dtype=s_dtype), what, inner, extras)
 
 
 def _fp8_blocks(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
-    """DeepSeek-V3 / Qwen3-FP8: ``weight`` e4m3 + ``weight_scale_inv`` fp32 per block."""
+    """DeepSeek-V3 / Qwen3-FP8: ``weight`` e4m3 + ``weight_scale_inv`` per block (fp32 there).
+
+    ``weight_scale_inv`` is read in the dtype the file holds it in, as
+    :class:`~dtensor_quant.Float8Blockwise`'s ``scale_dtype``: ``dq.hf.save``
+    writes a ``Float8Blockwise(b, scale_dtype=torch.bfloat16)`` weight's
+    bf16 scales as they are, and reads them back as they are.
+    """
     if key + "_scale_inv" not in ckpt.tensors or len(shape) != 2:
         return None
-    b = (qc or {}).get("weight_block_size") or [128, 128]
+    b = (qc.field("weight_block_size", list_of(POSITIVE, 2), tensor=key) if qc is not None else None) or [128, 128]
     if b[0] != b[1]:
         raise ValueError(f"{key}: FP8 blocks {b} are not square; Float8Blockwise holds square blocks")
-    fmt = Float8Blockwise(b[0])
-    inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale_inv", torch.float32)))
-    return StoredLayout(fmt, f"fp8 ({b[0]}x{b[1]} block scales)", inner)
+    s_dtype = ckpt.tensors[key + "_scale_inv"].dtype
+    if s_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{key}: FP8 block scales ({key}_scale_inv) are {s_dtype}; Float8Blockwise holds "
+                         "float32, bfloat16 or float16 ones")  # fmt: skip
+    fmt = Float8Blockwise(b[0], scale_dtype=s_dtype)
+    inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale_inv", s_dtype)))
+    return StoredLayout(fmt, f"fp8 ({b[0]}x{b[1]} block scales, {str(s_dtype).removeprefix('torch.')})", inner)
 
 
 def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
@@ -249,28 +298,31 @@ def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout 
     if states != [key + ".quant_state.bitsandbytes__nf4"]:
         kind = states[0].rpartition("__")[2] if states else "no quant_state"
         raise ValueError(f"{key}: bitsandbytes {kind}: only NF4 (bnb_4bit_quant_type='nf4') is read as stored")
-    state = json_of(small(ckpt, states[0]))
+    state = json_doc(ckpt, states[0])
+    blocksize = state.field("blocksize", POSITIVE, REQUIRED)
+    nested_blocksize = state.field("nested_blocksize", POSITIVE)
     nested = key + ".nested_absmax" in ckpt.tensors
-    if nested != (state.get("nested_blocksize") is not None):
+    if nested != (nested_blocksize is not None):
         has = "a .nested_absmax tensor but no" if nested else "no .nested_absmax tensor but a"
         raise ValueError(
             f"{key}: bitsandbytes NF4 with {has} nested_blocksize in its quant_state: neither double-quantized "
             "(BnbNF4) nor plain (NF4BlockScales); the checkpoint is inconsistent"
         )
     if nested:
-        fmt = BnbNF4(int(state["blocksize"]), int(state["nested_blocksize"]))
+        state.field("nested_offset", NUMBER, REQUIRED)  # read by the loader: checked before anything is
+        fmt = BnbNF4(blocksize, nested_blocksize)
         offset = JsonField("{key}.quant_state.bitsandbytes__nf4", torch.uint8, "nested_offset")
         inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("absmax", Flat("{key}.absmax", torch.uint8)),
                  ("nested_absmax", Flat("{key}.nested_absmax", torch.float32)), ("offset", offset))  # fmt: skip
     else:
-        fmt = NF4BlockScales(int(state["blocksize"]), levels="bitsandbytes")
+        fmt = NF4BlockScales(blocksize, levels="bitsandbytes")
         inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("scale", Flat("{key}.absmax", torch.float32)))
 
     def same(want):
         return lambda t, shape: None if torch.equal(t, want) else f"not bitsandbytes' map; {fmt} computes with that"
 
     def state_fits(t, shape):
-        js = json_of(t)
+        js = json_doc(ckpt, states[0])
         want = {"quant_type": "nf4", "shape": list(shape)} | ({"nested_dtype": "float32"} if nested else {})
         bad = {k: js.get(k) for k, v in want.items() if js.get(k) != v}
         return f"{bad} (expected {want})" if bad else None
@@ -327,6 +379,7 @@ def detect(qc: dict | None, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
 
     Raises ``ValueError`` for a weight stored quantized in a layout no format holds.
     """
+    qc = _fields(qc)
     method = _method(qc)
     if method in PRODUCERS:
         return PRODUCERS[method](qc, ckpt, key, tuple(shape), dtype)
@@ -352,13 +405,13 @@ def check(layout: StoredLayout, key: str, t: torch.Tensor, ckpt: Checkpoint) -> 
 
     Reads the layout's extras (small) on every rank.
     """
-    q, _, to_canonical, shape = canonical_view(t, key)
+    q, inner, to_canonical, shape = canonical_view(t, key)
     errors = []
     if layout.transposed != (to_canonical != tuple(range(len(shape)))):
         return [(f"{key}: the model's quantized weight {'is not' if layout.transposed else 'is'} the transposed view "
                  f"of a [..., out, in] weight, and {layout.method} needs it {'' if layout.transposed else 'not '}"
                  "transposed; build the model with dq.hf.quantize_like_checkpoint(model, path)")]  # fmt: skip
-    if q.fmt != layout.fmt:
+    if q.fmt != layout.fmt and not same_format(q.fmt, inner, layout):
         return [(f"{key}: the checkpoint holds it stored quantized ({layout.method}), which {layout.fmt} holds; "
                  f"the model's weight is {q.fmt}. Build the model with "
                  "dq.hf.quantize_like_checkpoint(model, path)")]  # fmt: skip
@@ -375,10 +428,32 @@ def check(layout: StoredLayout, key: str, t: torch.Tensor, ckpt: Checkpoint) -> 
     return errors
 
 
+def same_format(fmt: QuantFormat, inner: dict, layout: StoredLayout) -> bool:
+    """Whether ``fmt`` (the model's, holding ``inner``) is ``layout.fmt`` spelled another way.
+
+    ``Int8Rowwise()`` in a bf16 model keeps its scales in bf16, as
+    ``Int8Rowwise(scale_dtype=torch.bfloat16)`` does: the same bytes, two
+    spellings. A checkpoint names its scales' dtype, so the loader's format
+    spells it; a model quantized with the other spelling reads it as stored
+    when the formats differ in ``scale_dtype`` alone and its inner tensors
+    have the dtypes the checkpoint stores (never a conversion).
+    """
+    if not all(dataclasses.is_dataclass(f) and hasattr(f, "scale_dtype") for f in (fmt, layout.fmt)):
+        return False
+    if dataclasses.replace(fmt, scale_dtype=None) != dataclasses.replace(layout.fmt, scale_dtype=None):
+        return False
+    for name, st in layout.inner:
+        if st.dtype.is_floating_point and name in inner and inner[name].dtype != st.dtype:
+            return False
+    return True
+
+
 def find(qc: dict | None, ckpt: Checkpoint, key: str, t: torch.Tensor, quantized: bool) -> StoredLayout | str | None:
     """The stored layout to read model tensor ``key`` with, an error message, or None (read it as usual)."""
     try:
         layout = detect(qc, ckpt, key, tuple(t.shape), t.dtype)
+    except CheckpointFormatError:
+        raise  # a damaged file: at once, not one of the model's mismatches
     except ValueError as e:
         return str(e)
     if layout is None and quantized:

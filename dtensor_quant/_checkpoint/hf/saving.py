@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from ..._core.layout import Blocked, Constant, OneToOne, Packed
 from ..._core.tensor import QuantizedTensor
-from ..._parallel.agree import raise_together
+from ..._parallel.agree import LOCAL, raise_together
 from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
 from .adapters import Delta, Wrapper, unwrap
 from .export_ct import QUANTIZATIONS, CompressedTensorsExport
@@ -250,7 +251,11 @@ def save(
     express raises ``ValueError`` on every rank before any file is written.
 
     A failure on any rank raises on every rank, and the previous contents of
-    ``path`` stay as they were until every rank's bytes are written.
+    ``path`` stay as they were until every rank's bytes are written. A model
+    without DTensors is each process's own: rank 0 writes it, with or
+    without the others calling ``save`` too; another rank that calls it
+    raises for a path that cannot be written as rank 0 does, but does not wait
+    for rank 0's writes.
     """
     path = Path(path)
     model = unwrap(model)
@@ -273,7 +278,8 @@ def save(
     _gather_adapters(adapters, full)  # the only collectives besides the agreements: before any write
     staging = path / STAGING
     try:
-        raise_together(lambda: _create_files(path, staging, files) if leader else None, what=what, **scope)
+        prepare = _create_files if leader else _probe if scope.get("process_group") is LOCAL else None
+        raise_together(lambda: prepare and prepare(path, staging, files), what=what, **scope)
         raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
         raise_together(lambda: _commit(model, path, staging, files, quant) if leader else None, what=what, **scope)
     except Exception:
@@ -291,6 +297,20 @@ def _create_files(path: Path, staging: Path, files: dict) -> None:
         with open(staging / name, "wb") as f:
             f.write(header)
             f.truncate(size)
+
+
+def _probe(path: Path, staging: Path, files: dict) -> None:
+    """Another rank's save of a model without DTensors (rank 0 writes it): the checks rank 0's writes make first.
+
+    Such a model is each process's own (rank 0 may save it while the others
+    do something else), so the ranks share no collective to agree through;
+    without this a rank that calls ``save`` with the others returned as if it
+    had saved while rank 0 raised. Creating the directory and a file in it
+    raises here what rank 0 raises for a path that cannot be written.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
 
 
 def _write_slices(staging: Path, items: list[_Item], files: dict) -> None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..state_dict import CheckpointFormatError
+from .fields import NUMBER, REQUIRED, Fields, parse
 from .safetensors_io import Checkpoint
 
 _SMALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -334,7 +336,8 @@ class JsonField(Stored):
     field: str = ""
 
     def read(self, ckpt, key, offset, shape, full_shape, dtype):
-        return torch.full(tuple(shape), float(json_of(small(ckpt, self.key(key)))[self.field]), dtype=dtype)
+        value = json_doc(ckpt, self.key(key)).field(self.field, NUMBER, REQUIRED)
+        return torch.full(tuple(shape), float(value), dtype=dtype)
 
     def to_stored(self, chunk, offset, full_shape):
         return tuple(offset), None
@@ -343,11 +346,17 @@ class JsonField(Stored):
         return None if info is not None and info.dtype == torch.uint8 and len(info.shape) == 1 else "missing"
 
 
-def json_of(t: torch.Tensor) -> dict:
-    """The JSON document a uint8 tensor holds (bitsandbytes' ``quant_state.bitsandbytes__nf4``)."""
-    import json
-
-    return json.loads(bytes(t.reshape(-1).tolist()).decode())
+def json_doc(ckpt: Checkpoint, key: str) -> Fields:
+    """The JSON object uint8 tensor ``key`` holds (bitsandbytes' ``quant_state.bitsandbytes__nf4``), its fields
+    checked as they are read; refused naming the file and the tensor if it is not one."""
+    info = getattr(ckpt, "ckpt", ckpt).tensors[key]
+    if info.dtype != torch.uint8 or len(info.shape) != 1:
+        raise CheckpointFormatError(
+            f"{info.file}, tensor {key}: {info.dtype} {list(info.shape)}, expected 1-D uint8 (the bytes of a JSON "
+            "object); the file is damaged"
+        )
+    file = info.file
+    return parse(bytes(small(ckpt, key).reshape(-1).tolist()), file, tensor=key)
 
 
 @dataclass(frozen=True)

@@ -325,3 +325,35 @@ def test_format_mismatch_on_one_rank_is_raised_on_every_rank(ranks, tmp_path):
     for kind, msg, same in results:
         assert kind == "CheckpointFormatError" and "Int4Groupwise" in msg, (kind, msg)
         assert same
+
+
+# -- plain dcp.load of another format: every rank raises, no quantized weight written ---------------------
+
+
+def plain_dcp_load_of(fmt_name, layout, path):
+    net = cc.placed(OTHER, fmt_name, layout)
+    before = {
+        n: {k: t.clone() for k, t in p.to_local().inner.items()} for n, p in net.named_parameters() if p.ndim == 2
+    }
+    try:
+        dcp.load(net.state_dict(), checkpoint_id=path)
+        outcome = "loaded"
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        outcome = f"{type(e).__name__}: {e}"
+    after = {n: p.to_local().inner for n, p in net.named_parameters() if p.ndim == 2}
+    untouched = all(torch.equal(after[n][k].view(torch.uint8), t.view(torch.uint8)) for n, d in before.items()
+                    for k, t in d.items())  # fmt: skip
+    return outcome, untouched
+
+
+def test_plain_dcp_load_of_another_format_writes_no_quantized_weight(ranks, tmp_path):
+    """Saved on 2 ranks (each rank's chunks and some of the records in its own file), read with plain dcp.load
+    into another format: before, DCP wrote the int8 codes into the float8 weights and only load_state_dict
+    refused; now the record is checked before any of a weight's chunks reach it, on every rank."""
+    path = str(tmp_path / "ckpt")
+    ranks(2).run(save_model, "int8", "s0_2", path)
+    for outcome, untouched in ranks(2).run(plain_dcp_load_of, "f8row", "s0_2", path, timeout=120):
+        assert "Int8Rowwise" in outcome and "Float8Rowwise" in outcome and "Nothing was written" in outcome, outcome
+        assert untouched
+    same = ranks(2).run(plain_dcp_load_of, "int8", "s0_2", path, timeout=120)
+    assert [outcome for outcome, _ in same] == ["loaded"] * 2

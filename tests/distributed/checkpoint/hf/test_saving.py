@@ -307,6 +307,31 @@ def test_unwritable_path_raises_on_every_rank(ranks, sources, tmp_path):
     assert results[1][0] == results[0][0] and "rank 0 failed" in results[1][1]
 
 
+def save_plain_into(src, out):
+    """Every rank calls save with a model without DTensors: rank 0 writes it."""
+    model = build("llama", "single", "int8")
+    dq.hf.load(model, src)
+    try:
+        dq.hf.save(model, out)
+    except OSError as e:
+        return type(e).__name__, str(e)
+    return "saved", ""
+
+
+def test_unwritable_path_raises_on_every_rank_for_a_model_without_dtensors(ranks, sources, tmp_path):
+    """Before the fix rank 0 raised and rank 1 returned as if it had saved (rank 0 alone writes such a model)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    results = ranks(2).run(save_plain_into, sources["llama"], str(blocker / "export"), timeout=60)
+    for kind, msg in results:
+        assert kind in ("NotADirectoryError", "FileExistsError") and "a_file" in msg, (kind, msg)
+    out = tmp_path / "export"
+    assert ranks(2).run(save_plain_into, sources["llama"], str(out), timeout=60) == [("saved", "")] * 2
+    reference = build("llama", "single", "int8")
+    dq.hf.load(reference, sources["llama"])
+    assert_export_equals(str(out), dense_values(reference))
+
+
 def load_from(paths):
     model = build("llama", "tp2", "int8")
     start = time.monotonic()
