@@ -1,9 +1,9 @@
-"""How a quantized weight appears in a state dict: one plain tensor per inner tensor, plus its format.
+"""How a quantized weight appears in a state dict and in DCP: one plain tensor per inner tensor, plus its format.
 
 DCP records one dtype and one global shape per key, so a quantized weight
-cannot be a single entry: its inner tensors have their own dtypes and shapes.
-A quantized parameter ``weight`` therefore appears in ``state_dict()`` as a
-small dict (DCP flattens it into ``weight.qdata``, ``weight.scale``, ...)::
+cannot be a single entry on disk: its inner tensors have their own dtypes and
+shapes. Its *entries* are a small dict (DCP flattens it into
+``weight.qdata``, ``weight.scale``, ...)::
 
     {"qdata": <DTensor of uint8>, "scale": <DTensor of bf16>, ..., "__quant__": '{"format": ...}'}
 
@@ -24,6 +24,23 @@ tensors. :func:`register` installs the module hooks that make
 ``model.state_dict()``, ``load_state_dict``, ``get_model_state_dict`` and
 ``set_model_state_dict`` use this form; :func:`dtensor_quant.quantize_` calls
 it. The on-disk format is documented in ``docs/checkpoint.md``.
+
+**Tensors-only state dicts.** torch's contract is name -> tensor, and code
+that reshapes weights in a state-dict hook (a fused-QKV split calling
+``.shape`` and ``torch.split``) or sizes a state dict (Hugging Face's shard
+splitter) needs it. :func:`tensor_state_dicts` makes a model's
+``state_dict()`` hold each quantized weight as itself (the
+:class:`~dtensor_quant.QuantizedTensor` or its DTensor, sharing the
+parameter's bytes). DCP's extension points for tensor subclasses
+(``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``) cannot give such a value more than one key under
+DCP's default planners: they look every write and read up by the key of the
+state dict, so a write item named ``weight.qdata`` is "not found". The
+entries are therefore made at the planner: ``dtensor_quant.checkpoint.save/
+load`` and ``dcp.save/load(..., planner=dq.checkpoint.SavePlanner() /
+LoadPlanner())`` convert quantized values with :func:`entries_from_state`
+and write the same files; a quantized value that reaches a default planner
+is refused naming them (``dcp_refusal``).
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._core.dispatch import implements_method
 from .._core.format import QuantFormat, weight_layout
 from .._core.layout import (
     Blocked,
@@ -469,10 +487,55 @@ def quantize_like(dense: torch.Tensor, like, key: str = "weight") -> torch.Tenso
     return quantize(dense.to(like.dtype), q.fmt)
 
 
+# -- DCP's default planners meet a quantized value --------------------------------------
+
+
+def dcp_refusal(what: str) -> CheckpointFormatError:
+    """The error for a quantized value that reached one of DCP's default planners unconverted."""
+    return CheckpointFormatError(
+        f"{what}: a quantized weight reached DCP's default planner, which gives each state-dict value one key; "
+        "its inner tensors need one key each. Save and load with dtensor_quant.checkpoint.save/load, pass "
+        "planner=dtensor_quant.checkpoint.SavePlanner() (LoadPlanner() to load) to dcp.save/dcp.load, or convert "
+        "the state dict first with dtensor_quant._checkpoint.state_dict.entries_from_state."
+    )
+
+
+@implements_method("dcp_write_items")
+def _dcp_write_items(q, fqn, obj):
+    raise dcp_refusal(f"dcp.save of '{fqn}'")
+
+
+@implements_method("dcp_chunk_list")
+def _dcp_chunk_list(q):
+    raise dcp_refusal(f"dcp.load into a {q.fmt} weight of shape {tuple(q.shape)}")
+
+
+@implements_method("dcp_tensor_shard")
+def _dcp_tensor_shard(q, index):
+    raise dcp_refusal(f"DCP's lookup of '{index.fqn}'")
+
+
 # -- module hooks ---------------------------------------------------------------------
+
+TENSORS = "_dtensor_quant_tensor_state"  # on a module: its state dicts hold quantized weights as tensors
+
+
+def tensor_state_dicts(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make ``model.state_dict()`` hold each quantized weight as a tensor (itself, or its DTensor), not entries.
+
+    ``get_model_state_dict``, ``load_state_dict`` (bytes copied in place) and
+    ``set_model_state_dict`` follow; DCP needs the planners that make the
+    entries (module docstring). ``enabled=False`` restores the entry form.
+    """
+    register(model)
+    for module in model.modules():
+        module.__dict__[TENSORS] = enabled
+    return model
 
 
 def _state_dict_hook(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    if module.__dict__.get(TENSORS, False):
+        return
     for name, param in module._parameters.items():
         key = prefix + name
         if param is not None and is_quantized(param) and key in state_dict:

@@ -55,6 +55,13 @@ def fallback(predicate: Callable):
     return register
 
 
+#: Handlers that leave an in-place initialisation open (:mod:`dtensor_quant._ops.init`): the init ops,
+#: pointwise ops, copies and ``empty_like``. Any other op on a quantized tensor ends every open one:
+#: ``EPOCH[0]`` counts those ops, and an initialisation's dense values are kept for its epoch only.
+KEEPS_INITIAL: set = set()
+EPOCH = [0]
+
+
 def dispatch(func, args, kwargs):
     handler = _BY_OP.get(func)
     if handler is None:
@@ -71,6 +78,8 @@ def dispatch(func, args, kwargs):
             return out
     if handler is None:
         raise refusal(func, args, kwargs)
+    if handler not in KEEPS_INITIAL:
+        EPOCH[0] += 1
     return handler(func, *args, **kwargs)
 
 

@@ -232,6 +232,18 @@ class QuantizedTensor(torch.Tensor):
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         return method("fsdp_post_all_gather")(self, outputs, metadata, param_dtype, out=out)
 
+    # -- DCP's extension points for tensor subclasses (dtensor_quant.checkpoint) --
+    # DCP's default planners keep one tensor per key; a quantized tensor's inner tensors each need a key of their
+    # own, so a quantized value that reaches them unconverted is refused there, naming what converts it.
+    def __create_write_items__(self, fqn, obj):
+        return method("dcp_write_items")(self, fqn, obj)
+
+    def __create_chunk_list__(self):
+        return method("dcp_chunk_list")(self)
+
+    def __get_tensor_shard__(self, index):
+        return method("dcp_tensor_shard")(self, index)
+
     # -- user API ----------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense tensor this stands for (in ``dtype``, default the logical dtype)."""

@@ -17,6 +17,7 @@ from .._core.format import QuantFormat
 from .._core.tensor import QuantizedTensor
 from .._fsdp.all_gather import dequantized_from
 from .._parallel.quantize import quantize
+from . import placed
 from . import trainable as _trainable_weights
 
 
@@ -100,6 +101,7 @@ def quantize_(
             except ValueError as e:
                 raise type(e)(f"{full}: {e}") from None
             setattr(module, name, nn.Parameter(weight, requires_grad=trainable))
+            placed.own(module)  # in-place initialisation finds the weight's placement here
             done += 1
             if trainable:
                 _trainable_weights.make_trainable(module, name, _trainable_weights.weight_seed(seed, full))

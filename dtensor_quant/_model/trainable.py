@@ -26,10 +26,15 @@ requantization rounds with the noise of (the weight's seed, ``k``, ``i``)
 given to ``quantize_`` and its name in the model, so every weight has its
 own. ``k`` counts the requantizations (every rank counts the same ones: an
 in-place op runs on every shard, empty ones included). An optimizer that
-updates trainable weights saves each one's count in its state dict as
-``state[param]["sr_step"]`` and restores it on ``load_state_dict``, so a run
-resumed from a checkpoint rounds as the uninterrupted one would have
-(:func:`track` installs that on the optimizer at its first step).
+updates trainable weights keeps each one's count in its *live* state,
+``optimizer.state[param]["sr_step"]`` (a Python int, written after every
+step), and so in every state dict made from it -- ``state_dict()``,
+``get_optimizer_state_dict``, a framework's container that copies the live
+keys -- and a count loaded into the live state by any route
+(``load_state_dict``, ``set_optimizer_state_dict``, a direct assignment) is
+adopted before the next step. A run resumed from a checkpoint therefore
+rounds as the uninterrupted one would have (:func:`track` installs the hooks
+on the optimizer at its first step).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._core import stochastic
 from .._core.format import QuantFormat, Reducer
@@ -62,10 +67,15 @@ SR_STEP = "sr_step"  # the optimizer state key of a trainable weight's requantiz
 
 @dataclass
 class TrainState:
-    """A trainable weight's stochastic-rounding seed and how many times it was requantized."""
+    """A trainable weight's stochastic-rounding seed and how many times it was requantized.
+
+    ``published``: the count last written into an optimizer's live state; a live value that differs
+    from it was loaded there, and is adopted.
+    """
 
     seed: int
     step: int = 0
+    published: int | None = None
 
 
 def supports_training(fmt: QuantFormat) -> bool:
@@ -208,7 +218,7 @@ def _link_for(outer, q: QuantizedTensor, state: TrainState) -> ShardLink:
 arithmetic.TRAINABLE = resolve  # registration: the pointwise handlers and the factories ask it
 
 
-# -- the requantization count in the optimizer's state dict ------------------------------
+# -- the requantization count in the optimizer's live state ------------------------------
 
 _TRACKED: weakref.WeakSet = weakref.WeakSet()
 _HOOK = []
@@ -217,6 +227,7 @@ _HOOK = []
 def _install_step_hook() -> None:
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: track(opt)))
+        _HOOK.append(register_optimizer_step_post_hook(lambda opt, args, kwargs: publish(opt)))
 
 
 def _trainable_params(optimizer: torch.optim.Optimizer):
@@ -231,26 +242,48 @@ def _trainable_params(optimizer: torch.optim.Optimizer):
 
 
 def track(optimizer: torch.optim.Optimizer) -> None:
-    """Keep the requantization count of the optimizer's trainable weights in its state dict (idempotent).
+    """Keep the requantization count of the optimizer's trainable weights in its live state (idempotent).
 
     Called at every optimizer step (a global step pre-hook, installed with the
     first trainable weight) and by :mod:`dtensor_quant.optim`'s optimizers.
-    ``state_dict()`` then holds ``state[param]["sr_step"]`` and
-    ``load_state_dict`` restores it. A state dict loaded before the first
-    step (a resumed run) is adopted here.
+    A count found in the live state that this module did not write there (a
+    resumed run: ``load_state_dict``, ``set_optimizer_state_dict``, a
+    framework that copies live keys) is adopted first.
     """
-    if optimizer in _TRACKED:
-        return
-    params = list(_trainable_params(optimizer))
-    if not params:
-        return
-    _TRACKED.add(optimizer)
-    optimizer.register_state_dict_post_hook(_save_steps)
-    optimizer.register_load_state_dict_post_hook(_load_steps)
+    if optimizer not in _TRACKED:
+        if not any(True for _ in _trainable_params(optimizer)):
+            return
+        _TRACKED.add(optimizer)
+        optimizer.register_state_dict_post_hook(_save_steps)
+        optimizer.register_load_state_dict_post_hook(_load_steps)
     _load_steps(optimizer)
 
 
+def adopt(optimizer: torch.optim.Optimizer) -> None:
+    """Take each trainable weight's count from the optimizer's live state where it was loaded there."""
+    for p, state in _trainable_params(optimizer):
+        live = optimizer.state.get(p, {}).get(SR_STEP)
+        if live is not None and live != state.published:
+            state.step = state.published = int(live)
+
+
+def publish(optimizer: torch.optim.Optimizer) -> None:
+    """Write each trainable weight's count into the live state (after a step; a step post-hook).
+
+    Only into a state the optimizer has made, or for a weight it has
+    requantized (a stateless optimizer, plain SGD): an optimizer that makes
+    its state on a weight's first update (``if not state``) must find none.
+    """
+    if optimizer not in _TRACKED:
+        return
+    for p, state in _trainable_params(optimizer):
+        live = optimizer.state.get(p)
+        if live or state.step:
+            optimizer.state[p][SR_STEP] = state.published = state.step
+
+
 def _save_steps(optimizer, state_dict):
+    adopt(optimizer)
     ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     by_param = {id(p): s for p, s in _trainable_params(optimizer)}
@@ -262,9 +295,8 @@ def _save_steps(optimizer, state_dict):
 
 
 def _load_steps(optimizer) -> None:
-    for p, state in _trainable_params(optimizer):
+    adopt(optimizer)
+    for p, _ in _trainable_params(optimizer):
         saved = optimizer.state.get(p)
-        if saved is not None and SR_STEP in saved:
-            state.step = int(saved.pop(SR_STEP))
-            if not saved:
-                del optimizer.state[p]  # as if never stepped: optimizers initialize an empty state
+        if saved is not None and set(saved) == {SR_STEP}:
+            del optimizer.state[p]  # as if never stepped: optimizers initialize an empty state

@@ -36,9 +36,10 @@ from collections.abc import Callable
 
 import torch
 
-from .._core.dispatch import fallback, implements, refusal
+from .._core.dispatch import KEEPS_INITIAL, fallback, implements, refusal
 from .._core.tensor import QuantizedTensor
 from .dequant import dequantize
+from .init import continue_open, initial_values
 
 TRAINABLE: Callable[[QuantizedTensor], object | None] | None = None  # -> a link: dense(q), requantize_(q, x)
 
@@ -67,9 +68,16 @@ def _pointwise(func, *args, **kwargs):
     if func._schema.name.startswith("aten::_foreach_"):
         return _foreach(func, args, kwargs)
     if _writes_first(func) and isinstance(args[0], QuantizedTensor):
+        opened = initial_values(args[0])
+        if opened is not None:  # an initialisation going on (_ops/init.py): on its dense values
+            _check_readable(func, args[1:], kwargs)
+            return continue_open(func, args[0], opened, args[1:], kwargs, _read)
         return _update(func, args, kwargs)
     _check_readable(func, args, kwargs)
     return func(*_read(args), **_read(kwargs))
+
+
+KEEPS_INITIAL.add(_pointwise)
 
 
 def _link(func, q, args, kwargs):
@@ -83,7 +91,7 @@ def _check_readable(func, args, kwargs) -> None:
     """Quantized operands must be trainable weights; a written one must be the op's ``self``."""
     written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     for a in _flat(args, kwargs):
-        if isinstance(a, QuantizedTensor):
+        if isinstance(a, QuantizedTensor) and initial_values(a) is None:
             _link(func, a, args, kwargs)
     for name in written:
         if isinstance(kwargs.get(name), QuantizedTensor):
@@ -100,8 +108,12 @@ def _flat(args, kwargs):
 
 def _read(obj, dtype: torch.dtype | None = None):
     """Quantized tensors as their dense values (``dtype``, default the logical one); with ``dtype``,
-    dense floating tensors cast to it too (ops like ``lerp_`` want one dtype)."""
+    dense floating tensors cast to it too (ops like ``lerp_`` want one dtype). A tensor being
+    initialised reads as the dense values of its initialisation (_ops/init.py)."""
     if isinstance(obj, QuantizedTensor):
+        opened = initial_values(obj)
+        if opened is not None:
+            return opened if dtype is None or opened.dtype == dtype else opened.to(dtype)
         return dequantize(obj, dtype or obj.dtype)
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if dtype is not None and obj.is_floating_point() and obj.dtype != dtype else obj

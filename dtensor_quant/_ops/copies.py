@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .._core import notes as rules
-from .._core.dispatch import implements
+from .._core.dispatch import KEEPS_INITIAL, implements
 from .._core.layout import LayoutError
 from .._core.tensor import QuantizedTensor, contiguous_strides
-from . import writes
+from . import init, writes
 from .layout_ops import describe, map_inner, rebuild
 
 
@@ -40,12 +40,19 @@ def _to_copy(func, q, dtype=None, layout=None, device=None, pin_memory=None, non
 
 @implements("aten::copy_")
 def _copy_(func, dst, src, non_blocking=False):
-    if not isinstance(dst, QuantizedTensor) or not isinstance(src, QuantizedTensor):
-        dense, quant = (dst, src) if isinstance(src, QuantizedTensor) else (src, dst)
-        raise LayoutError(
-            f"cannot copy between a dense {tuple(dense.shape)} tensor and a {describe(quant)}: that "
-            "would silently requantize or dequantize. Use dtensor_quant.quantize() or .dequantize()."
-        )
+    """Quantized into quantized: the stored bytes (checked first). Dense into quantized: an initialisation
+    (the dense values quantized as the weight's own, :mod:`.init`). Quantized into dense: only the values
+    of an initialisation still going on; anything else would silently dequantize."""
+    if not isinstance(src, QuantizedTensor):
+        return init.write_dense(dst, init.fresh_dense(dst).copy_(src))
+    if not isinstance(dst, QuantizedTensor):
+        opened = init.initial_values(src)
+        if opened is None:
+            raise LayoutError(
+                f"cannot copy a {describe(src)} into a dense {tuple(dst.shape)} tensor: that would silently "
+                "dequantize. Use .dequantize()."
+            )
+        return dst.copy_(opened)
     if dst.fmt != src.fmt or dst.shape != src.shape:
         raise LayoutError(f"cannot copy a {describe(src)} into a {describe(dst)}")
     for name in dst.fmt.inner_names:
@@ -58,7 +65,13 @@ def _copy_(func, dst, src, non_blocking=False):
     keep = writes.check_copy(dst, src, describe)  # every check before the first byte moves
     pairs = [(getattr(dst, n), getattr(src, n)) for n in dst.fmt.inner_names if n not in keep]
     writes.write_inner(dst, pairs, non_blocking=non_blocking)
+    opened = init.initial_values(src)
+    if opened is not None and dst.shape == src.shape:
+        init.keep_open(dst, opened.clone())
     return dst
+
+
+KEEPS_INITIAL.add(_copy_)
 
 
 @implements("aten::is_pinned")

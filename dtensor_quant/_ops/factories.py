@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._core.dispatch import implements, refusal
+from .._core.dispatch import KEEPS_INITIAL, implements, refusal
 from .arithmetic import trainable
 from .layout_ops import factory
 
@@ -20,6 +20,9 @@ from .layout_ops import factory
 @implements("aten::empty_like")
 def _empty_like(func, q, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return factory(q, q.shape, torch.empty, dtype, device)
+
+
+KEEPS_INITIAL.add(_empty_like)  # trunc_normal_'s scratch tensors: an initialisation goes on
 
 
 @implements("aten::zeros_like")

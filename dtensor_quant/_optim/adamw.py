@@ -26,6 +26,7 @@ own dtype. Eager code throughout: nothing depends on ``torch.compile``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -44,6 +45,7 @@ from .._checkpoint.state_dict import (
     to_entries,
 )
 from .._core.format import QuantFormat, Reducer, check_shape
+from .._core.layout import LayoutError
 from .._core.reductions import canonical_nans
 from .._core.stochastic import Noise
 from .._core.tensor import QuantizedTensor
@@ -53,7 +55,7 @@ from .._ops import writes
 from .._ops.dequant import dequantize
 from .._ops.layout_ops import block_sizes
 from .._ops.unpack import dense_inner
-from .._parallel.placements import check_placements
+from .._parallel.placements import check_placements, first_bad_cut
 from .._parallel.shard_quant import MeshReducer, quantize_local
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -73,8 +75,14 @@ class AdamW(torch.optim.Optimizer):
     dtype, as ``torch.optim.AdamW`` does. ``seed`` keys the stochastic
     rounding of the moments (each parameter's and moment's own, from its
     position in ``param_groups``, the step and each element's global index).
-    Not supported: ``amsgrad``, ``maximize``, ``foreach``/``fused`` kernels,
-    sparse gradients.
+    Not supported: ``amsgrad``, ``maximize``, ``fused``/``capturable``/``differentiable``
+    (refused, also in a param group), sparse gradients; ``foreach`` selects nothing here.
+
+    Per-group options: a param group may give its own ``lr``, ``betas``,
+    ``eps``, ``weight_decay`` and ``state_formats`` (:class:`AdamW8bit` and
+    :class:`AdamW4bit`: ``block_size``); any other key of a group is refused
+    when the group is added (a learning-rate scheduler's keys, added later,
+    are left alone).
     """
 
     def __init__(
@@ -94,19 +102,51 @@ class AdamW(torch.optim.Optimizer):
     ):
         if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"AdamW: invalid lr={lr}, eps={eps} or betas={betas}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        if len(state_formats) != 2:
-            raise ValueError(f"AdamW: state_formats holds one format per moment (2), got {len(state_formats)}")
-        self.state_formats = tuple(state_formats)
+        self.state_formats = _two_formats(state_formats)
         self.min_quantized_numel = min_quantized_numel
         self.seed = seed
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._check(p)
         self._reducers: dict = {}
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **self._format_defaults())
+        super().__init__(params, defaults)
         self.register_state_dict_post_hook(_states_to_entries)
         self.register_load_state_dict_pre_hook(_entries_to_states)
         trainable.track(self)
+
+    # -- per-group options -----------------------------------------------------------
+
+    _REFUSED = ("amsgrad", "maximize", "fused", "capturable", "differentiable")
+
+    def _format_defaults(self) -> dict:
+        """The group keys that choose the state formats, with this optimizer's values."""
+        return {"state_formats": self.state_formats}
+
+    def group_formats(self, group: dict) -> tuple[QuantFormat | None, QuantFormat | None]:
+        """The moments' formats of the parameters of ``group`` (its own options, else the optimizer's)."""
+        return _two_formats(group.get("state_formats", self.state_formats))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, refusing options this optimizer would otherwise ignore silently."""
+        known = {"params", "lr", "betas", "eps", "weight_decay", "foreach", *self._format_defaults()}
+        for key in self._REFUSED:
+            if param_group.get(key):
+                raise ValueError(f"{type(self).__name__}: {key}=True is not supported (in a param group)")
+        unknown = sorted(k for k in param_group if k not in known and k not in self._REFUSED)
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: param group options {unknown} are not options of this optimizer; "
+                f"a group may set {sorted(known - {'params', 'foreach'})}"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.pop("foreach", None)
+        for p in group["params"]:
+            self._check(p, self.group_formats(group))
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise ValueError("AdamW: the parameter is not in any of this optimizer's param groups")
 
     # -- which states are quantized (the global shape decides) ---------------------
 
@@ -120,7 +160,7 @@ class AdamW(torch.optim.Optimizer):
             return False
         return True
 
-    def _check(self, p: torch.Tensor) -> None:
+    def _check(self, p: torch.Tensor, formats) -> None:
         local = _local(p)
         if isinstance(local, QuantizedTensor) and trainable.resolve(local) is None:
             raise ValueError(
@@ -128,9 +168,12 @@ class AdamW(torch.optim.Optimizer):
                 "trainable with dtensor_quant.quantize_(..., trainable=True), or leave it out of the optimizer"
             )
         if isinstance(p, DTensor):
-            for fmt in self.state_formats:
+            for fmt in formats:
                 if self.quantizes(p, fmt):
-                    check_placements(tuple(p.shape), fmt, tuple(p.device_mesh.shape), list(p.placements))
+                    try:
+                        check_placements(tuple(p.shape), fmt, tuple(p.device_mesh.shape), list(p.placements))
+                    except LayoutError as e:
+                        raise LayoutError(f"{e}{_block_size_hint(p, fmt)}") from None
 
     # -- states ----------------------------------------------------------------------
 
@@ -144,11 +187,11 @@ class AdamW(torch.optim.Optimizer):
             return q
         return DTensor.from_local(q, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
-    def _init_state(self, p: torch.Tensor) -> dict:
+    def _init_state(self, p: torch.Tensor, group: dict | None = None) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            for key, fmt in zip(_MOMENTS, self.state_formats):
+            for key, fmt in zip(_MOMENTS, self.group_formats(group or self._group_of(p))):
                 state[key] = self._new_state(p, fmt)
         return state
 
@@ -213,13 +256,14 @@ class AdamW(torch.optim.Optimizer):
         index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            formats = self.group_formats(group)
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("AdamW: sparse gradients are not supported")
-                state = self._init_state(p)
+                state = self._init_state(p, group)
                 state["step"] += 1
                 t = state["step"].item()
                 grad = p.grad
@@ -230,8 +274,8 @@ class AdamW(torch.optim.Optimizer):
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 seeds = self.moment_seeds(index)
-                self._write(state["exp_avg"], self.state_formats[0], m, seeds[0], int(t))
-                self._write(state["exp_avg_sq"], self.state_formats[1], v, seeds[1], int(t))
+                self._write(state["exp_avg"], formats[0], m, seeds[0], int(t))
+                self._write(state["exp_avg_sq"], formats[1], v, seeds[1], int(t))
                 if lr == 0:
                     continue  # the update is zero: the parameter's bytes stay as they are
                 denom = v.sqrt_().div_(math.sqrt(1 - beta2**t)).add_(eps)
@@ -252,26 +296,78 @@ class AdamW(torch.optim.Optimizer):
             local.copy_(local.float().mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size))
 
 
-class AdamW8bit(AdamW):
+class _BlockStates(AdamW):
+    """AdamW whose two moments are one block format (``FORMAT``) of ``block_size`` values per scale;
+    a param group may give its own ``block_size``."""
+
+    FORMAT: type = BlockFloat8
+
+    def __init__(self, params, lr, betas, eps, weight_decay, *, block_size, min_quantized_numel, seed):
+        self.block_size = block_size
+        super().__init__(params, lr, betas, eps, weight_decay, state_formats=self._formats(block_size),
+                         min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
+
+    def _formats(self, block_size: int) -> tuple[QuantFormat, QuantFormat]:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"{type(self).__name__}: block_size must be a positive int, got {block_size!r}")
+        return self.FORMAT(block_size), self.FORMAT(block_size, nonnegative=True)
+
+    def _format_defaults(self) -> dict:
+        return {"block_size": self.block_size}
+
+    def group_formats(self, group: dict) -> tuple[QuantFormat, QuantFormat]:
+        return self._formats(group.get("block_size", self.block_size))
+
+
+class AdamW8bit(_BlockStates):
     """:class:`AdamW` with both moments in :class:`~dtensor_quant.BlockFloat8`: 8-bit codes, a float32 scale per
     ``block_size`` values of a row (e4m3 for the first moment, e5m2 for the second)."""
 
+    FORMAT = BlockFloat8
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, block_size=256,
                  min_quantized_numel=4096, seed=0):  # fmt: skip
-        formats = (BlockFloat8(block_size), BlockFloat8(block_size, nonnegative=True))
-        super().__init__(params, lr, betas, eps, weight_decay, state_formats=formats,
+        super().__init__(params, lr, betas, eps, weight_decay, block_size=block_size,
                          min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
 
 
-class AdamW4bit(AdamW):
+class AdamW4bit(_BlockStates):
     """:class:`AdamW` with both moments in :class:`~dtensor_quant.BlockLog4`: 4-bit codes on a power-of-two grid,
     a float32 scale per ``block_size`` values of a row."""
 
+    FORMAT = BlockLog4
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, block_size=128,
                  min_quantized_numel=4096, seed=0):  # fmt: skip
-        formats = (BlockLog4(block_size), BlockLog4(block_size, nonnegative=True))
-        super().__init__(params, lr, betas, eps, weight_decay, state_formats=formats,
+        super().__init__(params, lr, betas, eps, weight_decay, block_size=block_size,
                          min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
+
+
+def _two_formats(formats) -> tuple:
+    formats = tuple(formats)
+    if len(formats) != 2:
+        raise ValueError(f"AdamW: state_formats holds one format per moment (2), got {len(formats)}")
+    return formats
+
+
+def _block_size_hint(p: DTensor, fmt: QuantFormat) -> str:
+    """`` Use block_size=b ...``: the largest smaller block size of ``fmt`` this placement can cut, if any."""
+    size = getattr(fmt, "block_size", None)
+    if not isinstance(size, int) or not dataclasses.is_dataclass(fmt):
+        return ""
+    shape, mesh_shape, placements = tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements)
+    for b in range(size - 1, 0, -1):
+        smaller = dataclasses.replace(fmt, block_size=b)
+        try:
+            check_shape(smaller, shape)
+        except ValueError:
+            continue
+        if first_bad_cut(shape, smaller, mesh_shape, placements) is None:
+            return (
+                f" The optimizer's moments of this {shape} parameter need a block size its shards can cut: "
+                f"block_size={b} works (the optimizer's block_size=..., or a param group's 'block_size')."
+            )
+    return ""
 
 
 # -- state dicts: quantized states as DCP entries --------------------------------------------
@@ -305,15 +401,23 @@ def _entries_to_states(optimizer: AdamW, state_dict: dict) -> dict:
     what every step does to a moment anyway (read it as float32, write it
     back in its format), so resuming under other settings loses no more than
     a step does. A moment that cannot be read (an unknown format, another
-    shape) is refused naming the parameter.
+    shape) is refused naming the parameter. The loading optimizer's own format
+    options (``state_formats``, ``block_size``) stay in its param groups:
+    torch's ``load_state_dict`` would otherwise take the saved groups' values,
+    and the next step would write moments in formats they are no longer in.
     """
+    keys = tuple(optimizer._format_defaults())
+    groups = [
+        {**saved, **{k: mine[k] for k in keys if k in mine}}
+        for saved, mine in zip(state_dict["param_groups"], optimizer.param_groups)
+    ]
     states = dict(state_dict["state"])
     for pid, p in _param_ids(optimizer, state_dict):
         per = states.get(pid)
         if per is None:
             continue
         per = dict(per)
-        for key, fmt in zip(_MOMENTS, optimizer.state_formats):
+        for key, fmt in zip(_MOMENTS, optimizer.group_formats(optimizer._group_of(p))):
             saved = per.get(key)
             plain = isinstance(saved, torch.Tensor) and not _is_quantized(saved)
             if saved is None or (plain and not optimizer.quantizes(p, fmt)):
@@ -323,6 +427,8 @@ def _entries_to_states(optimizer: AdamW, state_dict: dict) -> dict:
         states[pid] = per
     state_dict = dict(state_dict)
     state_dict["state"] = states
+    if len(groups) == len(state_dict["param_groups"]):  # else torch's load_state_dict refuses the mismatch
+        state_dict["param_groups"] = groups
     return state_dict
 
 

@@ -18,6 +18,7 @@ from .._checkpoint.state_dict import (
     quant_record,
     quantize_like,
     register,
+    tensor_state_dicts,
 )
 
 #: What dq.checkpoint offers from the private save/load module, loaded on first access.
@@ -28,6 +29,8 @@ _DCP_NAMES = frozenset(
         "CheckpointCorruptError",
         "CheckpointLoadError",
         "CheckpointSaveError",
+        "LoadPlanner",
+        "SavePlanner",
         "VerifyingFileSystemReader",
         "WeightsOnlyLoadPlanner",
         "async_save",
@@ -55,6 +58,8 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointLoadError",
     "CheckpointSaveError",
+    "LoadPlanner",
+    "SavePlanner",
     "VerifyingFileSystemReader",
     "WeightsOnlyLoadPlanner",
     "async_save",
@@ -65,4 +70,5 @@ __all__ = [
     "register",
     "save",
     "staging_path",
+    "tensor_state_dicts",
 ]

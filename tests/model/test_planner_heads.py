@@ -193,7 +193,7 @@ def test_checkpoint_planned_as_stored(tmp_path, capsys, monkeypatch):
                  model.config.to_dict())  # fmt: skip
     assert run(["plan", "--checkpoint", str(tmp_path), "--tp", "1", "2", "--max-lines", "0"]) == 0
     out = capsys.readouterr().out
-    assert "stored: fp8 (128x128 block scales) x14" in out and "Float8Blockwise(128) as stored" in out
+    assert "stored: fp8 (128x128 block scales, float32) x14" in out and "Float8Blockwise(128) as stored" in out
     assert "would be legal here" not in out  # a dense plan of the same model proposes Float8Blockwise(64)
     assert "lm_head (bf16)" in out  # the producer left it dense
     assert run(["plan", "--config", str(tmp_path), "--format", "Float8Blockwise(128)", "--tp", "2",
@@ -202,7 +202,7 @@ def test_checkpoint_planned_as_stored(tmp_path, capsys, monkeypatch):
     with torch.device("meta"):
         meta_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     layers, methods = stored_layers(meta_model, tmp_path, layers_of(meta_model, meta_model._tp_plan, dense=True))
-    assert methods == {"fp8 (128x128 block scales)": 14}
+    assert methods == {"fp8 (128x128 block scales, float32)": 14}
     assert {layer.fmt for layer in layers if not layer.dense} == {dq.Float8Blockwise(128)}
 
     def no_reads(self, *args, **kwargs):

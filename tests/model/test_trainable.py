@@ -228,6 +228,85 @@ def test_resuming_from_a_state_dict_rounds_as_the_uninterrupted_run():
             assert torch.equal(p, q)
 
 
+def _continue(model, opt, steps):
+    x, y = data()
+    for _ in range(steps):
+        F.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _same_weights(a, b) -> bool:
+    return all(
+        all(torch.equal(getattr(p, n), getattr(q, n)) for n in p.fmt.inner_names)
+        if isinstance(p, dq.QuantizedTensor)
+        else torch.equal(p, q)
+        for p, q in zip(a.parameters(), b.parameters())
+    )
+
+
+RESUME_OPTIMIZERS = {
+    "adamw-foreach": OPTIMIZERS["adamw-foreach"],
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),  # stateless: the count is its only state
+    "adamw8bit": lambda ps: dq.optim.AdamW8bit(ps, lr=1e-2, block_size=32, min_quantized_numel=1024),
+}
+
+
+@pytest.mark.parametrize("opt_name", RESUME_OPTIMIZERS)
+def test_resuming_through_get_and_set_optimizer_state_dict_and_dcp(tmp_path, opt_name):
+    """The count lives in the optimizer's live state: DCP's state-dict API carries it like any other state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    make = RESUME_OPTIMIZERS[opt_name]
+    straight = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=2)
+    _continue(straight, make(list(straight.parameters())), 6)
+
+    first = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=2)
+    opt = make(list(first.parameters()))
+    _continue(first, opt, 3)
+    assert all("sr_step" in opt.state[p] for p in (first[0].weight, first[2].weight))  # live, not only saved
+    state = {"model": get_model_state_dict(first), "optim": get_optimizer_state_dict(first, opt)}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+
+    resumed = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=2)
+    opt2 = make(list(resumed.parameters()))
+    state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opt2)}
+    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    set_model_state_dict(resumed, state["model"])
+    # strict=False: plain SGD keeps no state for its dense parameters, which torch's strict check wants
+    set_optimizer_state_dict(resumed, opt2, state["optim"], options=StateDictOptions(strict=False))
+    _continue(resumed, opt2, 3)
+    assert _same_weights(straight, resumed)
+
+
+def test_resuming_from_a_copy_of_the_live_state():
+    """A framework that rebuilds the optimizer's state from its live keys (not state_dict()) resumes exactly."""
+    make = OPTIMIZERS["adamw-foreach"]
+    straight = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=4)
+    _continue(straight, make(list(straight.parameters())), 5)
+
+    first = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=4)
+    opt = make(list(first.parameters()))
+    _continue(first, opt, 2)
+    live = [{k: copy.deepcopy(v) for k, v in opt.state[p].items()} for p in first.parameters()]
+    resumed = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=4)
+    with torch.no_grad():
+        for p, q in zip(first.parameters(), resumed.parameters()):
+            q.copy_(p)
+    opt2 = make(list(resumed.parameters()))
+    for p, saved in zip(resumed.parameters(), live):
+        opt2.state[p] = saved
+    _continue(resumed, opt2, 3)
+    assert _same_weights(straight, resumed)
+
+
 @pytest.mark.slow
 def test_compiled_forward_and_backward_train_like_eager():
     """torch.compile of a model with trainable weights: the forward and backward trace through the quantized weight

@@ -294,3 +294,43 @@ def test_a_moment_that_does_not_fit_is_refused_naming_the_parameter():
     unknown["state"][0]["exp_avg"]["__quant__"] = json.dumps(dict(record, format="NotAFormat"))
     with pytest.raises(dq.checkpoint.CheckpointFormatError, match=r"'exp_avg' of parameter 0 .*NotAFormat"):
         dq.optim.AdamW4bit(m.parameters()).load_state_dict(unknown)
+
+
+# -- per-group options ----------------------------------------------------------------------
+
+
+def test_a_param_groups_block_size_gives_the_moments_of_that_block_size():
+    torch.manual_seed(1)
+    w, g = torch.randn(64, 256), torch.randn(64, 256)
+    a, b = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    grouped = dq.optim.AdamW8bit([{"params": [a], "block_size": 64}], min_quantized_numel=1024)
+    plain = dq.optim.AdamW8bit([b], block_size=64, min_quantized_numel=1024)
+    for p, opt in ((a, grouped), (b, plain)):
+        p.grad = g.clone()
+        opt.step()
+    assert torch.equal(a, b)
+    for key in ("exp_avg", "exp_avg_sq"):
+        x, y = grouped.state[a][key], plain.state[b][key]
+        assert all(torch.equal(getattr(x, n), getattr(y, n)) for n in x.fmt.inner_names)
+
+
+@pytest.mark.parametrize(
+    "group, match",
+    [
+        ({"amsgrad": True}, "amsgrad=True is not supported"),
+        ({"momentum": 0.9}, r"\['momentum'\] are not options"),
+        ({"state_formats": (None, None)}, r"\['state_formats'\] are not options"),  # AdamW8bit: block_size
+    ],
+)
+def test_param_group_options_that_would_be_ignored_are_refused(group, match):
+    with pytest.raises(ValueError, match=match):
+        dq.optim.AdamW8bit([{"params": [nn.Parameter(torch.randn(8, 8))], **group}])
+
+
+def test_adamw_takes_state_formats_per_group():
+    a, b = nn.Parameter(torch.randn(64, 256)), nn.Parameter(torch.randn(64, 256))
+    opt = dq.optim.AdamW([{"params": [a], "state_formats": (None, None)}, {"params": [b]}], min_quantized_numel=1024)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    assert not isinstance(opt.state[a]["exp_avg"], dq.QuantizedTensor)
+    assert isinstance(opt.state[b]["exp_avg"], dq.QuantizedTensor)

@@ -116,6 +116,10 @@ def save_model(fmt_name, layout, path, api="dq", seed=SEED):
         dcp.save(net.state_dict(), checkpoint_id=path, no_dist=not dist.is_initialized())
     elif api == "dsd":
         dcp.save(get_model_state_dict(net), checkpoint_id=path, no_dist=not dist.is_initialized())
+    elif api == "tensors":  # tensors-only state dicts, plain dcp with the library's planner
+        sd = get_model_state_dict(ckpt.tensor_state_dicts(net))
+        assert all(isinstance(v, torch.Tensor) for v in sd.values())
+        dcp.save(sd, checkpoint_id=path, planner=ckpt.SavePlanner(), no_dist=not dist.is_initialized())
 
 
 def load_model(fmt_name, layout, path, api="dq", seed=SEED):
@@ -129,6 +133,10 @@ def load_model(fmt_name, layout, path, api="dq", seed=SEED):
     elif api == "dsd":
         sd = get_model_state_dict(net)
         dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_model_state_dict(net, sd)
+    elif api == "tensors":
+        sd = get_model_state_dict(ckpt.tensor_state_dicts(net))
+        dcp.load(sd, checkpoint_id=path, planner=ckpt.LoadPlanner(), no_dist=not dist.is_initialized())
         set_model_state_dict(net, sd)
     check_against(net, seed, fmt_name, layout)
 

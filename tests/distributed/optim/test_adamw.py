@@ -188,3 +188,21 @@ def test_save_in_one_layout_load_in_any_other_bit_exactly(ranks, bits):
             assert same(end, uninterrupted)
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def refused_block_size():
+    """AdamW8bit's default 256-value blocks on a 256-wide Linear under row-parallel TP 2 (128 columns each)."""
+    m = nn.Linear(256, 64, bias=False)
+    parallelize_module(m, mesh(2), RowwiseParallel())
+    try:
+        dq.optim.AdamW8bit(m.parameters(), min_quantized_numel=1024)
+    except dq.LayoutError as e:
+        message = str(e)
+    else:
+        return None
+    return message, dq.optim.AdamW8bit(m.parameters(), block_size=128, min_quantized_numel=1024) is not None
+
+
+def test_a_refused_block_size_names_one_that_works(ranks):
+    for message, works in ranks(2).run(refused_block_size):
+        assert "block_size=128 works" in message and works
