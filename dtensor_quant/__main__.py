@@ -1,6 +1,7 @@
 """Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant._model.planner) and
-``python -m dtensor_quant kernels`` (which C++ kernels run on this machine, on which vector path) and
-``python -m dtensor_quant config`` (every environment variable the library reads, with its value in force).
+``python -m dtensor_quant kernels [--build]`` (which C++ kernels run on this machine, on which vector path; with
+``--build``, every kernel built into the cache first) and ``python -m dtensor_quant config`` (every environment
+variable the library reads, with its value in force).
 
 A user error (a format, shape, path or option it cannot use) is one line on
 stderr naming what would work, and exit status 2 -- never a traceback
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ._core import config, native
+from ._core import config, native, native_build
 from ._model.format_spec import parse_format
 from ._model.plan_checkpoint import stored_layers
 from ._model.planner import ALL_STYLES, RUNTIMES, STYLES, Layer, attention_role, kind_from_name, layers_of, plan
@@ -108,7 +109,7 @@ KERNELS = {
     "int4_zero": "Int4GroupwiseIntZero",
     "int8": "Int8Rowwise",
 }
-_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def kernels() -> list[str]:
@@ -116,31 +117,26 @@ def kernels() -> list[str]:
     vector path its tiles (several tokens, bf16 activations) take; where none runs, why (the matmuls of those
     formats then dequantize the weight and multiply densely)."""
     lines = [f"DTENSOR_QUANT_NATIVE={os.environ.get('DTENSOR_QUANT_NATIVE', '1')}"]
-    if native.MAX_LEVEL < native.BEST_LEVEL:
-        cap = native.MAX_LEVEL
+    if native.cap() < native.BEST_LEVEL:
+        cap = native.cap()
         lines.append(f"DTENSOR_QUANT_MAX_LEVEL={cap}: no kernel goes past {native.LEVEL_NAMES[cap]}")
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set()
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = native_build.cpu_features()
     have = " ".join(f for f in _CPU_FLAGS if f in flags) or "(no /proc/cpuinfo flags)"
     lines.append(f"CPU: {have}; torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}")
-    lines.append(f"{'kernel':<11}{'formats':<51}vector path (several tokens)")
+    lines.append(f"cache: {native.cache_folder()}")
+    lines.append(f"{'kernel':<11}{'formats':<51}tiles (several tokens)")
     for name, formats in KERNELS.items():
         module = importlib.import_module(f"{__package__}._formats.{name}")
         with warnings.catch_warnings():  # the report says why, in its own line
             warnings.simplefilter("ignore", native.KernelUnavailableWarning)
             built = module.kernel()
         if built is not None:
-            level = min(built[1], native.MAX_LEVEL)
+            level = min(built[1], native.cap())
             path = f"{native.LEVEL_NAMES[level]} tiles"
         elif not native.enabled():
             path = "none (DTENSOR_QUANT_NATIVE=0)"
         else:
-            why = native.why_unavailable(name, module.KERNEL_SOURCE) or "unavailable"
+            why = native.why_unavailable(module.KERNEL) or "unavailable"
             path = f"none ({why.splitlines()[0][:100]})"
         lines.append(f"{name:<11}{formats:<51}{path}")
     lines.append("(one token: the one-token kernels, at most AVX-512 BF16; no kernel: dequantize + mm)")
@@ -153,6 +149,32 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise SystemExit(f"{message} (see {self.prog} --help)")
+
+
+def build_kernels(say=print) -> int:
+    """``kernels --build``: every kernel the package declares built into the cache (or found there), a line
+    each as it goes; the number that did not build (a CPU without the vector ISA is no error)."""
+    importlib.import_module(f"{__package__}._formats")
+    importlib.import_module(f"{__package__}._core.stochastic")
+    if not native.enabled():
+        say("DTENSOR_QUANT_NATIVE=0: no kernel is built")
+        return 0
+    todo, failed = sorted(native.DECLARED.values(), key=lambda k: k.name), 0
+    level = native_build.LEVEL_TAGS[native_build.cpu_level()]
+    say(f"{len(todo)} kernels, built for {level} into {native.cache_folder()}")
+    for i, kernel in enumerate(todo, 1):
+        start, step = time.perf_counter(), f"[{i}/{len(todo)}]"
+        with warnings.catch_warnings():  # the line says why
+            warnings.simplefilter("ignore", native.KernelUnavailableWarning)
+            built = native.load(kernel, lambda line, step=step: say(f"{step} {line}"))
+        took = f"{time.perf_counter() - start:.1f} s"
+        if built is None:
+            why = native.why_unavailable(kernel) or "unavailable"
+            failed += why.startswith("it did not build")
+            say(f"{step} {kernel.name}: cannot run here ({took}): {why.splitlines()[0][:200]}")
+        else:
+            say(f"{step} {kernel.name}: ready, level {built[1]} ({took})")
+    return failed
 
 
 def main(argv=None) -> int:
@@ -206,12 +228,14 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=120, help="longest line of the report (0: no limit)")
     p.add_argument("--max-lines", type=int, default=40, help="past this many lines, the notes in short (0: every word)")
     p.add_argument("--csv", metavar="PATH", help="write every layer on every mesh as CSV ('-': to stdout, no table)")
-    sub.add_parser("kernels", help="which C++ kernels run on this machine, on which vector path")
+    k = sub.add_parser("kernels", help="which C++ kernels run on this machine, on which vector path")
+    k.add_argument("--build", action="store_true", help="build every kernel into the cache first, with progress")
     sub.add_parser("config", help="every environment variable the library reads, with its value in force")
     args = ap.parse_args(argv)
     if args.command == "kernels":
+        failed = build_kernels() if args.build else 0
         print("\n".join(kernels()))
-        return 0
+        return 1 if failed else 0
     if args.command == "config":
         for env, value, doc in config.describe():
             print(f"{env}={value!r}\n    {doc}")

@@ -74,9 +74,10 @@ SETTINGS: dict[str, Setting] = {
             _level,
         ),
         Setting(
-            "DTENSOR_QUANT_KERNEL_CACHE",
+            "DTENSOR_QUANT_CACHE",
             "",
-            "where built kernels are kept (empty: ~/.cache/dtensor_quant/kernels)",
+            "where built kernels are kept, a folder per torch, Python and vector level "
+            "(empty: $XDG_CACHE_HOME/dtensor_quant/kernels, else ~/.cache/dtensor_quant/kernels)",
             _path,
         ),
         Setting(

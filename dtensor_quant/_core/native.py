@@ -4,20 +4,21 @@ torch 2.13 has weight-only CPU kernels for int8 and int4 only. A format with
 another layout (NF4's 16-level table, float8's bits) that wants a one-token
 ``x @ W.T`` at memory speed keeps the C++ source of its kernel in a ``.cpp``
 file beside its module (``_formats/nf4.cpp``), which includes the shared
-helpers of ``native_prelude.h`` beside this one, and loads it here. The
-source is compiled with the compiler and the
-loader inductor uses for its own CPU kernels
-(``torch._inductor.codecache.CppPythonBindingsCodeCache``): a disk cache
-keyed by the source and flags, so a machine compiles each source once (a
-few seconds) and every later process loads it in milliseconds, and a Python
-binding that takes tensors directly (about a microsecond a call).
+helpers of ``native_prelude.h`` beside this one, and declares it once
+(:func:`declare`: a name, the file, what its probe passes). The source's
+``void kernel(...)`` is the kernel's signature; :mod:`.native_build` compiles
+it with a Python binding generated from that signature into a cache keyed by
+the source, the flags and the CPU level it was built for (the cache, and why
+it is safe to share between machines: that module's docstring), so a machine
+compiles each source once (a few seconds) and every later process loads it
+in milliseconds; a call costs about a microsecond.
 
 Vector code sits in functions with ``target`` attributes and is chosen at
-run time (``__builtin_cpu_supports``), so one build runs on any x86 CPU. A
-kernel's entry point ``kernel(..., max_level, threads, level)`` writes the
-vector level it ran (0: none here) into ``level``; called with no rows it
-only reports it. :func:`load` returns None when anything is missing -- no
-C++ compiler, a torch whose loader moved, a CPU without the vector ISA --
+run time (``__builtin_cpu_supports``); the rest of a build uses only the
+instructions of its level. A kernel's entry point ``kernel(..., max_level,
+threads, level)`` writes the vector level it ran (0: none here) into
+``level``; called with no rows it only reports it. :func:`load` returns None
+when anything is missing -- no C++ compiler, a CPU without the vector ISA --
 and warns once (:class:`KernelUnavailableWarning`); the format's ``linear``
 then returns None: the library dequantizes and multiplies, the plain path.
 ``DTENSOR_QUANT_NATIVE=0`` turns these kernels off (without a warning).
@@ -30,20 +31,19 @@ dequantize + mm, as in torch's int4/int8 kernels.
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-_KERNELS: dict[tuple[str, str], tuple[Callable, int] | None] = {}  # by name and source file
-_WHY_NOT: dict[tuple[str, str], str] = {}  # as _KERNELS: why it cannot run here (what its warning said)
+from . import config, native_build
 
 
 def enabled() -> bool:
-    return os.environ.get("DTENSOR_QUANT_NATIVE", "1") != "0"
+    return config.get("native")
 
 
 def source(path: Path, _seen: set[Path] | None = None) -> str:
@@ -78,42 +78,86 @@ _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r"^#pragma once$", re.MULTILINE)
 
 
-def load(name: str, path: Path, argtypes: list[str], probe: Callable[[Callable], int]) -> tuple[Callable, int] | None:
-    """``(kernel, level)`` for the C++ source file ``path``, built once per machine; None where it cannot run.
+@dataclass(frozen=True)
+class Kernel:
+    """A C++ kernel: its name, its source file, and what its probe passes.
 
-    ``probe(kernel)`` calls the kernel on no rows and returns the vector
-    level it reports; level 0 (no vector path on this CPU) counts as
-    unavailable. Where the kernel cannot run, a warning says so once per
+    The source defines ``void kernel(...)``; that signature is the only
+    declaration of its parameters (pointers take tensors, ``int64_t`` ints,
+    the last ``int64_t* level`` the vector level it ran), and the Python
+    binding is generated from it (:mod:`dtensor_quant._core.native_build`).
+    :func:`load` probes a build by calling it on no rows: an empty tensor for
+    each pointer, ``probe[name]`` (else 0) for each integer -- the values that
+    make it report its best level (a block size its checks accept, the flags).
+    A kernel with ``vector_only`` (all but the noise, which has a plain loop)
+    reporting level 0 does not run here.
+    """
+
+    name: str
+    source: Path
+    probe: Mapping[str, int] = field(default_factory=dict)
+    vector_only: bool = True
+
+
+#: Every kernel the package declares (:func:`declare`), by name: what ``python -m dtensor_quant kernels --build``
+#: builds.
+DECLARED: dict[str, Kernel] = {}
+
+
+def declare(name: str, source: Path, probe: Mapping[str, int] | None = None, vector_only: bool = True) -> Kernel:
+    """A format's kernel (see :class:`Kernel`), listed in :data:`DECLARED`."""
+    kernel = Kernel(name, source, dict(probe or {}), vector_only)
+    DECLARED[name] = kernel
+    return kernel
+
+
+def load(kernel: Kernel, say: Callable[[str], None] | None = None) -> tuple[Callable, int] | None:
+    """``(entry point, level)`` of ``kernel``, built once per machine and CPU level; None where it cannot run.
+
+    Level 0 of a ``vector_only`` kernel (no vector path on this CPU) counts
+    as unavailable. Where the kernel cannot run, a warning says so once per
     process and source, naming the slower path every matmul then takes.
+    ``say`` hears of a build (``kernels --build``).
     """
     if not enabled():
         return None
-    key = (name, str(path))
+    level = native_build.cpu_level()
+    key = (kernel.name, str(kernel.source), level)
     if key not in _KERNELS:
         _KERNELS[key] = None
         try:
-            from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-            kernel = CppPythonBindingsCodeCache.load_pybinding(argtypes, source(path), needs_vec_isa=False)
-            level = probe(kernel)
-            if level > 0:
-                _KERNELS[key] = (kernel, level)
+            run, _ = native_build.load(kernel.name, source(kernel.source), level, say)
+            best = _probe(run, kernel)
+            if best > 0 or not kernel.vector_only:
+                _KERNELS[key] = (run, best)
             else:
                 _say_unavailable(key, "this CPU has neither AVX2 with FMA nor AVX-512, or flushes denormals to zero")
-        except Exception as e:  # no compiler, no inductor, a changed loader: the plain path
+        except Exception as e:  # no compiler, a bad signature: the plain path
             text = str(e)  # a compile error: the compiler's output says why, the command line before it does not
             text = text[text.find("Output:") :] if "Output:" in text else text
             _say_unavailable(key, f"it did not build: {type(e).__name__}: {text[:800]}")
     return _KERNELS[key]
 
 
-def why_unavailable(name: str, path: Path) -> str | None:
-    """Why the kernel ``name`` built from ``path`` cannot run in this process (its build error, or the CPU), once
-    :func:`load` has tried it; None if it runs, was not tried, or the kernels are off (``DTENSOR_QUANT_NATIVE=0``)."""
-    return _WHY_NOT.get((name, str(path)))
+def _probe(run: Callable, kernel: Kernel) -> int:
+    params = native_build.parameters(source(kernel.source))
+    empty, level = torch.empty(0), level_out()
+    run(*[kernel.probe.get(n, 0) if t == "int64_t" else empty for t, n in params[:-1]], level)
+    return int(level)
 
 
-def _say_unavailable(key: tuple[str, str], why: str) -> None:
+def why_unavailable(kernel: Kernel) -> str | None:
+    """Why ``kernel`` cannot run in this process (its build error, or the CPU), once :func:`load` has tried it;
+    None if it runs, was not tried, or the kernels are off (``DTENSOR_QUANT_NATIVE=0``)."""
+    return next((why for key, why in _WHY_NOT.items() if key[:2] == (kernel.name, str(kernel.source))), None)
+
+
+def cache_folder() -> Path:
+    """Where the kernels built for this CPU, torch and Python live (see :mod:`dtensor_quant._core.native_build`)."""
+    return native_build.folder(native_build.cpu_level())
+
+
+def _say_unavailable(key: tuple, why: str) -> None:
     name = key[0]
     _WHY_NOT[key] = why
     warnings.warn(
@@ -123,6 +167,10 @@ def _say_unavailable(key: tuple[str, str], why: str) -> None:
         KernelUnavailableWarning,
         stacklevel=3,
     )
+
+
+_KERNELS: dict[tuple, tuple[Callable, int] | None] = {}  # by name, source file and build level
+_WHY_NOT: dict[tuple, str] = {}  # as _KERNELS: why it cannot run here (what its warning said)
 
 
 class KernelUnavailableWarning(RuntimeWarning):
@@ -135,32 +183,45 @@ F32, TILES, ROUND = 1, 2, 4
 # The vector levels a kernel reports (native_tiles.h; level 4, AMX, the tiles only), and the highest.
 LEVEL_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 BF16", 4: "AMX"}
 BEST_LEVEL = max(LEVEL_NAMES)
+#: What the matmul kernels' probe passes besides their own integers (:class:`Kernel`): the tiles, any level, one
+#: thread.
+MATMUL_PROBE = {"flags": TILES, "max_level": BEST_LEVEL, "threads": 1}
 
 
 def max_level_from_env() -> int:
-    """``DTENSOR_QUANT_MAX_LEVEL`` as a level (unset or empty: the best), or a ValueError naming the levels."""
-    value = os.environ.get("DTENSOR_QUANT_MAX_LEVEL", "").strip()
-    if not value:
-        return BEST_LEVEL
-    if value not in {str(k) for k in LEVEL_NAMES}:
-        names = ", ".join(f"{k} ({n})" for k, n in LEVEL_NAMES.items())
-        raise ValueError(f"DTENSOR_QUANT_MAX_LEVEL={value!r}: it caps the kernels' vector path at one of {names}")
-    return int(value)
+    """``DTENSOR_QUANT_MAX_LEVEL`` as a level (unset or empty: the best), or a ConfigError (a ValueError) naming
+    the levels."""
+    level = config.get("max_level")
+    return BEST_LEVEL if level is None else level
+
+
+def _max_level_on_import() -> int | None:
+    try:
+        return max_level_from_env()
+    except config.ConfigError:
+        return None  # raised where a kernel first asks for it (cap()), not by ``import dtensor_quant``
 
 
 #: The highest vector level any kernel takes: ``DTENSOR_QUANT_MAX_LEVEL`` (read on import), else every level
 #: this CPU has. Every level multiplies the same weights (each level sums in its own order); a cap reproduces
 #: a CPU without AMX (3) or without AVX-512 (1) for a benchmark (``ONEDNN_MAX_CPU_ISA`` caps torch's GEMM alike).
-MAX_LEVEL = max_level_from_env()
+#: None while the variable holds a value it does not take: :func:`cap` raises the error then.
+MAX_LEVEL = _max_level_on_import()
+
+
+def cap() -> int:
+    """:data:`MAX_LEVEL`, or the ConfigError of a ``DTENSOR_QUANT_MAX_LEVEL`` it could not read."""
+    return MAX_LEVEL if MAX_LEVEL is not None else max_level_from_env()
+
+
 # The activation dtypes the tiled kernels take (fp16 dequantizes: its products would round to fp16 first).
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 # Past this many tokens dequantize + mm (one dequantization, then torch's GEMM) is as fast as the tiles, which
 # dequantize the weight once per 128 tokens.
 TILES_MAX_TOKENS = 1024
 # Up to this many tokens (AVX-512 BF16) the tiles multiply a few rows as they are, inner products summed at the
-# end; more, through transposed tiles (outer products): ``DQ_FEW`` of native_tiles.h. Measured crossover on an
-# AVX-512 BF16 CPU (1 thread, 2048x5632 and 5632x2048 NF4/int4 weights, interleaved A/B): the inner products are
-# 7-20% faster at 17-24 tokens, even at 32, slower from 48.
+# end; more, through transposed tiles (outer products): ``DQ_FEW`` of native_tiles.h. The crossover was measured
+# on an AVX-512 BF16 CPU (docs/performance.md).
 TILES_FEW_TOKENS = 32
 
 
@@ -190,7 +251,7 @@ def matmul(
     x = x.contiguous()
     out = x.new_empty((x.shape[0], out_features))
     flags = (F32 if x.dtype == torch.float32 else 0) | (TILES if tiles else 0) | (ROUND if round_weights else 0)
-    level = min(best, MAX_LEVEL if max_level is None else max_level)
+    level = min(best, cap() if max_level is None else max_level)
     ran = level_out()
     run(*inputs, x, out, x.shape[0], out_features, x.shape[1], *params, flags, level, torch.get_num_threads(), ran)
     return out if int(ran) else None
@@ -199,6 +260,15 @@ def matmul(
 def level_out() -> torch.Tensor:
     """The one-element buffer a kernel reports its vector level in."""
     return torch.zeros(1, dtype=torch.int64)
+
+
+def inputs_for(x: torch.Tensor, prepared: Lazy):
+    """The kernel inputs ``prepared`` holds (built now if not yet) when the kernels take activations ``x`` -- bf16
+    or fp32 (:data:`TILE_DTYPES`), at most :data:`TILES_MAX_TOKENS` rows --, else None: dequantize + mm, and the
+    inputs never built for it. None too where the weight has none (``prepared`` built None)."""
+    if x.dtype not in TILE_DTYPES or x.shape[0] > TILES_MAX_TOKENS:
+        return None
+    return prepared.get()
 
 
 class Lazy:

@@ -32,7 +32,8 @@ static inline bool dq_avx2() {
     return dq_exact_fp() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 static inline bool dq_avx512() {
-    return dq_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    return dq_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
 }
 static inline bool dq_avx512_bf16() {
     return dq_avx512() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");

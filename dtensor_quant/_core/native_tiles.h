@@ -347,7 +347,7 @@ static void dq_store_scalar(const float* C, int64_t M, int64_t rows, bool out_f3
 }
 
 // dst[i] = bf16(v[i]) (as dq_bf16_rne) for the lanes of mask k.
-__attribute__((target("avx512f,avx512bw")))
+__attribute__((target("avx512f,avx512bw,avx512vl")))  // the 256-bit masked store is AVX-512 VL
 static inline void dq_store_bf16_512(uint16_t* dst, __mmask16 k, __m512 v) {
     const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(v)), 16);
     _mm256_mask_storeu_epi16(dst, k, _mm512_cvtepi32_epi16(bits));

@@ -149,22 +149,15 @@ def uniform(
     return uniform_reference(seed, step, shape, offsets, global_shape, device)
 
 
-KERNEL_SOURCE = Path(__file__).with_name("stochastic.cpp")  # loaded by dtensor_quant._core.native
-
-_ARGTYPES = ["float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*"]
-
-
-def _probe(kernel) -> int:
-    level = native.level_out()
-    kernel(torch.empty(0), 0, 0, 0, 1, 0, 0, 0, level)
-    return 1  # any x86 CPU runs it (the plain loop where AVX2 is missing): same bits either way
+# Any x86 CPU runs it (a plain loop where AVX2 is missing): the same bits either way.
+KERNEL = native.declare("stochastic_noise", Path(__file__).with_name("stochastic.cpp"), {"gcols": 1}, vector_only=False)
 
 
 _CALLS: dict = {}
 
 
 def _kernel():
-    loaded = native.load("stochastic_noise", KERNEL_SOURCE, _ARGTYPES, _probe)
+    loaded = native.load(KERNEL)
     if loaded is None:
         return None
     call = _CALLS.get(id(loaded))

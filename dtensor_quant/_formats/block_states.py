@@ -105,32 +105,12 @@ def _values(dtype: torch.dtype) -> torch.Tensor:
 # BlockFloat8's two kernels (block_float8.h, an entry point each): the torch expressions of quantize and unpack,
 # one pass each, the same bits. The encoders round to nearest even as torch's float -> float8 conversions do for
 # the values these formats code (|x| <= the format's maximum, times one ulp).
-_BF8_KERNELS = {
-    "quantize": ["const float*", "uint8_t*", "float*"] + ["int64_t"] * 11 + ["int64_t*"],
-    "unpack": ["const uint8_t*", "const float*", "const float*", "float*"] + ["int64_t"] * 4 + ["int64_t*"],
+BF8_KERNELS = {
+    "quantize": native.declare(
+        "block_float8_quantize", Path(__file__).with_name("block_float8_quantize.cpp"), {"b": 1, "gc": 1}
+    ),
+    "unpack": native.declare("block_float8_unpack", Path(__file__).with_name("block_float8_unpack.cpp"), {"b": 1}),
 }
-
-
-def _bf8_kernel(name: str):
-    """BlockFloat8's ``quantize`` or ``unpack`` kernel (built once per machine), or None where it cannot run."""
-    return native.load(
-        f"block_float8_{name}",
-        Path(__file__).with_name(f"block_float8_{name}.cpp"),
-        _BF8_KERNELS[name],
-        _probe_quantize if name == "quantize" else _probe_unpack,
-    )
-
-
-def _probe_quantize(kernel) -> int:
-    level = native.level_out()
-    kernel(torch.empty(0), torch.empty(0, dtype=torch.uint8), torch.empty(0), 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, level)
-    return int(level)
-
-
-def _probe_unpack(kernel) -> int:
-    level = native.level_out()
-    kernel(torch.empty(0, dtype=torch.uint8), torch.empty(0), torch.empty(0), torch.empty(0), 0, 0, 1, 0, level)
-    return int(level)
 
 
 def _float8_sr(y: torch.Tensor, u: torch.Tensor, e5m2: bool) -> torch.Tensor:
@@ -206,7 +186,7 @@ class BlockFloat8(QuantFormat):
         """
         if weight.device.type != "cpu" or weight.ndim != 2 or (noise is not None and noise.values is not None):
             return None
-        loaded = _bf8_kernel("quantize")
+        loaded = native.load(BF8_KERNELS["quantize"])
         if loaded is None:
             return None
         x = weight.float().contiguous()
@@ -238,7 +218,7 @@ class BlockFloat8(QuantFormat):
             return False
         code_dtype, top, _ = self._code
         codes, absmax = inner["codes"].contiguous(), inner["absmax"].contiguous()
-        loaded = _bf8_kernel("unpack")
+        loaded = native.load(BF8_KERNELS["unpack"])
         if loaded is not None:
             rows, cols = out.shape
             loaded[0](codes, absmax, _values(code_dtype), out, rows, cols, self.block_size, int(self.nonnegative),

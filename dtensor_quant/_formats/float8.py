@@ -140,23 +140,13 @@ def _unpack(inner: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
 # The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
 _ONE_TOKEN_MAX = 1
 
-KERNEL_SOURCE = Path(__file__).with_name("float8.cpp")  # loaded by dtensor_quant._core.native
-_ARGTYPES = [
-    "const uint8_t*", "const float*", "const void*", "void*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
-]  # fmt: skip
-
-
-def _probe(kernel) -> int:
-    level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 32, 32, native.TILES, native.BEST_LEVEL, 1, level)
-    return int(level)
+KERNEL = native.declare("float8", Path(__file__).with_name("float8.cpp"), native.MATMUL_PROBE | {"K": 32, "g": 32})
 
 
 def kernel():
     """``(the kernels' entry point, their best vector level here)``, built on first use; None where it cannot run.
     Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
-    return native.load("float8", KERNEL_SOURCE, _ARGTYPES, _probe)
+    return native.load(KERNEL)
 
 
 def kernel_prepare(qdata: torch.Tensor, scale: torch.Tensor, group: int):
@@ -210,15 +200,13 @@ def kernel_linear(x, prepared, bias, scale_dtype: torch.dtype | None = None):
     ``scale_dtype``: the dtype dequantize rounds each product to before the output's (None: none); the kernels
     round to bf16 only, so fp16 dequantizes.
     """
-    tokens = x.shape[0]
-    if scale_dtype not in (None, torch.float32, torch.bfloat16) or x.dtype not in native.TILE_DTYPES:
+    inputs = native.inputs_for(x, prepared) if scale_dtype in (None, torch.float32, torch.bfloat16) else None
+    if inputs is None:
         return None
-    if tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
-        return None
-    if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
-        out = fused_linear(x, prepared.get())
+    if x.dtype == torch.bfloat16 and x.shape[0] <= _ONE_TOKEN_MAX:
+        out = fused_linear(x, inputs)
     else:
-        out = tiled_linear(x, prepared.get(), rounds=scale_dtype == torch.bfloat16)
+        out = tiled_linear(x, inputs, rounds=scale_dtype == torch.bfloat16)
     return out + bias if bias is not None and out is not None else out
 
 

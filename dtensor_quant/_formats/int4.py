@@ -232,11 +232,12 @@ class Int4Groupwise(QuantFormat):
                 return out + bias if bias is not None else out
         # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
         # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
-        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
+        if self.scale_dtype not in (None, torch.float32, torch.bfloat16):
             return None
-        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+        inputs = native.inputs_for(x, tile_inputs)
+        if inputs is None:
             return None
-        out = tiled_linear(x, tile_inputs.get(), self.group_size, rounds=self.scale_dtype == torch.bfloat16)
+        out = tiled_linear(x, inputs, self.group_size, rounds=self.scale_dtype == torch.bfloat16)
         return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
@@ -246,23 +247,13 @@ class Int4Groupwise(QuantFormat):
 # torch's int4 kernel reads the weight once per token: it beats bf16 for a token or two, the tiles from 3 on.
 _TORCH_MAX_TOKENS = 2
 
-KERNEL_SOURCE = Path(__file__).with_name("int4.cpp")  # loaded by dtensor_quant._core.native
-_ARGTYPES = [
-    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
-]  # fmt: skip
-
-
-def _probe(kernel) -> int:
-    level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, native.TILES, native.BEST_LEVEL, 1, level)
-    return int(level)
+KERNEL = native.declare("int4", Path(__file__).with_name("int4.cpp"), native.MATMUL_PROBE | {"g": 32})
 
 
 def kernel():
     """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
     Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
-    return native.load("int4", KERNEL_SOURCE, _ARGTYPES, _probe)
+    return native.load(KERNEL)
 
 
 def tiled_linear(

@@ -176,13 +176,13 @@ class Int4GroupwiseIntZero(QuantFormat):
     def linear(self, x, prepared, bias):
         """bf16 or fp32 activations: the one-token kernel for one bf16 token, the tiles for up to
         ``native.TILES_MAX_TOKENS``; else None (dequantize + mm)."""
-        tokens = x.shape[0]
-        if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
+        inputs = native.inputs_for(x, prepared)
+        if inputs is None:
             return None
-        if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
-            out = fused_linear(x, prepared.get(), self.group_size)
+        if x.dtype == torch.bfloat16 and x.shape[0] <= _ONE_TOKEN_MAX:
+            out = fused_linear(x, inputs, self.group_size)
         else:
-            out = tiled_linear(x, prepared.get(), self.group_size)
+            out = tiled_linear(x, inputs, self.group_size)
         return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
@@ -197,23 +197,13 @@ _ONE_TOKEN_MAX = 1
 # c = 0..15 -- (c - z) * s is exact in fp32, fp16 scales round there first, as dequantize does -- in one AVX-512
 # register (two with AVX2), each code picking its weight with a permute: multiplied by x as they are made (one
 # token) or written into the tiles of _core/native_tiles.h (more tokens). No dense weight is written.
-KERNEL_SOURCE = Path(__file__).with_name("int4_zero.cpp")  # loaded by dtensor_quant._core.native
-_ARGTYPES = [
-    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
-]  # fmt: skip
-
-
-def _probe(kernel) -> int:
-    level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 32, 0, native.TILES, native.BEST_LEVEL, 1, level)
-    return int(level)
+KERNEL = native.declare("int4_zero", Path(__file__).with_name("int4_zero.cpp"), native.MATMUL_PROBE | {"g": 32})
 
 
 def kernel():
     """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
     cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the one-token kernel stops at 2)."""
-    return native.load("int4_zero", KERNEL_SOURCE, _ARGTYPES, _probe)
+    return native.load(KERNEL)
 
 
 def _matmul(x, prepared, group_size, tiles, max_level):

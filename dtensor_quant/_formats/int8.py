@@ -45,14 +45,7 @@ def _has_kernel(device_type: str) -> bool:
 
 # floor(u + w / s) clamped to +-127 (NaN to 0) with u the hash noise of each element's global index:
 # the torch expression of quantize_stochastic in one pass, the same bits (addcdiv divides, then adds).
-SR_KERNEL_SOURCE = Path(__file__).with_name("int8_stochastic.cpp")  # loaded by dtensor_quant._core.native
-_SR_ARGTYPES = ["const float*", "const float*", "int8_t*"] + ["int64_t"] * 7 + ["int64_t*"]
-
-
-def _sr_probe(kernel) -> int:
-    level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, torch.empty(0, dtype=torch.int8), 0, 0, 0, 0, 0, 1, 0, level)
-    return int(level)
+SR_KERNEL = native.declare("int8_stochastic", Path(__file__).with_name("int8_stochastic.cpp"), {"gcols": 1})
 
 
 def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.Tensor | None:
@@ -60,7 +53,7 @@ def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.T
     from the C++ kernel, or None where it cannot run (given noise values, not the CPU, no compiler)."""
     if noise.values is not None or weight.device.type != "cpu" or weight.ndim != 2 or len(noise.offsets) != 2:
         return None
-    loaded = native.load("int8_stochastic", SR_KERNEL_SOURCE, _SR_ARGTYPES, _sr_probe)
+    loaded = native.load(SR_KERNEL)
     if loaded is None:
         return None
     run, _ = loaded
@@ -86,31 +79,16 @@ def sr_codes(weight: torch.Tensor, scale: torch.Tensor, noise: Noise) -> torch.T
 # Two one-pass helpers of the training path (int8_rows.h), the bits of their torch expressions: each row's largest
 # finite |w| (NaN if any; ``block_reduce(block_stat_abs(w), 1, None, "max")``) and float32 values ``float(q) * s``
 # (``unpack``).
-_ROWS_KERNELS = {  # int8_rows.h's two helpers, an entry point each
-    "row_absmax": ["const float*", "float*", "int64_t", "int64_t", "int64_t*"],
-    "values": ["const int8_t*", "const float*", "float*", "int64_t", "int64_t", "int64_t*"],
+ROWS_KERNELS = {  # int8_rows.h's two helpers, an entry point each
+    name: native.declare(f"int8_{name}", Path(__file__).with_name(f"int8_{name}.cpp"))
+    for name in ("row_absmax", "values")
 }
-
-
-def _rows_kernel(name: str):
-    args = _ROWS_KERNELS[name]
-
-    def probe(kernel) -> int:
-        level = native.level_out()
-        empty = torch.empty(0)
-        if name == "row_absmax":
-            kernel(empty, empty, 0, 0, level)
-        else:
-            kernel(torch.empty(0, dtype=torch.int8), empty, empty, 0, 0, level)
-        return int(level)
-
-    return native.load(f"int8_{name}", Path(__file__).with_name(f"int8_{name}.cpp"), args, probe)
 
 
 def _row_absmax(weight: torch.Tensor) -> torch.Tensor:
     """Each row's largest finite ``|w|`` as float32 ``[rows, 1]``, NaN where the row has one (int8 has no NaN code;
     an Inf saturates to +-127 * scale without costing its row its precision)."""
-    loaded = _rows_kernel("row_absmax") if weight.device.type == "cpu" and weight.ndim == 2 else None
+    loaded = native.load(ROWS_KERNELS["row_absmax"]) if weight.device.type == "cpu" and weight.ndim == 2 else None
     if loaded is None:
         return block_reduce(block_stat_abs(weight), 1, None, "max")
     w = weight.float().contiguous()
@@ -166,7 +144,9 @@ class Int8Rowwise(QuantFormat):
         if self.scale_dtype is not None and out.dtype != self.scale_dtype:
             return unpack_through(self, inner, out, self.scale_dtype)
         q, scale = inner["qdata"], inner["scale"]
-        loaded = _rows_kernel("values") if out.dtype == torch.float32 and out.device.type == "cpu" else None
+        loaded = (
+            native.load(ROWS_KERNELS["values"]) if out.dtype == torch.float32 and out.device.type == "cpu" else None
+        )
         if loaded is not None and out.is_contiguous() and out.ndim == 2:
             q, s = q.contiguous(), scale.float().reshape(-1).contiguous()
             loaded[0](q, s, out, out.shape[0], out.shape[1], native.level_out())
@@ -199,11 +179,12 @@ class Int8Rowwise(QuantFormat):
             return out + bias if bias is not None else out
         # The tiles round each weight at most once, to bf16: a bf16 scale_dtype rounds there whatever the
         # activations; an fp16 one would round to fp16 first, so such a weight dequantizes.
-        if x.dtype not in native.TILE_DTYPES or self.scale_dtype not in (None, torch.float32, torch.bfloat16):
+        if self.scale_dtype not in (None, torch.float32, torch.bfloat16):
             return None
-        if tokens > native.TILES_MAX_TOKENS or tile_inputs.get() is None:
+        inputs = native.inputs_for(x, tile_inputs)
+        if inputs is None:
             return None
-        out = tiled_linear(x, tile_inputs.get(), rounds=self.scale_dtype == torch.bfloat16)
+        out = tiled_linear(x, inputs, rounds=self.scale_dtype == torch.bfloat16)
         return out + bias if bias is not None and out is not None else out
 
     def __str__(self) -> str:
@@ -213,23 +194,13 @@ class Int8Rowwise(QuantFormat):
 # torch's int8 kernel reads the weight once per token: from 2 tokens on the tiles, which read it once, win.
 _TORCH_MAX_TOKENS = 1
 
-KERNEL_SOURCE = Path(__file__).with_name("int8.cpp")  # loaded by dtensor_quant._core.native
-_ARGTYPES = [
-    "const int8_t*", "const float*", "const void*", "void*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
-]  # fmt: skip
-
-
-def _probe(kernel) -> int:
-    level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, 0, 0, 0, native.TILES, native.BEST_LEVEL, 1, level)
-    return int(level)
+KERNEL = native.declare("int8", Path(__file__).with_name("int8.cpp"), native.MATMUL_PROBE)
 
 
 def kernel():
     """``(the tiled kernel, its best vector level here)``, built on first use; None where it cannot run.
     Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the tiles only)."""
-    return native.load("int8", KERNEL_SOURCE, _ARGTYPES, _probe)
+    return native.load(KERNEL)
 
 
 def _tile_inputs(q: torch.Tensor, scale: torch.Tensor):

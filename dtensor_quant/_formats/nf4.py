@@ -242,23 +242,13 @@ _KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 # The one-token kernel reads the codes once per token: from 2 tokens on the tiles, which read them once, win.
 _ONE_TOKEN_MAX = 1
 
-KERNEL_SOURCE = Path(__file__).with_name("nf4.cpp")  # loaded by dtensor_quant._core.native
-_ARGTYPES = [
-    "const uint8_t*", "const float*", "const float*", "const void*", "void*",
-    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t*",
-]  # fmt: skip
-
-
-def _probe(kernel) -> int:
-    level, empty = native.level_out(), torch.empty(0)
-    kernel(empty, empty, empty, empty, empty, 0, 0, 0, 64, native.TILES, native.BEST_LEVEL, 1, level)
-    return int(level)
+KERNEL = native.declare("nf4", Path(__file__).with_name("nf4.cpp"), native.MATMUL_PROBE | {"bs": 64})
 
 
 def kernel():
     """``(the kernels' entry point, the best vector level of the tiles here)``, built on first use; None where it
     cannot run. Levels: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (the one-token kernel stops at 2)."""
-    return native.load("nf4", KERNEL_SOURCE, _ARGTYPES, _probe)
+    return native.load(KERNEL)
 
 
 def _check_width(x: torch.Tensor, codes: torch.Tensor) -> None:
@@ -299,11 +289,11 @@ def kernel_linear(x: torch.Tensor, prepared, bias, block_size: int) -> torch.Ten
     """``linear`` of every format that runs NF4's kernels (NF4, BnbNF4, MXFP4), from a
     :class:`~dtensor_quant._core.native.Lazy` of ``(codes, block scales, levels, rounds)``: the one-token kernel
     for one bf16 token, the tiles for bf16 or fp32 activations up to ``native.TILES_MAX_TOKENS``; else None."""
-    tokens = x.shape[0]
-    if x.dtype not in native.TILE_DTYPES or tokens > native.TILES_MAX_TOKENS or prepared.get() is None:
+    inputs = native.inputs_for(x, prepared)
+    if inputs is None:
         return None
-    if x.dtype == torch.bfloat16 and tokens <= _ONE_TOKEN_MAX:
-        out = fused_linear(x, prepared.get(), block_size)
+    if x.dtype == torch.bfloat16 and x.shape[0] <= _ONE_TOKEN_MAX:
+        out = fused_linear(x, inputs, block_size)
     else:
-        out = tiled_linear(x, prepared.get(), block_size)
+        out = tiled_linear(x, inputs, block_size)
     return out + bias if bias is not None and out is not None else out

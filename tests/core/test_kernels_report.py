@@ -14,7 +14,7 @@ def test_every_kernel_is_listed_with_the_level_it_runs(capsys):
     with_kernels = {
         info.name
         for info in pkgutil.iter_modules(dtensor_quant._formats.__path__)
-        if hasattr(importlib.import_module(f"dtensor_quant._formats.{info.name}"), "KERNEL_SOURCE")
+        if hasattr(importlib.import_module(f"dtensor_quant._formats.{info.name}"), "KERNEL")
     }
     assert with_kernels == set(KERNELS)
     assert main(["kernels"]) == 0
@@ -37,11 +37,12 @@ def test_a_kernel_that_does_not_build_says_why(monkeypatch, tmp_path, capsys):
     """A kernel that cannot build: the report names the build error (what its warning said), not just "none"."""
     monkeypatch.setenv("DTENSOR_QUANT_NATIVE", "1")  # also where the suite runs with the kernels off
     broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
+    broken.write_text("void kernel(int64_t* level) { this is not C++ }\n")
     module = importlib.import_module("dtensor_quant._formats.int8")
-    monkeypatch.setattr(module, "KERNEL_SOURCE", broken)
-    monkeypatch.setattr(module, "kernel", lambda: native.load("int8", broken, ["int64_t*"], lambda kernel: 1))
+    kernel = native.Kernel("int8", broken)
+    monkeypatch.setattr(module, "KERNEL", kernel)
+    monkeypatch.setattr(module, "kernel", lambda: native.load(kernel))
     assert main(["kernels"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("int8 "))
     assert "none (it did not build: " in line, line
-    assert native.why_unavailable("int8", broken).startswith("it did not build: ")
+    assert native.why_unavailable(kernel).startswith("it did not build: ")
