@@ -45,7 +45,11 @@ def verdicts(lines: list[str]) -> str:
     """``==a-`` from the report's first lines (``  tp=2, tp=4: legal with ...``)."""
     got = {}
     for line in lines:
-        if line.startswith("  tp="):
+        if line.startswith("  every mesh: "):  # one verdict for every degree, said once
+            text = line.removeprefix("  every mesh: ")
+            status = next(s for s in sorted(LETTER, key=len, reverse=True) if text.startswith(s))
+            got.update(dict.fromkeys(TP, LETTER[status]))
+        elif line.startswith("  tp="):
             where, _, text = line.strip().partition(": ")
             status = next(s for s in sorted(LETTER, key=len, reverse=True) if text.startswith(s))
             for mesh in where.split(", "):
