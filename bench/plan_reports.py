@@ -45,15 +45,13 @@ def verdicts(lines: list[str]) -> str:
     """``==a-`` from the report's first lines (``  tp=2, tp=4: legal with ...``)."""
     got = {}
     for line in lines:
-        if line.startswith("  every mesh: "):  # one verdict for every degree, said once
-            text = line.removeprefix("  every mesh: ")
-            status = next(s for s in sorted(LETTER, key=len, reverse=True) if text.startswith(s))
-            got.update(dict.fromkeys(TP, LETTER[status]))
-        elif line.startswith("  tp="):
+        if line.startswith("  tp=") or line.startswith("  every mesh"):
             where, _, text = line.strip().partition(": ")
-            status = next(s for s in sorted(LETTER, key=len, reverse=True) if text.startswith(s))
-            for mesh in where.split(", "):
-                got[int(mesh.removeprefix("tp="))] = LETTER[status]
+            status = next((s for s in sorted(LETTER, key=len, reverse=True) if text.startswith(s)), None)
+            letter = LETTER[status] if status else "x"  # another mix of remedies (expand_scales by hand)
+            tps = TP if where == "every mesh" else [int(t) for t in where.removeprefix("tp=").split(", ")]
+            for t in tps:
+                got[t] = letter
     return "".join(got.get(t, "?") for t in TP)
 
 
