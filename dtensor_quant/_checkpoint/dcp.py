@@ -26,18 +26,18 @@ What this adds to plain ``dcp.save``/``dcp.load`` on ``model.state_dict()``
   bit-identical to quantizing the full tensor.
 * **weights_only loading.** Non-tensor entries are unpickled with
   ``weights_only=True``.
+
+This module holds the two entry points and their checks; each job they use
+has its own module: :mod:`.atomic` (the staging directory and its move),
+:mod:`.checksums` (a CRC32 per chunk), :mod:`.planners` (DCP planners) and
+:mod:`.errors`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
-import os
 import pickle
-import shutil
 import warnings
-import zlib
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -45,9 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -55,6 +53,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._core.tensor import contiguous_strides
 from .._parallel.agree import raise_together
+from .atomic import AtomicFileSystemWriter, staging_path
+from .checksums import CHECKSUM_SUFFIX, VerifyingFileSystemReader
+from .errors import CheckpointCorruptError, CheckpointLoadError, CheckpointSaveError
+from .planners import LoadPlanner, SavePlanner, WeightsOnlyLoadPlanner
 from .state_dict import (
     SPEC_KEY,
     CheckpointFormatError,
@@ -68,12 +70,16 @@ from .state_dict import (
 )
 
 __all__ = [
+    "CHECKSUM_SUFFIX",
+    "AtomicFileSystemWriter",
     "CheckpointCorruptError",
     "CheckpointFormatError",
     "CheckpointLoadError",
     "CheckpointSaveError",
     "LoadPlanner",
     "SavePlanner",
+    "VerifyingFileSystemReader",
+    "WeightsOnlyLoadPlanner",
     "async_save",
     "load",
     "save",
@@ -81,203 +87,10 @@ __all__ = [
 ]
 
 
-class CheckpointSaveError(RuntimeError):
-    """A save that did not complete; the previous checkpoint at the target path is untouched."""
-
-
-class CheckpointLoadError(RuntimeError):
-    """A load that did not complete; raised on every rank (DCP's own failure is a BaseException)."""
-
-
-class CheckpointCorruptError(CheckpointLoadError):
-    """A stored chunk whose bytes fail their checksum (damaged or truncated file); nothing was loaded."""
-
-
-def staging_path(path) -> Path:
-    """Where ranks write a checkpoint before it is moved to ``path``."""
-    path = Path(path)
-    return path.with_name(path.name + ".partial")
-
-
 # -- saving ---------------------------------------------------------------------------
 
 
-class AtomicFileSystemWriter(dcp.FileSystemWriter):
-    """A FileSystemWriter that writes into ``<path>.partial`` and moves it to ``path`` when complete."""
-
-    def __init__(self, path, **kwargs):
-        self.final_path = Path(path)
-        super().__init__(staging_path(path), **kwargs)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        if is_coordinator:
-            # Leftovers of an interrupted save. No rank writes before the
-            # coordinator has sent the global plan, which comes after this.
-            _empty_dir(Path(self.path))
-
-    def write_data(self, plan, planner):
-        """DCP's write, then a CRC32 per stored chunk into ``<file>.crc32.json`` beside each data file."""
-        results = super().write_data(plan, planner).wait()
-        _write_checksums(Path(self.path), results, self.sync_files)
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(results)
-        return done
-
-    def finish(self, metadata: Metadata, results) -> None:
-        super().finish(metadata, results)  # every rank's data is written; .metadata goes last
-        _commit(Path(self.path), self.final_path)
-
-
-def _empty_dir(path: Path) -> None:
-    """Make ``path`` an empty directory without ever removing it.
-
-    The other ranks create the same directory at the same time (DCP's
-    ``FileSystemWriter.prepare_local_plan``: ``mkdir(parents=True,
-    exist_ok=True)``, which is ``os.mkdir`` and, on EEXIST, a separate check
-    that the directory is there). Removing and re-creating it here let a rank
-    whose ``os.mkdir`` had just found it see it gone and raise
-    ``FileExistsError``, failing the whole save (seen: 1 of 1500 4-rank saves
-    on a loaded 2-core machine). Emptying it in place leaves nothing to race.
-    """
-    if path.exists() and not path.is_dir():
-        path.unlink()  # a stray file where the directory goes
-    path.mkdir(parents=True, exist_ok=True)
-    if path.is_symlink():
-        return  # a link to a directory elsewhere: written through, nothing deleted through it (as before)
-    for entry in path.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-
-
 # -- checksums ----------------------------------------------------------------------------
-
-CHECKSUM_SUFFIX = ".crc32.json"
-
-
-def _crc_of(path: Path, offset: int, length: int) -> int | None:
-    """CRC32 of ``length`` bytes at ``offset`` of ``path``; None if the file is shorter."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        crc, left = 0, length
-        while left:
-            block = f.read(min(left, 1 << 24))
-            if not block:
-                return None
-            crc, left = zlib.crc32(block, crc), left - len(block)
-    return crc
-
-
-def _write_checksums(root: Path, results, sync: bool) -> None:
-    """One JSON file per data file: every chunk's offset, length, CRC32 and key (readable without this library)."""
-    per_file: dict[str, list] = {}
-    for r in results:
-        info = r.storage_data
-        crc = _crc_of(root / info.relative_path, info.offset, info.length)
-        chunk = {"key": r.index.fqn, "offset": info.offset, "length": info.length, "crc32": crc}
-        per_file.setdefault(info.relative_path, []).append(chunk)
-    for name, chunks in per_file.items():
-        with open(root / (name + CHECKSUM_SUFFIX), "w") as f:
-            json.dump({"file": name, "chunks": chunks}, f)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-
-
-class VerifyingFileSystemReader(dcp.FileSystemReader):
-    """A FileSystemReader that checks the CRC32 of every chunk this rank will read before reading any.
-
-    The check runs in DCP's planning step, whose failures DCP raises on every
-    rank before any data is read, so a damaged or truncated file leaves every
-    rank's model as it was. A checkpoint without checksum files (a plain
-    ``dcp.save``) is read unchecked.
-    """
-
-    def prepare_local_plan(self, plan):
-        plan = super().prepare_local_plan(plan)
-        root, sums, seen = Path(self.path), {}, set()
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            where = (info.relative_path, info.offset, info.length)
-            if where in seen:
-                continue
-            seen.add(where)
-            if info.relative_path not in sums:
-                sums[info.relative_path] = _load_checksums(root, info.relative_path)
-            table = sums[info.relative_path]
-            if table is None:
-                continue
-            expected = table.get((info.offset, info.length))
-            key = item.storage_index.fqn
-            if expected is None:
-                raise CheckpointCorruptError(
-                    f"{root / info.relative_path}: no checksum for the chunk of {key} at bytes "
-                    f"[{info.offset}, {info.offset + info.length}): the checksum file does not match the metadata"
-                )
-            got = _crc_of(root / info.relative_path, info.offset, info.length)
-            if got != expected:
-                why = "the file is truncated" if got is None else f"CRC32 {got:#010x}, stored {expected:#010x}"
-                raise CheckpointCorruptError(
-                    f"{root / info.relative_path}: the stored chunk of {key} at bytes [{info.offset}, "
-                    f"{info.offset + info.length}) is damaged ({why}). Nothing was loaded; restore the file or "
-                    "load another checkpoint."
-                )
-        return plan
-
-
-def _load_checksums(root: Path, name: str) -> dict | None:
-    """``{(offset, length): crc}`` of data file ``name``; None for a checkpoint saved without checksums."""
-    path = root / (name + CHECKSUM_SUFFIX)
-    if not path.exists():
-        if any(root.glob("*" + CHECKSUM_SUFFIX)):
-            raise CheckpointCorruptError(f"{path} is missing, though the other data files of {root} have theirs")
-        return None
-    try:
-        chunks = json.loads(path.read_text())["chunks"]
-        return {(c["offset"], c["length"]): c["crc32"] for c in chunks}
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointCorruptError(f"{path}: the checksum file is damaged ({e})") from None
-
-
-def _commit(staging: Path, final: Path) -> None:
-    """Replace ``final`` by ``staging`` (atomically where the OS can swap directories)."""
-    _fsync_dir(staging)
-    if not final.exists():
-        os.rename(staging, final)
-    elif _exchange(staging, final):
-        shutil.rmtree(staging)  # now the previous checkpoint
-    else:
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(staging, final)
-        shutil.rmtree(old)
-    _fsync_dir(final.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _to_save(state) -> dict:
@@ -372,68 +185,6 @@ def _save_error(path, e: BaseException) -> CheckpointSaveError:
 
 
 # -- loading --------------------------------------------------------------------------
-
-
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, unpickling non-tensor entries with ``weights_only=True``."""
-
-    def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner for state dicts that hold quantized weights as tensors.
-
-    ::
-
-        dcp.save(model.state_dict(), checkpoint_id=path, planner=dq.checkpoint.SavePlanner())
-
-    Each quantized value (a QuantizedTensor or a DTensor of one) is written as
-    its entries -- one key per inner tensor, aliasing its bytes, plus the
-    ``__quant__`` record (:mod:`.state_dict`) -- the files
-    ``dq.checkpoint.save`` writes. Entry-form values pass through unchanged.
-    """
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(entries_from_state(state_dict), storage_meta, is_coordinator)
-
-
-class LoadPlanner(WeightsOnlyLoadPlanner):
-    """DCP's default load planner for state dicts that hold quantized weights as tensors.
-
-    ::
-
-        sd = model.state_dict()
-        dcp.load(sd, checkpoint_id=path, planner=dq.checkpoint.LoadPlanner())  # into the weights' own bytes
-        model.load_state_dict(sd)
-
-    Each quantized value is read as its entries, which alias its inner
-    tensors: the stored bytes land in the value (any layout into any other,
-    as DCP reshards). A checkpoint whose ``__quant__`` record differs from the
-    value's raises :class:`CheckpointFormatError` naming both -- after DCP
-    read it, so use ``dq.checkpoint.load`` to be refused before any byte moves.
-    Non-tensor entries are unpickled with ``weights_only=True``.
-    """
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(entries_from_state(state_dict), metadata, is_coordinator)
-        suffix = "." + SPEC_KEY
-        self._records = {k: v for k, v in self.state_dict.items() if k.endswith(suffix)}
-
-    def load_bytes(self, read_item, value) -> None:
-        fqn = read_item.dest_index.fqn
-        expected = self._records.get(fqn)
-        if expected is None:
-            return super().load_bytes(read_item, value)
-        found = torch.load(value, weights_only=True)
-        key = fqn[: -len(SPEC_KEY) - 1]
-        check_spec(parse_spec(found, key), parse_spec(expected, key), key)
-        value.seek(0)
-        return super().load_bytes(read_item, value)  # into the entries: commits chunks read before the record
 
 
 def _read_metadata(path) -> Metadata:
