@@ -334,3 +334,25 @@ def test_adamw_takes_state_formats_per_group():
     opt.step()
     assert not isinstance(opt.state[a]["exp_avg"], dq.QuantizedTensor)
     assert isinstance(opt.state[b]["exp_avg"], dq.QuantizedTensor)
+
+
+def test_dcp_checkpoint_of_dense_moments_loads_into_8bit_ones(tmp_path):
+    """Through dq.checkpoint: dense moments (a threshold that kept them dense) into AdamW8bit load, stored in its
+    format; 8-bit moments into an optimizer that keeps them dense are refused naming the state (a stored
+    quantized moment is never silently dequantized by the checkpoint's own check)."""
+    m = model()
+    dense = dq.optim.AdamW(m.parameters(), lr=2e-3, **STATE_CONFIGS["8bit-kept-dense"])
+    train(m, dense, 2)
+    dq.checkpoint.save({"optim": dense.state_dict()}, str(tmp_path / "dense"))
+    eight = dq.optim.AdamW8bit(m.parameters(), lr=2e-3)
+    train(m, eight, 1)  # states exist: the state dict to load into
+    sd = {"optim": eight.state_dict()}
+    # strict=False: AdamW8bit's groups have a key AdamW's have not (block_size); the loader keeps its own
+    dq.checkpoint.load(sd, str(tmp_path / "dense"), strict=False)
+    eight.load_state_dict(sd["optim"])
+    w = m[0].weight
+    expected = dq.quantize(dense.state[w]["exp_avg"].float().to(w.dtype), eight.state_formats[0])
+    assert torch.equal(eight.state[w]["exp_avg"].codes, expected.codes)
+    dq.checkpoint.save({"optim": eight.state_dict()}, str(tmp_path / "eight"))
+    with pytest.raises(dq.checkpoint.CheckpointFormatError, match=r"optim\.state\.0\.exp_avg"):
+        dq.checkpoint.load({"optim": dense.state_dict()}, str(tmp_path / "eight"))
