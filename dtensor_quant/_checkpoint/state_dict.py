@@ -140,6 +140,35 @@ def record_params(fmt: QuantFormat) -> dict:
 format_spec = quant_record  # the old name
 
 
+def _format_classes(cls=QuantFormat) -> dict[str, type]:
+    out = {}
+    for sub in cls.__subclasses__():
+        out.setdefault(sub.__name__, sub)
+        out.update({k: v for k, v in _format_classes(sub).items() if k not in out})
+    return out
+
+
+def format_of_record(record: Mapping) -> QuantFormat:
+    """The format a record names: ``{"format": "NF4", "params": {"block_size": 64, ...}}`` (as :func:`quant_record`
+    writes it) -> ``NF4(block_size=64, ...)``.
+
+    Dtype parameters come back from their names (formats accept them). A name
+    no format of this process has, or parameters it does not take, raise
+    :class:`CheckpointFormatError` naming the record.
+    """
+    name, params = record.get("format"), record.get("params") or {}
+    classes = _format_classes()
+    if name not in classes:
+        raise CheckpointFormatError(
+            f"the checkpoint names format {name!r}, which no format of this process is called; known: "
+            f"{sorted(n for n in classes if not n.startswith('_'))} (a custom format must be imported first)"
+        )
+    try:
+        return classes[name](**params)
+    except (TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"the checkpoint's format {name}{params} cannot be built: {e}") from None
+
+
 def parse_spec(value, key: str) -> dict:
     if isinstance(value, dict):
         return value

@@ -116,6 +116,22 @@ def quantize_(
     return register(model)
 
 
+def adopt_quantized(model: nn.Module) -> nn.Module:
+    """What :func:`quantize_` adds around the frozen weights it makes, for weights a loader built itself.
+
+    transformers' ``from_pretrained`` with :class:`dtensor_quant.hf.QuantConfig`
+    quantizes each weight as it is read; this then gives every module holding
+    one the same frozen-weight check, and the model the same state-dict hooks,
+    so the model is the one ``quantize_`` would have made.
+    """
+    for fqn, module in model.named_modules():
+        mine = any(p is not None and is_quantized(p) and not p.requires_grad for p in module._parameters.values())
+        if mine and not getattr(module, "_dtensor_quant_frozen_check", False):
+            module.register_forward_pre_hook(_refuse_trainable(fqn))
+            module._dtensor_quant_frozen_check = True
+    return register(model)
+
+
 def _refuse_trainable(fqn: str):
     """A forward pre-hook: a quantized weight with ``requires_grad=True`` is refused before any gradient.
 

@@ -13,10 +13,31 @@
 
 Each rank reads and writes only its own slices; docs/huggingface.md says how.
 The implementation lives in the private ``dtensor_quant._checkpoint.hf``.
+
+``QuantConfig`` is transformers' ``quantization_config`` for this library
+(``quant_method: "dtensor_quant"``)::
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=dq.hf.QuantConfig("nf4"))
+
+It is made on first use (it imports transformers; ImportError naming
+``pip install 'dtensor_quant[hf]'`` without it). Importing this package
+imports no transformers: the method is registered with transformers' registry
+when transformers loads its quantizers (or at once if it already has), so a
+directory ``save_pretrained`` wrote loads with plain ``from_pretrained``.
 """
 
 from .._checkpoint.hf import Checkpoint, LoadResult, TensorInfo, init_empty, load, materialize, save, tp_plan
 from .._model.quantize_like import quantize_like_checkpoint
+from .._model.transformers_hook import install, quant_config_class
+
+install()
+
+
+def __getattr__(name: str):
+    if name == "QuantConfig":  # made on first use: it subclasses transformers' QuantizationConfigMixin
+        return quant_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Checkpoint",

@@ -34,7 +34,9 @@ from ..._core.tensor import QuantizedTensor
 from ..._parallel.agree import LOCAL, raise_together
 from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
 from .adapters import Delta, Wrapper, unwrap
-from .export_ct import QUANTIZATIONS, CompressedTensorsExport
+from .export_ct import QUANTIZATIONS as CT_QUANTIZATIONS
+from .export_ct import CompressedTensorsExport
+from .prequantized import NATIVE, NATIVE_VERSION, native_groups, native_suffixes
 from .safetensors_io import INDEX, NAMES, SINGLE, byte_runs
 from .tensors import (
     agreement_scope,
@@ -49,6 +51,7 @@ from .tensors import (
     unpadded_shapes,
 )
 
+QUANTIZATIONS = (*CT_QUANTIZATIONS, NATIVE)
 STAGING = ".dq_hf_save.partial"  # inside the export directory: the new files until every rank has written
 
 
@@ -96,7 +99,7 @@ def _export_items(
                 raise ValueError(f"{key}: merging LoRA adapters would change its stored bytes; merge them first "
                                  "(peft: dq.lora.merge_and_unload) or save with merge_lora=False")  # fmt: skip
             if key in unpadded:
-                raise ValueError(f"{key}: a weight padded by pad_for_tp is not written as compressed-tensors")
+                raise ValueError(f"{key}: a weight padded by pad_for_tp is not written as {quantization_name(export)}")
             items += [_Item(*x) for x in export.items(key, t, leader)]
             continue
         suffixes = stored_suffixes(t)
@@ -130,6 +133,33 @@ def _export_items(
             "or save the adapters with peft's save_pretrained"
         )
     return items
+
+
+class NativeExport:
+    """``quantization="dtensor_quant"``: every quantized weight, any format, as its inner tensors ``{key}.{name}``.
+
+    The stored bytes as they are (no producer's layout to fit), with a
+    ``quantization_config`` naming each weight's format, so that
+    :func:`~.loading.load` and transformers' ``from_pretrained`` (with
+    :class:`dtensor_quant.hf.QuantConfig` registered) read them back as stored.
+    """
+
+    def __init__(self):
+        self.weights: dict = {}  # key -> format
+
+    def items(self, key: str, t: torch.Tensor, leader: bool) -> list[tuple]:
+        fmt = canonical_view(t, key)[0].fmt
+        self.weights[key] = fmt
+        out = _stored_items(key, t, native_suffixes(fmt), None, leader)
+        return [(i.key, i.dtype, i.shape, i.spans, i.fetch) for i in out]
+
+    def config(self, dense_linears: list[str]) -> dict:
+        return native_config(self.weights)
+
+
+def native_config(weights: dict, base: dict | None = None) -> dict:
+    """The ``quantization_config`` of a ``dtensor_quant`` checkpoint holding ``weights`` (key -> format) as stored."""
+    return {**(base or {}), "quant_method": NATIVE, "version": NATIVE_VERSION, "config_groups": native_groups(weights)}
 
 
 def _is_base_weight(wrapper: Wrapper, t: torch.Tensor) -> bool:
@@ -176,6 +206,10 @@ def _stored_items(key, t, suffixes, unpadded, leader: bool) -> list[_Item]:
         spans = regions(g_shape, mesh, placements, e_keep) if first_replica(mesh, placements, leader) else []
         out.append(_Item(key + suffixes[name], inner[name].dtype, e_keep, spans, lambda x=inner[name]: x))
     return out
+
+
+def quantization_name(export) -> str:
+    return NATIVE if isinstance(export, NativeExport) else "compressed-tensors"
 
 
 def _plain_fetch(t):
@@ -244,6 +278,12 @@ def save(
     (the padding must be zero). ``model.config`` (transformers) is saved
     alongside. Files over ``max_shard_bytes`` are split with an index.
 
+    ``quantization="dtensor_quant"``: every quantized weight, in any format,
+    is written as its stored inner tensors (``{key}.{name}``) with a
+    ``quantization_config`` naming each weight's format; :func:`load` reads it
+    back as stored, and so does transformers' ``from_pretrained`` once
+    :mod:`dtensor_quant.hf` is imported (:class:`dtensor_quant.hf.QuantConfig`).
+
     ``quantization="compressed-tensors"``: every quantized weight is written
     in compressed-tensors' layout instead (the formats it can express, as
     their stored bytes: :mod:`~dtensor_quant._checkpoint.hf.export_ct`), with
@@ -264,7 +304,7 @@ def save(
     scope, leader = agreement_scope(model)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"save(quantization={quantization!r}): known are {QUANTIZATIONS}, or None (as stored)")
-    export = CompressedTensorsExport() if quantization == "compressed-tensors" else None
+    export = {"compressed-tensors": CompressedTensorsExport, NATIVE: NativeExport}.get(quantization, lambda: None)()
     quant = {}
 
     def plan():
