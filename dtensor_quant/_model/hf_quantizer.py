@@ -172,6 +172,9 @@ class DtensorQuantHfQuantizer(HfQuantizer):
 
     def _pick(self, model) -> dict[str, QuantFormat]:
         fmt = self.quantization_config.format
+        if fmt is None:
+            raise ValueError("QuantConfig: this config lists stored weights (config_groups) but no format to quantize "
+                             "a dense checkpoint into; pass QuantConfig(format)")  # fmt: skip
         skip = self.quantization_config.modules_to_not_convert
         tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         tied |= set((getattr(model, "all_tied_weights_keys", None) or {}).values())

@@ -21,10 +21,10 @@ PROMPT = [[1, 2, 3, 4, 5]]
 NEW_TOKENS = 6
 
 
-def from_pretrained(path, **kwargs):
+def from_pretrained(path, dtype=torch.bfloat16, **kwargs):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
 
 
 def tokens(model) -> list:
@@ -61,17 +61,19 @@ def quantization_config(path) -> dict:
 
 
 def tp_round_trip(path, fmt_name: str, out) -> dict:
-    """On every rank: from_pretrained(tp_plan="auto") vs dq.hf.load into the same TP layout; generate; save at TP 2;
-    reload at TP 2. Returns what the test compares across ranks and with one process."""
+    """On every rank: from_pretrained(tp_plan="auto") vs dq.hf.load into the same TP layout (bf16, as hc.build makes
+    it); then in float32 (a row-parallel all-reduce regroups the sums: in bf16 a near-tie of the tiny random model's
+    logits can flip a greedy token) generate, save at TP 2, reload at TP 2. Returns what the test compares."""
     fmt = FORMATS[fmt_name]
     model = from_pretrained(path, quantization_config=dq.hf.QuantConfig(fmt), tp_plan="auto")
     ref = hc.build("llama", "tp2", fmt_name)
     dq.hf.load(ref, path)
     quantized = assert_same_model(model, ref)
     sharded = sum(isinstance(p, DTensor) and _local(p).shape != p.shape for p in model.parameters())
+    model = from_pretrained(path, torch.float32, quantization_config=dq.hf.QuantConfig(fmt), tp_plan="auto")
     got = tokens(model)
     model.save_pretrained(out)
     torch.distributed.barrier()
-    again = from_pretrained(out, tp_plan="auto")
+    again = from_pretrained(out, torch.float32, tp_plan="auto")
     assert_same_model(again, model)
     return {"quantized": quantized, "sharded": sharded, "tokens": got, "tokens_again": tokens(again)}
