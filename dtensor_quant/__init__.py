@@ -45,6 +45,7 @@ from ._parallel.collectives import check_consistent
 from ._parallel.custom_ops import dequantize
 from ._parallel.fast_redistribute import disable as disable_fast_redistribute
 from ._parallel.fast_redistribute import enable as enable_fast_redistribute
+from ._parallel.liveness import lost_ranks
 from ._parallel.placements import check_placements, legal_mesh_sizes
 from ._parallel.quantize import quantize
 
@@ -94,6 +95,7 @@ __all__ = [
     "is_matmul_weight",
     "legal_mesh_sizes",
     "lora",
+    "lost_ranks",
     "optim",
     "pad_for_tp",
     "pad_vocab_for_tp",

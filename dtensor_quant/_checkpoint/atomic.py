@@ -30,6 +30,7 @@ class AtomicFileSystemWriter(dcp.FileSystemWriter):
 
     def __init__(self, path, **kwargs):
         self.final_path = Path(path)
+        self.committed = False  # set on the coordinator once the checkpoint is at ``final_path``
         super().__init__(staging_path(path), **kwargs)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
@@ -50,6 +51,7 @@ class AtomicFileSystemWriter(dcp.FileSystemWriter):
     def finish(self, metadata: Metadata, results) -> None:
         super().finish(metadata, results)  # every rank's data is written; .metadata goes last
         commit(Path(self.path), self.final_path)
+        self.committed = True
 
 
 def empty_dir(path: Path) -> None:

@@ -52,6 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._core.tensor import contiguous_strides
+from .._parallel import liveness
 from .._parallel.agree import raise_together
 from .atomic import AtomicFileSystemWriter, staging_path
 from .checksums import CHECKSUM_SUFFIX, VerifyingFileSystemReader
@@ -114,16 +115,14 @@ def save(state, path, *, process_group=None) -> Metadata:
     complete; ``path`` then still holds the previous checkpoint.
     """
     state_dict = _prepared(state, process_group)
+    writer = AtomicFileSystemWriter(path)
     try:
         with _quiet_single_process():
             return dcp.save(
-                state_dict,
-                storage_writer=AtomicFileSystemWriter(path),
-                process_group=process_group,
-                no_dist=not dist.is_initialized(),
+                state_dict, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized()
             )
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise _save_error(path, e) from e
+        raise _save_error(path, e, process_group, writer) from e
 
 
 def async_save(state, path, *, process_group=None) -> Future:
@@ -139,12 +138,10 @@ def async_save(state, path, *, process_group=None) -> Future:
     with the training loop's collectives and deadlock.
     """
     state_dict = _prepared(state, process_group)
+    writer, group = AtomicFileSystemWriter(path), process_group or _background_group()
     with _quiet_single_process():
         inner = dcp.async_save(
-            state_dict,
-            storage_writer=AtomicFileSystemWriter(path),
-            process_group=process_group or _background_group(),
-            no_dist=not dist.is_initialized(),
+            state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized()
         )
     outer: Future = Future()
 
@@ -152,7 +149,7 @@ def async_save(state, path, *, process_group=None) -> Future:
         try:
             outer.set_result(f.result())
         except BaseException as e:
-            outer.set_exception(_save_error(path, e))
+            outer.set_exception(_save_error(path, e, group, writer))
 
     inner.add_done_callback(done)
     return outer
@@ -171,20 +168,45 @@ def _background_group():
     return _background_groups[default]
 
 
-def _save_error(path, e: BaseException) -> CheckpointSaveError:
+def _save_error(path, e: BaseException, process_group, writer: AtomicFileSystemWriter) -> CheckpointSaveError:
+    """The error every surviving rank raises: what failed, which ranks stopped answering, what ``path`` holds.
+
+    A failure that DCP gathered (a rank's write raised) comes as a ``CheckpointException`` on every rank. A rank
+    that died makes a collective fail instead, on the ranks that talk to it (every rank, in DCP's gathers and
+    all-gathers): then a roll call names the ranks that are gone (:mod:`.._parallel.liveness`).
+    """
     failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    lost, who = [], ""
     if failures:  # name the first failing rank's own error, not DCP's wrapper
         _, failure = min(failures.items())
         e = failure[0] if isinstance(failure, tuple) else failure
+    elif dist.is_initialized() and liveness.is_collective_failure(e):
+        group = process_group or dist.distributed_c10d._get_default_group()
+        lost, how = liveness.roll_call(group)
+        who = liveness.describe(lost, how) + "; "
+        for default, background in list(_background_groups.items()):
+            if background is group:  # it has a member that is gone: never reuse it
+                del _background_groups[default]
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if writer.committed:
+        held = f"{path} holds this save's checkpoint, complete (the move into place was done)"
+    elif lost and _coordinator(process_group) in lost:
+        held = (
+            f"{path} holds the previous checkpoint (if there was one), or this save's if the coordinator (rank "
+            f"{_coordinator(process_group)}) died right after moving it into place: a complete one either way"
+        )
+    else:
+        held = f"{path} still holds the previous checkpoint, if there was one"
     return CheckpointSaveError(
-        f"saving to {path} did not complete ({type(e).__name__}: {first[:300]}). {path} still holds the "
-        f"previous checkpoint, if there was one; the partial files in {staging_path(path)} are removed by the "
-        "next save."
+        f"saving to {path} did not complete: {who}{type(e).__name__}: {first[:300]}. {held}; the partial files "
+        f"in {staging_path(path)} are removed by the next save.",
+        lost,
     )
 
 
-# -- loading --------------------------------------------------------------------------
+def _coordinator(process_group) -> int:
+    """The global rank of DCP's coordinator (rank 0 of the save's group)."""
+    return dist.get_global_rank(process_group, 0) if process_group is not None else 0
 
 
 def _read_metadata(path) -> Metadata:

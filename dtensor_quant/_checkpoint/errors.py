@@ -5,7 +5,18 @@ from __future__ import annotations
 
 
 class CheckpointSaveError(RuntimeError):
-    """A save that did not complete; the previous checkpoint at the target path is untouched."""
+    """A save that did not complete; the previous checkpoint at the target path is untouched.
+
+    ``lost_ranks``: the global ranks that stopped answering during the save (killed, crashed or stuck), found by
+    a roll call once a collective failed (``_parallel/liveness.py``); empty when every rank answered.
+    """
+
+    def __init__(self, message: str, lost_ranks: list[int] | tuple = ()):
+        super().__init__(message)
+        self.lost_ranks = list(lost_ranks)
+
+    def __reduce__(self):  # picklable with its ranks (a rank pool sends it to the test process)
+        return type(self), (str(self), self.lost_ranks)
 
 
 class CheckpointLoadError(RuntimeError):

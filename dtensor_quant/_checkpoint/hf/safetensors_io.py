@@ -19,6 +19,7 @@ import torch
 
 from ..._core.tensor import contiguous_strides
 from ..state_dict import CheckpointFormatError
+from .commit import finish as finish_interrupted_save
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -74,6 +75,7 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = Path(path)
+        finish_interrupted_save(self.path)  # a dq.hf.save killed after its commit point: its export is the one
         index = self.path / INDEX
         weight_map = None
         if index.is_file():

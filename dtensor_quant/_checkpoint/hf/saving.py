@@ -31,9 +31,13 @@ from torch.distributed.tensor import DTensor
 
 from ..._core.layout import Blocked, Constant, OneToOne, Packed
 from ..._core.tensor import QuantizedTensor
+from ..._parallel import liveness
 from ..._parallel.agree import LOCAL, raise_together
+from ..errors import CheckpointSaveError
 from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
+from . import commit
 from .adapters import Delta, Wrapper, unwrap
+from .commit import STAGING
 from .export_ct import QUANTIZATIONS as CT_QUANTIZATIONS
 from .export_ct import CompressedTensorsExport
 from .prequantized import NATIVE, NATIVE_VERSION, native_groups, native_suffixes
@@ -52,7 +56,6 @@ from .tensors import (
 )
 
 QUANTIZATIONS = (*CT_QUANTIZATIONS, NATIVE)
-STAGING = ".dq_hf_save.partial"  # inside the export directory: the new files until every rank has written
 
 
 @dataclass
@@ -314,24 +317,54 @@ def save(
             quant.update(export.config(dense))
         return items, _layout(items, max_shard_bytes)
 
-    items, files = raise_together(plan, what=what, **scope)
-    _gather_adapters(adapters, full)  # the only collectives besides the agreements: before any write
-    staging = path / STAGING
+    staging, committed = path / STAGING, []
     try:
-        prepare = _create_files if leader else _probe if scope.get("process_group") is LOCAL else None
-        raise_together(lambda: prepare and prepare(path, staging, files), what=what, **scope)
-        raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
-        raise_together(lambda: _commit(model, path, staging, files, quant) if leader else None, what=what, **scope)
-    except Exception:
-        if leader:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+        items, files = raise_together(plan, what=what, **scope)
+        _gather_adapters(adapters, full)  # the only collectives besides the agreements: before any write
+        try:
+            prepare = _create_files if leader else _probe if scope.get("process_group") is LOCAL else None
+            raise_together(lambda: prepare and prepare(path, staging, files), what=what, **scope)
+            raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
+            step = lambda: _commit(model, path, staging, files, quant, committed) if leader else None  # noqa: E731
+            raise_together(step, what=what, **scope)
+        except Exception:
+            if leader and not (path / commit.JOURNAL).exists():  # past the commit point the staged files are it
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except Exception as e:
+        if scope.get("process_group") is LOCAL or not liveness.is_collective_failure(e):
+            raise
+        raise _lost(path, e, scope, committed) from e
+
+
+def _lost(path: Path, e: Exception, scope: dict, committed: list) -> CheckpointSaveError:
+    """A collective of the save failed: name the ranks that stopped answering (a roll call over the mesh)."""
+    mesh = scope.get("mesh")
+    groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else [scope.get("process_group")]
+    lost, how = liveness.roll_call(groups)
+    leader = mesh.mesh.flatten().tolist()[0] if mesh is not None else 0
+    if committed:
+        held = f"{path} holds this export, complete (its files were moved into place)"
+    elif leader in lost:
+        held = (
+            f"{path} holds the previous export, or this one if rank {leader} died after committing it (then "
+            f"the next dq.hf.load or dq.hf.save finishes moving its files into place, as {commit.JOURNAL} lists)"
+        )
+    else:
+        held = f"{path} holds the previous export as it was"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CheckpointSaveError(
+        f"dq.hf.save to {path} did not complete: {liveness.describe(lost, how)}; {type(e).__name__}: "
+        f"{first[:300]}. {held}.",
+        lost,
+    )
 
 
 def _create_files(path: Path, staging: Path, files: dict) -> None:
     """Rank 0: the staging directory with every file at its final size, headers written."""
     path.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)  # a save that died before cleaning up
+    commit.finish(path)  # a save killed after its commit point: its export first becomes whole
+    shutil.rmtree(staging, ignore_errors=True)  # a save that died before its commit point
     staging.mkdir()
     for name, (header, size) in files.items():
         with open(staging / name, "wb") as f:
@@ -388,24 +421,21 @@ def _check_padding_is_zero(item: _Item, local: torch.Tensor) -> None:
         )
 
 
-def _commit(model: nn.Module, path: Path, staging: Path, files: dict, quant: dict | None = None) -> None:
-    """Rank 0: the index (if any), the new files moved into place, stale ones removed, then the config."""
-    old = {p.name for p in path.glob("*.safetensors")}
+def _commit(model: nn.Module, path: Path, staging: Path, files: dict, quant: dict | None, committed: list) -> None:
+    """Rank 0: the index (if any) and the config into the staging directory, then all of it into place at once
+    (:func:`.commit.commit`: a journal first, so a kill half-way is finished by the next reader)."""
     if len(files) > 1:
         weight_map = {k: name for name, (h, _) in files.items() for k in _keys(h)}
         total = sum(size - len(h) for h, size in files.values())
         text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         (staging / INDEX).write_text(text)
-    else:
-        (path / INDEX).unlink(missing_ok=True)  # readers prefer an index: a stale one goes first
-    for name in files:
-        os.replace(staging / name, path / name)
-    if len(files) > 1:
-        os.replace(staging / INDEX, path / INDEX)
-    for name in old - set(files):
-        (path / name).unlink(missing_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    _save_config(model, path, quant or None)
+    _save_config(model, staging, quant or None)
+    moves = [*files, *sorted(p.name for p in staging.iterdir() if p.name not in files)]  # weights, index, config
+    stale = {p.name for p in path.glob("*.safetensors")} - set(files)
+    if len(files) == 1:
+        stale.add(INDEX)  # readers prefer an index: a stale one must go
+    commit.commit(path, moves, sorted(stale))
+    committed.append(True)
 
 
 def _keys(header: bytes) -> dict:

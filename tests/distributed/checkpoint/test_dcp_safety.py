@@ -193,7 +193,8 @@ def test_killed_rank_leaves_previous_checkpoint(ranks, tmp_path, dying_rank):
     survivor = 1 - dying_rank
     error, trace = info.value.errors[survivor]
     assert isinstance(error, ckpt.CheckpointSaveError), trace
-    assert "still holds the previous checkpoint" in str(error)
+    assert "holds the previous checkpoint" in str(error), error
+    assert error.lost_ranks == [dying_rank] and f"rank {dying_rank} stopped answering" in str(error), error
     assert "died" in str(info.value.errors[dying_rank][0]) or "exited" in info.value.errors[dying_rank][1]
     ranks(3).run(load_model, "int8", "s0_3", path)  # SEED's weights, not OTHER's
     # the next save cleans the partial files up and commits
