@@ -77,20 +77,26 @@ def parameters_by_identity():
         acc._get_parameter_id = by_pointer
 
 
-def make_trainer(path, out, steps: int, **kwargs):
-    """The model loaded with trainable int8 weights, a Trainer with FSDP2 over every decoder layer; defaults else."""
+def make_trainer(path, out, steps: int, tensors: bool = False, state_dict_type: str = "FULL_STATE_DICT", **kwargs):
+    """The model loaded with trainable int8 weights, a Trainer with FSDP2 over every decoder layer; defaults else.
+
+    ``tensors``: the model's state dicts hold each quantized weight as a tensor (``tensor_state_dicts``), not as
+    entries. ``state_dict_type``: how accelerate writes Trainer's checkpoints (``FULL_STATE_DICT``: one file
+    from rank 0; ``SHARDED_STATE_DICT``: DCP); ``save_model`` writes only under ``FULL_STATE_DICT``."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, quantization_config=dq.hf.QuantConfig("int8", trainable=True, seed=0)
     )
+    if tensors:
+        dq.checkpoint.tensor_state_dicts(model)
     args = transformers.TrainingArguments(
         out,
         max_steps=steps,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
         fsdp=True,
-        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER], "state_dict_type": "FULL_STATE_DICT"},
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER], "state_dict_type": state_dict_type},
         report_to=[],
         logging_steps=1,
         use_cpu=True,
@@ -143,11 +149,11 @@ def differing(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def train_save_reload(path, out) -> dict:
+def train_save_reload(path, out, tensors: bool) -> dict:
     """Train, save_model, then read the directory back by from_pretrained and by dq.hf.load (on every rank)."""
     import transformers
 
-    trainer = make_trainer(path, out, steps=6, save_strategy="no")
+    trainer = make_trainer(path, out, steps=6, tensors=tensors, save_strategy="no")
     start = full_bytes(trainer.model)
     with parameters_by_identity():
         trainer.train()
@@ -179,14 +185,24 @@ def train_save_reload(path, out) -> dict:
     }
 
 
-def resume(path, out) -> dict:
+def resume(path, out, tensors: bool, state_dict_type: str = "FULL_STATE_DICT") -> dict:
     """Four steps with a checkpoint at 2, against two steps resumed from that checkpoint: the same bytes."""
-    a = make_trainer(path, os.path.join(out, "a"), steps=4, save_strategy="steps", save_steps=2)
+    a = make_trainer(
+        path,
+        os.path.join(out, "a"),
+        steps=4,
+        tensors=tensors,
+        state_dict_type=state_dict_type,
+        save_strategy="steps",
+        save_steps=2,
+    )
     with parameters_by_identity():
         a.train()
     continuous = local_bytes(a.model)
     torch.distributed.barrier()
-    b = make_trainer(path, os.path.join(out, "b"), steps=4, save_strategy="no")
+    b = make_trainer(
+        path, os.path.join(out, "b"), steps=4, tensors=tensors, state_dict_type=state_dict_type, save_strategy="no"
+    )
     start = local_bytes(b.model)
     with parameters_by_identity():
         b.train(resume_from_checkpoint=os.path.join(out, "a", "checkpoint-2"))

@@ -21,9 +21,11 @@ pytest.importorskip("accelerate")
 LINEARS = 7 * CONFIG["num_hidden_layers"] + 1  # q, k, v, o, gate, up, down a layer; lm_head
 
 
+# tensors: the model's state dicts hold tensors (dq.checkpoint.tensor_state_dicts), else entries
 @pytest.mark.slow
-def test_trainer_fsdp2_fused_adamw_save_model_reload(ranks, checkpoints, tmp_path):
-    results = ranks(2).run(tc.train_save_reload, checkpoints["llama", False], str(tmp_path))
+@pytest.mark.parametrize("tensors", [False, True], ids=["entries", "tensors"])
+def test_trainer_fsdp2_fused_adamw_save_model_reload(ranks, checkpoints, tmp_path, tensors):
+    results = ranks(2).run(tc.train_save_reload, checkpoints["llama", False], str(tmp_path), tensors)
     for r in results:
         assert r["optimizer"] == ("AdamW", True), r["optimizer"]  # Trainer's default, fused
         assert r["quantized"] == LINEARS and r["trainable"], r
@@ -36,15 +38,19 @@ def test_trainer_fsdp2_fused_adamw_save_model_reload(ranks, checkpoints, tmp_pat
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
+# Trainer's checkpoints as accelerate writes them: one file from rank 0, or DCP. Not with tensor state dicts yet: there
+# set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) (accelerate's FULL_STATE_DICT load) makes
+# dense empties on ranks > 0 for rank 0's quantized tensors and the broadcast never matches (a hang).
 @pytest.mark.slow
-def test_trainer_resume_is_byte_identical(ranks, checkpoints, tmp_path):
-    results = ranks(2).run(tc.resume, checkpoints["llama", False], str(tmp_path))
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_trainer_resume_is_byte_identical(ranks, checkpoints, tmp_path, state_dict_type):
+    results = ranks(2).run(tc.resume, checkpoints["llama", False], str(tmp_path), False, state_dict_type)
     for r in results:
         assert r["differ"] == [], r["differ"]
         assert len(r["changed"]) > LINEARS, r["changed"]  # the resumed run did train from the checkpoint's bytes
         continuous, resumed = r["losses"]
         assert resumed[-2:] == continuous[-2:], r["losses"]
-    assert "optimizer.bin" in results[0]["checkpoint"], results[0]["checkpoint"]
+    assert any(name.startswith("pytorch_model_fsdp") for name in results[0]["checkpoint"]), results[0]["checkpoint"]
 
 
 @pytest.mark.slow
