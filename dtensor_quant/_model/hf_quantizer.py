@@ -207,8 +207,10 @@ class DtensorQuantHfQuantizer(HfQuantizer):
         for fqn, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
                 key = f"{fqn}.{name}" if fqn else name
-                if key in tied or not is_matmul_weight(module, name, param) or not should_convert_module(key, skip):
+                if key in tied or not is_matmul_weight(module, name, param):
                     continue
+                if not (should_convert_module(fqn, skip) and should_convert_module(key, skip)):
+                    continue  # module names as transformers matches them ("down_proj" a suffix of the module's)
                 if self.quantization_config.trainable and param.ndim != 2:
                     raise ValueError(f"QuantConfig(trainable=True): {key} is {param.ndim}-D; trainable quantized "
                                      "weights are 2-D [out, in]. Leave it with modules_to_not_convert")  # fmt: skip

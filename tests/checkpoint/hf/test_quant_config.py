@@ -135,9 +135,11 @@ def test_trainable_needs_stochastic_rounding():
 
 def test_modules_to_not_convert(checkpoints):
     model = qc.from_pretrained(
-        checkpoints["llama", False], quantization_config=dq.hf.QuantConfig("int8", modules_to_not_convert=["lm_head"])
+        checkpoints["llama", False],
+        quantization_config=dq.hf.QuantConfig("int8", modules_to_not_convert=["lm_head", "down_proj"]),
     )
     assert not isinstance(model.lm_head.weight, dq.QuantizedTensor)
+    assert not isinstance(model.model.layers[1].mlp.down_proj.weight, dq.QuantizedTensor)  # a module name's suffix
     assert isinstance(model.model.layers[1].mlp.up_proj.weight, dq.QuantizedTensor)
 
 
