@@ -38,6 +38,7 @@ and :func:`dtensor_quant.hf.load` read it back as stored.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping
 
@@ -60,6 +61,8 @@ from .._checkpoint.state_dict import SPEC_KEY, format_of_record, from_entries, i
 from .._core.format import QuantFormat
 from .._core.tensor import contiguous_strides
 from .._parallel.quantize import quantize
+from . import placed
+from . import trainable as trainable_weights
 from .format_spec import parse_format
 from .quantize_model import adopt_quantized, is_matmul_weight
 
@@ -83,6 +86,14 @@ class QuantConfig(QuantizationConfigMixin):
     ``"int8"``). ``modules_to_not_convert``: module names (or transformers'
     patterns) left dense. ``config_groups`` is what ``save_pretrained`` writes:
     the format of each stored weight (one group per format).
+
+    ``trainable=True`` (formats with stochastic rounding: ``"int8"``,
+    ``Float8Rowwise``, ``Float8Tensorwise``; 2-D weights) loads the weights as
+    :func:`~dtensor_quant.quantize_` with ``trainable=True, seed=seed`` makes
+    them: quantized parameters any ``torch.optim`` optimizer (fused ones
+    included) updates in place, so ``transformers.Trainer`` fine-tunes them
+    (docs/training.md). ``save_pretrained`` records both, so the checkpoint
+    reloads trainable with the same seed.
     """
 
     def __init__(
@@ -92,6 +103,8 @@ class QuantConfig(QuantizationConfigMixin):
         config_groups: dict | None = None,
         quant_method: str = NATIVE,
         version: int = NATIVE_VERSION,
+        trainable: bool = False,
+        seed: int = 0,
         **kwargs,
     ):
         if quant_method != NATIVE:
@@ -111,8 +124,18 @@ class QuantConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
         self.config_groups = dict(config_groups) if config_groups else None
         self.version = NATIVE_VERSION
+        self.trainable = bool(trainable)
+        self.seed = int(seed)
         if self.config_groups:
             native_targets(self.to_dict())  # every group's format must build here, before any model exists
+        if self.trainable:
+            for fmt in [self.format, *self.targets().values()]:
+                if fmt is not None and not trainable_weights.supports_training(fmt):
+                    raise ValueError(
+                        f"QuantConfig(trainable=True): {fmt} has no stochastic rounding, so optimizer updates could "
+                        "not be requantized without losing them. Use 'int8' (Int8Rowwise), Float8Rowwise or "
+                        "Float8Tensorwise, or train adapters (PEFT LoRA) on frozen weights"
+                    )
 
     def to_dict(self) -> dict:
         out = {"quant_method": NATIVE, "version": self.version}
@@ -121,6 +144,8 @@ class QuantConfig(QuantizationConfigMixin):
         out["modules_to_not_convert"] = self.modules_to_not_convert
         if self.config_groups:
             out["config_groups"] = json.loads(json.dumps(self.config_groups))
+        if self.trainable:
+            out["trainable"], out["seed"] = True, self.seed
         return out
 
     def __iter__(self):
@@ -182,8 +207,13 @@ class DtensorQuantHfQuantizer(HfQuantizer):
         for fqn, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
                 key = f"{fqn}.{name}" if fqn else name
-                if key in tied or not is_matmul_weight(module, name, param) or not should_convert_module(key, skip):
+                if key in tied or not is_matmul_weight(module, name, param):
                     continue
+                if not (should_convert_module(fqn, skip) and should_convert_module(key, skip)):
+                    continue  # module names as transformers matches them ("down_proj" a suffix of the module's)
+                if self.quantization_config.trainable and param.ndim != 2:
+                    raise ValueError(f"QuantConfig(trainable=True): {key} is {param.ndim}-D; trainable quantized "
+                                     "weights are 2-D [out, in]. Leave it with modules_to_not_convert")  # fmt: skip
                 out[key] = fmt
         if not out:
             raise ValueError(f"QuantConfig({fmt}): {type(model).__name__} has no nn.Linear weight or fused expert "
@@ -219,6 +249,14 @@ class DtensorQuantHfQuantizer(HfQuantizer):
         left = [k for k in self.targets if not is_quantized(model.get_parameter(k))]
         if left:
             raise ValueError(f"dtensor_quant: {left[:6]} were not loaded quantized (the checkpoint lacks them?)")
+        if self.quantization_config.trainable:
+            seed = self.quantization_config.seed
+            for key in self.targets:
+                fqn, _, name = key.rpartition(".")
+                module = model.get_submodule(fqn)
+                getattr(module, name).requires_grad_(True)
+                placed.own(module)
+                trainable_weights.make_trainable(module, name, trainable_weights.weight_seed(seed, key))
         # Reading is done: its converters describe no rename of this model's keys for save_pretrained to revert.
         conversions = getattr(model, "_weight_conversions", None)
         if conversions:
@@ -227,9 +265,13 @@ class DtensorQuantHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """Every quantized weight as its inner tensors ``{key}.{name}`` (DTensors under tp_plan: transformers
-        gathers them), dense tensors as they are; ``config_groups`` records each weight's format."""
+        gathers them), dense tensors as they are; ``config_groups`` records each weight's format.
+
+        From the ``state_dict`` that ``save_pretrained`` was given, if any (see :func:`_given_state_dict`), else
+        from the model's."""
+        given = _given_state_dict(inspect.currentframe())
         out, weights = {}, {}
-        for key, value in model.state_dict().items():
+        for key, value in (model.state_dict() if given is None else given).items():
             if isinstance(value, torch.Tensor) and is_quantized(value):
                 value = to_entries(value, key)
             if not isinstance(value, Mapping):
@@ -249,8 +291,31 @@ class DtensorQuantHfQuantizer(HfQuantizer):
         return True  # adapters (peft LoRA) train on the frozen quantized weights
 
     @property
+    def is_qat_trainable(self) -> bool:
+        return self.quantization_config.trainable  # Trainer fine-tunes the quantized weights themselves
+
+    @property
     def is_compileable(self) -> bool:
         return False
+
+
+def _given_state_dict(frame) -> Mapping | None:
+    """The ``state_dict`` argument of the transformers ``save_pretrained`` call that called ``frame``'s function.
+
+    transformers (5.x) replaces that argument by what the quantizer returns and gives the quantizer only the
+    model. ``Trainer.save_model`` under FSDP (accelerate) gathers the full state dict on every rank, then calls
+    ``save_pretrained(state_dict=full)`` on rank 0 alone, where the model's own parameters are shards that one
+    rank cannot gather: writing from the model would hang or write shards. So the argument is read from the
+    caller's frame -- only when the caller is transformers' own ``PreTrainedModel.save_pretrained`` (the same
+    code object), else None and the model's state dict is used.
+    """
+    from transformers import PreTrainedModel
+
+    caller = frame.f_back if frame is not None else None
+    if caller is None or caller.f_code is not inspect.unwrap(PreTrainedModel.save_pretrained).__code__:
+        return None
+    given = caller.f_locals.get("state_dict")
+    return given if isinstance(given, Mapping) else None
 
 
 def _plain_targets(targets, state_dict, prefix) -> None:

@@ -251,12 +251,36 @@ def track(optimizer: torch.optim.Optimizer) -> None:
     framework that copies live keys) is adopted first.
     """
     if optimizer not in _TRACKED:
-        if not any(True for _ in _trainable_params(optimizer)):
+        params = [p for p, _ in _trainable_params(optimizer)]
+        if not params:
             return
+        _refuse_repeated(params)
         _TRACKED.add(optimizer)
         optimizer.register_state_dict_post_hook(_save_steps)
         optimizer.register_load_state_dict_post_hook(_load_steps)
     _load_steps(optimizer)
+
+
+def _refuse_repeated(params: list) -> None:
+    """An optimizer that lists one trainable weight several times would update it that often a step, the others never.
+
+    accelerate (1.16) does this when it prepares FSDP2: it swaps the optimizer's parameters for the sharded ones
+    matching them by ``data_ptr()``, which is 0 for every tensor subclass (this library's, DTensor's), so every
+    quantized weight maps to one of them. Refused at the first step, before any update.
+    """
+    seen: dict[int, int] = {}
+    for p in params:
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    repeated = [(p, seen[id(p)]) for p in {id(p): p for p in params}.values() if seen[id(p)] > 1]
+    if repeated:
+        p, n = repeated[0]
+        raise ValueError(
+            f"the optimizer lists a trainable quantized weight ({type(_local(p)).__name__} {list(p.shape)}) {n} "
+            f"times ({len(params)} entries for {len(seen)} weights): it would update that weight {n} times a step "
+            "and the others never. accelerate's FSDP2 preparation does this (it matches the optimizer's parameters to "
+            "the sharded ones by data_ptr(), 0 for every tensor subclass); match them by identity instead, as "
+            "docs/frameworks.md (transformers.Trainer + FSDP2) shows"
+        )
 
 
 def adopt(optimizer: torch.optim.Optimizer) -> None:

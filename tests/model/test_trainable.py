@@ -334,3 +334,17 @@ def test_compiled_forward_and_backward_train_like_eager():
         assert loss_c == pytest.approx(loss_e, rel=1e-3)
         torch.testing.assert_close(grad_c, grad_e, rtol=2e-2, atol=1e-3)
     assert compiled[-1][0] < 0.5 * compiled[0][0]
+
+
+def test_an_optimizer_listing_a_trainable_weight_twice_is_refused_before_any_update():
+    """What accelerate's data_ptr-keyed FSDP2 remap leaves (every quantized weight mapped to one): refused."""
+    model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False))
+    dq.quantize_(model, dq.Int8Rowwise(), trainable=True)
+    a, b = model[0].weight, model[1].weight
+    before = a.qdata.clone()
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b]}], fused=True)
+    opt.param_groups[1]["params"] = [a]  # as accelerate's remap assigns them, past torch's own duplicate check
+    model(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(ValueError, match=r"2 times .*data_ptr\(\)"):
+        opt.step()
+    assert torch.equal(a.qdata, before)

@@ -77,3 +77,39 @@ def tp_round_trip(path, fmt_name: str, out) -> dict:
     again = from_pretrained(out, torch.float32, tp_plan="auto")
     assert_same_model(again, model)
     return {"quantized": quantized, "sharded": sharded, "tokens": got, "tokens_again": tokens(again)}
+
+
+# NF4's double-quantized 'factor' is blocked over the flattened weight: a row-parallel (Shard(1)) cut cannot hold it,
+# so those layers stay dense, as a user names them.
+ROW_PARALLEL = ["o_proj", "down_proj"]
+
+
+def nf4_config():
+    return dq.hf.QuantConfig("nf4", modules_to_not_convert=ROW_PARALLEL)
+
+
+def tp_nf4_round_trip(path, out) -> dict:
+    """On every rank: NF4 with tp_plan="auto" (row-parallel layers dense) against the one-process model's bytes
+    sharded by each parameter's placements; generate; save_pretrained at TP 2; reload at TP 2 (same bytes)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = from_pretrained(path, torch.float32, quantization_config=nf4_config(), tp_plan="auto")
+    one = from_pretrained(path, torch.float32, quantization_config=nf4_config())
+    quantized = 0
+    for name, p in model.named_parameters():
+        want = one.get_parameter(name).detach()
+        if isinstance(p, DTensor):
+            want = distribute_tensor(want, p.device_mesh, p.placements, src_data_rank=None)._local_tensor
+        got = _local(p)
+        if isinstance(want, dq.QuantizedTensor):
+            assert_same_bits(got, want, name)
+            quantized += 1
+        else:
+            assert not isinstance(got, dq.QuantizedTensor), name
+            assert torch.equal(got.detach().view(torch.uint8), want.view(torch.uint8)), name
+    got = tokens(model)
+    model.save_pretrained(out)
+    torch.distributed.barrier()
+    again = from_pretrained(out, torch.float32, tp_plan="auto")
+    assert_same_model(again, model)
+    return {"quantized": quantized, "tokens": got, "tokens_again": tokens(again)}

@@ -76,11 +76,70 @@ def test_dq_hf_save_writes_what_from_pretrained_reads(checkpoints, tmp_path):
     assert qc.tokens(again) == qc.tokens(model)
 
 
+def _one_step(model, fused: bool = True):
+    """One AdamW step on a fixed batch (the same gradients for the same bytes)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=fused)
+    ids = torch.tensor(qc.PROMPT * 2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def test_trainable_loads_as_quantize_does(checkpoints):
+    """QuantConfig(trainable=True, seed) gives quantize_(trainable=True, seed)'s weights: the same bytes, and the
+    same bytes again after a fused AdamW step (the same stochastic-rounding seed per weight)."""
+    path = checkpoints["llama", False]
+    config = dq.hf.QuantConfig("int8", trainable=True, seed=3)
+    model = qc.from_pretrained(path, torch.float32, quantization_config=config)
+    ref = qc.from_pretrained(path, torch.float32)
+    dq.quantize_(ref, dq.Int8Rowwise(), trainable=True, seed=3)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in ref.modules())
+    assert qc.assert_same_model(model, ref) == linears  # requires_grad compared too: every weight trainable
+    assert model.hf_quantizer.is_qat_trainable  # transformers.Trainer fine-tunes it without adapters
+    before = model.model.layers[0].mlp.down_proj.weight.qdata.clone()
+    _one_step(model), _one_step(ref)
+    assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight.qdata)
+    qc.assert_same_model(model, ref)
+
+
+def test_trainable_save_pretrained_round_trip_and_given_state_dict(checkpoints, tmp_path):
+    """save_pretrained records trainable and seed (reloaded trainable, the same bytes), and writes the state_dict it
+    is given (what Trainer passes under FSDP), not the model's own."""
+    path = checkpoints["llama", False]
+    config = dq.hf.QuantConfig("int8", trainable=True, seed=5)
+    model = qc.from_pretrained(path, torch.float32, quantization_config=config)
+    stepped = qc.from_pretrained(path, torch.float32, quantization_config=config)
+    _one_step(stepped)
+    model.save_pretrained(tmp_path, state_dict=stepped.state_dict())
+    stored = qc.quantization_config(tmp_path)
+    assert stored["trainable"] is True and stored["seed"] == 5, stored
+    again = qc.from_pretrained(tmp_path, torch.float32)
+    qc.assert_same_model(again, stepped)  # the given state dict's bytes, trainable
+    passed = qc.from_pretrained(tmp_path, torch.float32, quantization_config=dq.hf.QuantConfig("int8", trainable=True))
+    qc.assert_same_model(passed, stepped)  # a config passed too: the checkpoint's is used, as stored
+    with dq.hf.init_empty():
+        meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.float32)
+    dq.hf.quantize_like_checkpoint(meta, tmp_path)
+    dq.hf.load(dq.hf.materialize(meta), tmp_path)
+    for name, p in stepped.named_parameters():
+        if isinstance(p, dq.QuantizedTensor):
+            dq.testing.assert_same_bits(meta.get_parameter(name), p, name)
+
+
+def test_trainable_needs_stochastic_rounding():
+    with pytest.raises(ValueError, match="stochastic rounding"):
+        dq.hf.QuantConfig("nf4", trainable=True)
+    assert "trainable" not in dq.hf.QuantConfig("int8").to_dict()  # written only when asked for
+
+
 def test_modules_to_not_convert(checkpoints):
     model = qc.from_pretrained(
-        checkpoints["llama", False], quantization_config=dq.hf.QuantConfig("int8", modules_to_not_convert=["lm_head"])
+        checkpoints["llama", False],
+        quantization_config=dq.hf.QuantConfig("int8", modules_to_not_convert=["lm_head", "down_proj"]),
     )
     assert not isinstance(model.lm_head.weight, dq.QuantizedTensor)
+    assert not isinstance(model.model.layers[1].mlp.down_proj.weight, dq.QuantizedTensor)  # a module name's suffix
     assert isinstance(model.model.layers[1].mlp.up_proj.weight, dq.QuantizedTensor)
 
 

@@ -34,3 +34,19 @@ def test_tp_plan_auto_round_trip(ranks, checkpoints, tmp_path, fmt_name):
         assert r["tokens"] == want and r["tokens_again"] == want, (r, want)
     saved = qc.from_pretrained(tmp_path / "tp", torch.float32)  # written at TP 2, read by one process: the same bytes
     qc.assert_same_model(saved, one)
+
+
+def test_tp_plan_auto_nf4_round_trip(ranks, checkpoints, tmp_path):
+    """NF4 under tp_plan="auto" (o_proj, down_proj left dense: NF4 cannot be cut along their inputs): each rank's
+    bytes are the one-process model's, sharded; generate gives its tokens; save_pretrained at TP 2 reloads at TP 2
+    and on one process with the same bytes."""
+    path = checkpoints["llama", False]
+    results = ranks(2).run(qc.tp_nf4_round_trip, path, str(tmp_path / "tp"))
+    one = qc.from_pretrained(path, torch.float32, quantization_config=qc.nf4_config())
+    want = qc.tokens(one)
+    quantized = 5 * CONFIG["num_hidden_layers"] + 1  # q, k, v, gate, up a layer; lm_head
+    for r in results:
+        assert r["quantized"] == quantized, r
+        assert r["tokens"] == want and r["tokens_again"] == want, (r, want)
+    saved = qc.from_pretrained(tmp_path / "tp", torch.float32)
+    assert qc.assert_same_model(saved, one) == quantized
