@@ -34,6 +34,10 @@ for it, without patching torchtitan:
   torchtitan's own manager passes the model's state dict (tensors, as torch's
   contract says) to DCP's default planners, which refuse a quantized tensor
   (docs/checkpoint.md says why no tensor extension point can avoid that).
+
+``spmd_types::replicate_to_varying`` (torchtitan's default ``spmd_types``
+backend converts weights with it) is registered for quantized tensors here:
+a rank's chunk, cut by the layout.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
+import torch
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.components.checkpointer.dcp import CheckpointManager as _TitanCheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer as _TitanOptimizers
@@ -51,6 +56,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.tools.logging import logger
 
 from .._checkpoint.state_dict import entries_from_state
+from .._core.dispatch import implements
 from .._model.format_spec import parse_format
 from .._model.quantize_model import quantize_
 from .._model.trainable import supports_training
@@ -138,6 +144,22 @@ class QuantizedLinearConverter(QuantizationConverter):
             f"left dense: {[f for f, _ in self.left_dense]}"
         )
         return model_config
+
+
+# -- spmd_types: the conversions a weight goes through -------------------------------------------
+
+
+@implements("spmd_types::replicate_to_varying")
+def _replicate_to_varying(func, x, world_size: int, split_dim: int, rank: int, stack: bool):
+    """spmd_types' Replicate -> Varying of a quantized weight: this rank's chunk (a copy), cut by the layout.
+
+    spmd_types' own op takes ``torch.chunk(x, world_size, split_dim)[rank]``
+    (or ``select`` along a stacked dim) and never aliases its input; so does
+    this, through the layout's slicing, which refuses a cut through a pack or
+    a block by name.
+    """
+    piece = x.select(split_dim, rank) if stack else torch.chunk(x, world_size, dim=split_dim)[rank]
+    return piece.clone()
 
 
 # -- the optimizer container -----------------------------------------------------------------

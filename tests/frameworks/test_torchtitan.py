@@ -49,3 +49,20 @@ def test_the_optimizer_container_resolves_the_librarys_names():
         [{"params": list(linear.parameters()), "fused": True, "foreach": False, "lr": 1e-3}]
     )
     assert isinstance(opt, dq.optim.AdamW8bit)
+
+
+def test_spmd_types_replicate_to_varying_cuts_a_quantized_weight_by_its_layout():
+    """spmd_types' R -> V conversion: this rank's chunk, the bytes of slicing the weight; a cut through a group
+    is refused."""
+    import spmd_types  # noqa: F401  (registers its ops)
+
+    weight = torch.randn(8, 128)
+    q = dq.quantize(weight, dq.Int8Rowwise())
+    for rank in range(2):
+        piece = torch.ops.spmd_types.replicate_to_varying(q, 2, 0, rank, False)
+        expected = dq.quantize(weight[rank * 4 : (rank + 1) * 4], dq.Int8Rowwise())
+        dq.testing.assert_same_bits(piece, expected, f"rank {rank}")
+        assert piece.qdata.data_ptr() != q.qdata.data_ptr()  # never aliases, as spmd_types' own op
+    groups = dq.quantize(weight, dq.Int4Groupwise(64))
+    with pytest.raises((dq.LayoutError, dq.UnsupportedOpError)):
+        torch.ops.spmd_types.replicate_to_varying(groups, 4, 1, 1, False)  # 32 columns: half a group

@@ -29,7 +29,7 @@ def _cpu() -> None:
     utils.device_type = parallel_dims.device_type = "cpu"
 
 
-def build(dp: int, tp: int, fmt: str = "int8", layers: int = 2, backend: str = "partial_dtensor"):
+def build(dp: int, tp: int, fmt: str = "int8", layers: int = 2, backend: str = "partial_dtensor", dense=()):
     """The converted, parallelized, initialised debug model and its ParallelDims (torchtitan's order)."""
     _cpu()
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -41,7 +41,7 @@ def build(dp: int, tp: int, fmt: str = "int8", layers: int = 2, backend: str = "
 
     import dtensor_quant.torchtitan as dqt
 
-    converter = dqt.QuantizedLinearConverter.Config(format=fmt, seed=3)
+    converter = dqt.QuantizedLinearConverter.Config(format=fmt, seed=3, filter_fqns=list(dense))
     spec = model_registry("debugmodel", converters=[converter])
     config = spec.model
     config.layers = config.layers[:layers]
