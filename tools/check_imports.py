@@ -34,7 +34,7 @@ OUTSIDE = ("tests", "bench", "examples")
 # and the benches look inside; the examples use only the public front, as users do.
 INSIDE_VIEW = ("tests", "bench")
 #: The public front besides the root module: packages (``__init__`` files over private modules) and modules.
-PUBLIC = ("fsdp", "checkpoint", "hf", "optim", "lora", "planner", "training", "config", "wire", "interop")
+PUBLIC = ("fsdp", "checkpoint", "hf", "optim", "lora", "planner", "training", "torchtitan", "config", "wire", "interop")
 
 #: The layers, bottom first: (folder or root module of the package, what it holds). A module imports only
 #: modules of its own layer or of lower ones. The package root (``__init__``, ``__main__``, ``_compat``) is
@@ -48,6 +48,7 @@ LAYERS = [
     ("_checkpoint", "DCP entries and save/load; Hugging Face directories"),
     ("_model", "whole models: quantize_, LoRA, trainable weights, TP plans and padding, the mesh planner"),
     ("_optim", "optimizers whose states are quantized tensors (AdamW8bit, AdamW4bit)"),
+    ("_frameworks", "training frameworks' extension points (torchtitan): converters, optimizers, checkpoints"),
     ("", "the public front: __init__, __main__ (the CLI), " + ", ".join(sorted(PUBLIC))),
     ("testing", "the conformance kit and the rank pool"),
 ]

@@ -61,14 +61,20 @@ class LoadPlanner(WeightsOnlyLoadPlanner):
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(entries_from_state(state_dict), metadata, is_coordinator)
+        self._user_state_dict = state_dict  # entries_from_state copied its dicts: non-tensor values go here
         suffix = "." + SPEC_KEY
         self._records = {k: v for k, v in self.state_dict.items() if k.endswith(suffix)}
 
     def load_bytes(self, read_item, value) -> None:
         fqn = read_item.dest_index.fqn
         expected = self._records.get(fqn)
-        if expected is None:
-            return super().load_bytes(read_item, value)
+        if expected is None:  # a non-tensor value (an optimizer's step count, say): into the caller's dict
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self._user_state_dict, self.mappings[fqn], obj)
+            else:
+                self._user_state_dict[fqn] = obj
+            return None
         found = torch.load(value, weights_only=True)
         key = fqn[: -len(SPEC_KEY) - 1]
         check_spec(parse_spec(found, key), parse_spec(expected, key), key)

@@ -1,8 +1,19 @@
-"""How a quantized weight appears in a state dict and in DCP: one plain tensor per inner tensor, plus its format.
+"""How a quantized weight appears in a state dict and in DCP: a tensor in the state dict, entries on disk.
 
-DCP records one dtype and one global shape per key, so a quantized weight
-cannot be a single entry on disk: its inner tensors have their own dtypes and
-shapes. Its *entries* are a small dict (DCP flattens it into
+**State dicts hold tensors.** torch's contract is name -> tensor, and code
+that reshapes weights in a state-dict hook (torchtitan's fused-QKV split
+calling ``.shape`` and ``torch.split``), caches them (torchtitan's
+``ModelWrapper``: ``.shape``, ``.dtype``, ``copy_``) or sizes a state dict
+(Hugging Face's shard splitter) needs it. So ``model.state_dict()`` and
+``get_model_state_dict`` hold each quantized weight as itself: the
+:class:`~dtensor_quant.QuantizedTensor` parameter (detached, sharing its
+bytes) or its DTensor. ``load_state_dict`` / ``set_model_state_dict`` copy a
+quantized value's bytes in place after checking its format, quantize a dense
+one, and rebuild entry-form values (below).
+
+**On disk, entries.** DCP records one dtype and one global shape per key, so
+a quantized weight cannot be a single key: its inner tensors have their own
+dtypes and shapes. Its *entries* are a small dict (DCP flattens it into
 ``weight.qdata``, ``weight.scale``, ...)::
 
     {"qdata": <DTensor of uint8>, "scale": <DTensor of bf16>, ..., "__quant__": '{"format": ...}'}
@@ -17,30 +28,23 @@ here on every rank from shapes alone), and ``Replicate`` of one that is
 constant along ``d``. DCP's own resharding then moves whole packs and blocks.
 ``__quant__`` is a JSON string (format, parameters, logical shape and dtype,
 relations): readable without this library and safe under ``weights_only``.
+Without a process group the entries are the weight's plain inner tensors.
 
-Without a process group a quantized parameter is a plain
-:class:`~dtensor_quant.QuantizedTensor` and its entries are its plain inner
-tensors. :func:`register` installs the module hooks that make
-``model.state_dict()``, ``load_state_dict``, ``get_model_state_dict`` and
-``set_model_state_dict`` use this form; :func:`dtensor_quant.quantize_` calls
-it. The on-disk format is documented in ``docs/checkpoint.md``.
+The entries are made at the planner: ``dtensor_quant.checkpoint.save/load``
+and ``dcp.save/load(..., planner=dq.checkpoint.SavePlanner() /
+LoadPlanner())`` convert quantized values with :func:`entries_from_state`.
+DCP's extension points for tensor subclasses (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``) cannot do it under
+DCP's default planners: those look every write and read up by the key of
+the state dict, so a write item named ``weight.qdata`` is "not found"
+(docs/checkpoint.md says what else was tried). A quantized value that
+reaches a default planner is refused naming the fix (``dcp_refusal``).
 
-**Tensors-only state dicts.** torch's contract is name -> tensor, and code
-that reshapes weights in a state-dict hook (a fused-QKV split calling
-``.shape`` and ``torch.split``) or sizes a state dict (Hugging Face's shard
-splitter) needs it. :func:`tensor_state_dicts` makes a model's
-``state_dict()`` hold each quantized weight as itself (the
-:class:`~dtensor_quant.QuantizedTensor` or its DTensor, sharing the
-parameter's bytes). DCP's extension points for tensor subclasses
-(``__create_write_items__``, ``__create_chunk_list__``,
-``__get_tensor_shard__``) cannot give such a value more than one key under
-DCP's default planners: they look every write and read up by the key of the
-state dict, so a write item named ``weight.qdata`` is "not found". The
-entries are therefore made at the planner: ``dtensor_quant.checkpoint.save/
-load`` and ``dcp.save/load(..., planner=dq.checkpoint.SavePlanner() /
-LoadPlanner())`` convert quantized values with :func:`entries_from_state`
-and write the same files; a quantized value that reaches a default planner
-is refused naming them (``dcp_refusal``).
+The entry form stays reachable: :func:`entries_from_state` converts a state
+dict, and ``tensor_state_dicts(model, enabled=False)`` makes a model's own
+``state_dict()`` return entries (for plain DCP with its default planners).
+:func:`register` installs the module hooks; :func:`dtensor_quant.quantize_`
+calls it. The on-disk format is documented in ``docs/checkpoint.md``.
 """
 
 from __future__ import annotations
@@ -525,7 +529,8 @@ def dcp_refusal(what: str) -> CheckpointFormatError:
         f"{what}: a quantized weight reached DCP's default planner, which gives each state-dict value one key; "
         "its inner tensors need one key each. Save and load with dtensor_quant.checkpoint.save/load, pass "
         "planner=dtensor_quant.checkpoint.SavePlanner() (LoadPlanner() to load) to dcp.save/dcp.load, or convert "
-        "the state dict first with dtensor_quant._checkpoint.state_dict.entries_from_state."
+        "the state dict first with dtensor_quant.checkpoint.entries_from_state(state_dict) (or make the model's own "
+        "state dicts entries: dtensor_quant.checkpoint.tensor_state_dicts(model, enabled=False))."
     )
 
 
@@ -546,15 +551,20 @@ def _dcp_tensor_shard(q, index):
 
 # -- module hooks ---------------------------------------------------------------------
 
-TENSORS = "_dtensor_quant_tensor_state"  # on a module: its state dicts hold quantized weights as tensors
+TENSORS = "_dtensor_quant_tensor_state"  # on a module: False if its state dicts hold entries (the opt-out)
 
 
 def tensor_state_dicts(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Make ``model.state_dict()`` hold each quantized weight as a tensor (itself, or its DTensor), not entries.
+    """Choose the form of quantized weights in ``model.state_dict()``: tensors (the default) or entries.
 
+    Tensors (``enabled=True``, what every quantized model does unless told
+    otherwise): each quantized weight is itself, or its DTensor;
     ``get_model_state_dict``, ``load_state_dict`` (bytes copied in place) and
-    ``set_model_state_dict`` follow; DCP needs the planners that make the
-    entries (module docstring). ``enabled=False`` restores the entry form.
+    ``set_model_state_dict`` follow, and DCP needs the planners that make the
+    entries (module docstring). ``enabled=False`` opts the model out: its
+    state dicts hold the entry dicts, which plain DCP with its default
+    planners saves and loads (but which are not tensors: code that calls
+    ``.shape`` on state-dict values fails on them).
     """
     register(model)
     for module in model.modules():
@@ -563,7 +573,7 @@ def tensor_state_dicts(model: nn.Module, enabled: bool = True) -> nn.Module:
 
 
 def _state_dict_hook(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
-    if module.__dict__.get(TENSORS, False):
+    if module.__dict__.get(TENSORS, True):
         return
     for name, param in module._parameters.items():
         key = prefix + name
@@ -619,10 +629,12 @@ def _aliases(entries: Mapping, param) -> bool:
 
 
 def register(model: nn.Module) -> nn.Module:
-    """Make ``model``'s state dict hold quantized weights as entries (idempotent).
+    """Install the state-dict hooks of ``model``'s quantized weights (idempotent).
 
-    Installs a state-dict post-hook and a load pre-hook on every module that
-    owns a quantized parameter. Deep copies keep them.
+    On every module that owns a quantized parameter: a load pre-hook (a
+    quantized value's format checked, a dense value quantized, entries
+    rebuilt) and a state-dict post-hook that gives entries to a module opted
+    out of tensors (:func:`tensor_state_dicts`). Deep copies keep them.
     """
     for module in model.modules():
         if getattr(module, "_dtensor_quant_hooks", False):

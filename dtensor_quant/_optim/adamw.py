@@ -126,7 +126,7 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, refusing options this optimizer would otherwise ignore silently."""
-        known = {"params", "lr", "betas", "eps", "weight_decay", "foreach", *self._format_defaults()}
+        known = {"params", "param_names", "lr", "betas", "eps", "weight_decay", "foreach", *self._format_defaults()}
         for key in self._REFUSED:
             if param_group.get(key):
                 raise ValueError(f"{type(self).__name__}: {key}=True is not supported (in a param group)")
@@ -134,7 +134,7 @@ class AdamW(torch.optim.Optimizer):
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}: param group options {unknown} are not options of this optimizer; "
-                f"a group may set {sorted(known - {'params', 'foreach'})}"
+                f"a group may set {sorted(known - {'params', 'param_names', 'foreach'})}"
             )
         super().add_param_group(param_group)
         group = self.param_groups[-1]

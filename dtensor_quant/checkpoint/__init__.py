@@ -1,9 +1,14 @@
 """Checkpoints of quantized models (``dq.checkpoint``): DCP save/load in any layout, the state-dict entries.
 
 ``save``/``load``/``async_save`` write and read torch.distributed.checkpoint
-directories atomically, checked, in any sharding; ``register`` gives a
-module's quantized weights their per-inner-tensor state-dict entries (what
-DCP saves: the stored bytes, readable without this library). The save/load
+directories atomically, checked, in any sharding. A quantized model's
+``state_dict()`` holds tensors (torch's contract); on disk each quantized
+weight is its entries, one key per inner tensor plus a format record (the
+stored bytes, readable without this library), made by ``save`` and by the
+DCP planners ``SavePlanner``/``LoadPlanner``. ``entries_from_state`` and
+``tensor_state_dicts(model, enabled=False)`` give the entry form for plain
+DCP with its default planners; ``register`` installs the state-dict hooks
+(``quantize_`` does). The save/load
 half imports torch.distributed.checkpoint (about a second), so it loads on
 first use. Hugging Face directories are :mod:`dtensor_quant.hf`.
 """
@@ -15,6 +20,7 @@ import importlib
 from .._checkpoint.state_dict import (
     CheckpointFormatError,
     check_entry_chunks,
+    entries_from_state,
     quant_record,
     quantize_like,
     register,
@@ -64,6 +70,7 @@ __all__ = [
     "WeightsOnlyLoadPlanner",
     "async_save",
     "check_entry_chunks",
+    "entries_from_state",
     "load",
     "quant_record",
     "quantize_like",

@@ -97,7 +97,7 @@ def test_plain_dcp_load_of_another_format_leaves_the_model_untouched(tmp_path, o
         ckpt.load(net, path)
     reader = TensorsFirst(path) if order == "tensors first" else dcp.FileSystemReader(path)
     with pytest.raises(CheckpointException, match=r"(?s)Int8Rowwise.*Float8Rowwise.*Nothing was written"):
-        dcp.load(net.state_dict(), storage_reader=reader, no_dist=True)
+        dcp.load(ckpt.entries_from_state(net.state_dict()), storage_reader=reader, no_dist=True)
     after = model_bytes(net)
     changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
     if order == "as planned":  # the first entry DCP reads is a.weight's record: nothing at all is written
@@ -112,7 +112,7 @@ def test_plain_dcp_load_of_the_same_format_is_bit_exact(tmp_path, order):
     path = str(tmp_path / "ckpt")
     ckpt.save(cc.reference(SEED, "int8"), path)
     net = cc.reference(OTHER, "int8")
-    sd = net.state_dict()
+    sd = ckpt.entries_from_state(net.state_dict())  # plain DCP's default planner: the entry form, explicitly
     reader = TensorsFirst(path) if order == "tensors first" else dcp.FileSystemReader(path)
     dcp.load(sd, storage_reader=reader, no_dist=True)
     expected = model_bytes(cc.reference(SEED, "int8"))
@@ -122,10 +122,13 @@ def test_plain_dcp_load_of_the_same_format_is_bit_exact(tmp_path, order):
     assert all(torch.equal(model_bytes(net)[k], v) for k, v in expected.items())
 
 
-def test_entries_pickle_as_a_plain_state_dict(tmp_path):
-    """torch.save of model.state_dict() loads with weights_only=True (the entries are an OrderedDict there)."""
+@pytest.mark.parametrize("form", ["tensors", "entries"])
+def test_state_dicts_pickle_under_weights_only(tmp_path, form):
+    """torch.save of model.state_dict() loads with weights_only=True: tensors (the library's safe globals) or
+    entries (an OrderedDict there)."""
     net = cc.reference(SEED, "int8")
-    torch.save(net.state_dict(), tmp_path / "sd.pt")
+    sd = net.state_dict() if form == "tensors" else ckpt.entries_from_state(net.state_dict())
+    torch.save(sd, tmp_path / "sd.pt")
     back = torch.load(tmp_path / "sd.pt", weights_only=True)
     fresh = cc.reference(OTHER, "int8")
     fresh.load_state_dict(back)

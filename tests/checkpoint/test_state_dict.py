@@ -144,11 +144,17 @@ def test_relation_names_are_the_documented_spellings():
         sd.relation_name(Stacked(4))
 
 
-def test_register_makes_the_state_dict_hold_entries_that_load_back():
+def test_the_state_dict_holds_tensors_and_its_entries_load_back():
+    """The default form is the weight itself (torch's contract); the entry form, explicit, loads back too."""
     src = dq.quantize_(torch.nn.Linear(256, 16, bias=False), dq.Int4Groupwise(64))
     dst = dq.quantize_(torch.nn.Linear(256, 16, bias=False), dq.Int4Groupwise(64))
-    state = src.state_dict()
+    assert isinstance(src.state_dict()["weight"], dq.QuantizedTensor)
+    state = dq.checkpoint.entries_from_state(src.state_dict())
     assert set(state["weight"]) == {"qdata", "scale", "zero", sd.SPEC_KEY}
+    opted_out = dq.checkpoint.tensor_state_dicts(
+        dq.quantize_(torch.nn.Linear(256, 16, bias=False), dq.Int4Groupwise(64)), enabled=False
+    )
+    assert set(opted_out.state_dict()["weight"]) == {"qdata", "scale", "zero", sd.SPEC_KEY}
     dst.load_state_dict(
         {"weight": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state["weight"].items()}}
     )

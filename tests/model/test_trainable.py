@@ -254,7 +254,8 @@ RESUME_OPTIMIZERS = {
 
 @pytest.mark.parametrize("opt_name", RESUME_OPTIMIZERS)
 def test_resuming_through_get_and_set_optimizer_state_dict_and_dcp(tmp_path, opt_name):
-    """The count lives in the optimizer's live state: DCP's state-dict API carries it like any other state."""
+    """The count lives in the optimizer's live state: DCP's state-dict API carries it like any other state (the
+    model's state dict holds tensors, so DCP takes the library's planners)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -273,12 +274,12 @@ def test_resuming_through_get_and_set_optimizer_state_dict_and_dcp(tmp_path, opt
     _continue(first, opt, 3)
     assert all("sr_step" in opt.state[p] for p in (first[0].weight, first[2].weight))  # live, not only saved
     state = {"model": get_model_state_dict(first), "optim": get_optimizer_state_dict(first, opt)}
-    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path), planner=dq.checkpoint.SavePlanner(), no_dist=True)
 
     resumed = dq.quantize_(mlp(), dq.Int8Rowwise(), trainable=True, seed=2)
     opt2 = make(list(resumed.parameters()))
     state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opt2)}
-    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=dq.checkpoint.LoadPlanner(), no_dist=True)
     set_model_state_dict(resumed, state["model"])
     # strict=False: plain SGD keeps no state for its dense parameters, which torch's strict check wants
     set_optimizer_state_dict(resumed, opt2, state["optim"], options=StateDictOptions(strict=False))

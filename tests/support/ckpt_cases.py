@@ -112,12 +112,14 @@ def save_model(fmt_name, layout, path, api="dq", seed=SEED):
     net = placed(seed, fmt_name, layout)
     if api == "dq":
         ckpt.save(net, path)
-    elif api == "dcp":
+    elif api == "dcp":  # plain dcp, default planner: the model opted out of tensors (entry-form state dicts)
+        net = ckpt.tensor_state_dicts(net, enabled=False)
         dcp.save(net.state_dict(), checkpoint_id=path, no_dist=not dist.is_initialized())
-    elif api == "dsd":
-        dcp.save(get_model_state_dict(net), checkpoint_id=path, no_dist=not dist.is_initialized())
-    elif api == "tensors":  # tensors-only state dicts, plain dcp with the library's planner
-        sd = get_model_state_dict(ckpt.tensor_state_dicts(net))
+    elif api == "dsd":  # plain dcp, default planner: the state dict converted to entries
+        sd = ckpt.entries_from_state(get_model_state_dict(net))
+        dcp.save(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    elif api == "tensors":  # the default tensors-only state dicts, plain dcp with the library's planner
+        sd = get_model_state_dict(net)
         assert all(isinstance(v, torch.Tensor) for v in sd.values())
         dcp.save(sd, checkpoint_id=path, planner=ckpt.SavePlanner(), no_dist=not dist.is_initialized())
 
@@ -127,15 +129,15 @@ def load_model(fmt_name, layout, path, api="dq", seed=SEED):
     if api == "dq":
         ckpt.load(net, path)
     elif api == "dcp":
-        sd = net.state_dict()
+        sd = ckpt.tensor_state_dicts(net, enabled=False).state_dict()
         dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
         net.load_state_dict(sd)
     elif api == "dsd":
-        sd = get_model_state_dict(net)
+        sd = ckpt.entries_from_state(get_model_state_dict(net))
         dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
         set_model_state_dict(net, sd)
     elif api == "tensors":
-        sd = get_model_state_dict(ckpt.tensor_state_dicts(net))
+        sd = get_model_state_dict(net)
         dcp.load(sd, checkpoint_id=path, planner=ckpt.LoadPlanner(), no_dist=not dist.is_initialized())
         set_model_state_dict(net, sd)
     check_against(net, seed, fmt_name, layout)
@@ -146,22 +148,24 @@ def load_damaged(path, layout, fmt_name="int8"):
     from dtensor_quant import checkpoint as ckpt
 
     net = placed(2, fmt_name, layout)
-    before = {
-        k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-        for k, v in net.state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
+    before = {k: v.clone() for k, v in local_bytes(net).items()}
     try:
         ckpt.load(net, path)
     except (ckpt.CheckpointCorruptError, ckpt.CheckpointFormatError) as e:
-        after = {
-            k: v.to_local() if hasattr(v, "to_local") else v
-            for k, v in net.state_dict().items()
-            if isinstance(v, torch.Tensor)
-        }
-        same = all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
+        after = local_bytes(net)
+        same = all(torch.equal(before[k], after[k]) for k in before)
         return type(e).__name__, str(e), same
     return "loaded", "", False
+
+
+def local_bytes(net) -> dict[str, torch.Tensor]:
+    """This rank's stored bytes: each quantized weight's inner tensors, each dense tensor (uint8 views)."""
+    out = {}
+    for k, v in net.state_dict().items():
+        local = v.to_local() if isinstance(v, DTensor) else v
+        inner = local.inner if isinstance(local, dq.QuantizedTensor) else {"": local}
+        out.update({f"{k}.{n}": t.contiguous().view(torch.uint8) for n, t in inner.items()})
+    return out
 
 
 def save_placed(path, layout, fmt_name="int8"):

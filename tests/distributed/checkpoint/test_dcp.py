@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
@@ -70,11 +69,15 @@ def test_plain_dcp_and_distributed_state_dict_apis(ranks, tmp_path, api, src, ds
 
 
 def full_state_dict_roundtrip(options: dict):
-    """get_model_state_dict(full_state_dict=True) gathers each entry; set_model_state_dict shards it again."""
+    """get_model_state_dict(full_state_dict=True) gathers each quantized weight (its stored bytes, a plain
+    QuantizedTensor); set_model_state_dict shards it again."""
     src = cc.placed(SEED, "int4g32", "tp2")
     full = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True))
-    entries = full["a.weight"]
-    assert not isinstance(entries["qdata"], DTensor) and entries["qdata"].dtype == torch.uint8
+    weight = full["a.weight"]
+    assert isinstance(weight, dq.QuantizedTensor) and weight.qdata.dtype == torch.uint8
+    assert weight.shape == cc.SHAPES["a"]
+    if options.get("broadcast_from_rank0"):  # torch's broadcast makes the receivers' buffers dense from
+        full = ckpt.entries_from_state(full)  # size and dtype: rank 0 sends the entry form (docs/checkpoint.md)
     dst = cc.placed(OTHER, "int4g32", "s1_2")
     set_model_state_dict(dst, full, options=StateDictOptions(**options))
     cc.check_against(dst, SEED, "int4g32", "s1_2")

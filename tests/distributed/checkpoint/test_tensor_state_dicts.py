@@ -23,3 +23,31 @@ def test_reshard_bit_exact_through_the_planners(ranks, tmp_path, fmt_name, src, 
     on(ranks, src, save_model, fmt_name, src, str(tmp_path), "tensors")
     on(ranks, dst, load_model, fmt_name, dst, str(tmp_path), "tensors")
     on(ranks, dst, load_model, fmt_name, dst, str(tmp_path), "dq")
+
+
+def default_planner_save(fmt_name, layout, path):
+    """Plain dcp.save of the default (tensors-only) state dict: what each rank raises, and the files left."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from dtensor_quant.checkpoint import CheckpointFormatError
+    from tests.support.ckpt_cases import placed
+
+    try:
+        dcp.save(placed(0, fmt_name, layout).state_dict(), checkpoint_id=path)
+        return "saved", [], sorted(os.listdir(path))
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) holds each rank's error
+        failures = getattr(e, "failures", {}) or {}
+        errors = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        ours = [type(x).__name__ for x in errors if isinstance(x, CheckpointFormatError) and "SavePlanner" in str(x)]
+        return type(e).__name__, ours, sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def test_default_planner_is_refused_on_every_rank_before_any_write(ranks, tmp_path):
+    """A quantized tensor reaching DCP's default save planner: every rank raises, each rank's error a
+    CheckpointFormatError naming the planners, in the planning step (before any file is written)."""
+    path = str(tmp_path / "ckpt")
+    for kind, ours, files in ranks(2).run(default_planner_save, "int8", "tp2", path):
+        assert kind == "CheckpointException" and ours == ["CheckpointFormatError"] * 2, (kind, ours)
+        assert not [f for f in files if f.endswith(".distcp") or f == ".metadata"], files

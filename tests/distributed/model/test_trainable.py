@@ -155,7 +155,7 @@ def _steps_then_save(path, k):
     for s in range(k):
         step(m, opt, s)
     model_sd, optim_sd = get_state_dict(m, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=dq.checkpoint.SavePlanner())
     return snapshot(m)
 
 
@@ -166,7 +166,8 @@ def _resume(path, k, n):
         m = sharded(m, mesh(dist.get_world_size()))
     opt = OPTIMIZERS["adamw-foreach"](list(m.parameters()))
     model_sd, optim_sd = get_state_dict(m, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=not distributed)
+    planner = dq.checkpoint.LoadPlanner()  # the model's state dict holds tensors
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=planner, no_dist=not distributed)
     set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     loaded = snapshot(m)
     for s in range(k, n):

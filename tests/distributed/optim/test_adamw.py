@@ -161,7 +161,7 @@ def _save(path, bits, k):
     opt = optimizer(m, bits)
     steps(m, opt, 0, k)
     model_sd, optim_sd = get_state_dict(m, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=dq.checkpoint.SavePlanner())
     return snapshot(m, opt)
 
 
@@ -169,7 +169,8 @@ def _resume(path, how, bits, k, n):
     m = model(how)
     opt = optimizer(m, bits)
     model_sd, optim_sd = get_state_dict(m, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=how is None)
+    planner = dq.checkpoint.LoadPlanner()  # the model's state dict holds tensors
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=planner, no_dist=how is None)
     set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     loaded = snapshot(m, opt)
     steps(m, opt, k, n)

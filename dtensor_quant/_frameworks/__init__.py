@@ -1,0 +1,1 @@
+"""Integrations with training frameworks, each imported only by its public module (``dq.torchtitan``)."""
