@@ -11,8 +11,8 @@ instead of dequantizing.
 The class sits below the modules that implement its behaviour (the op
 handlers, FSDP2's hooks, dequantizing). Those register themselves on import
 -- the handlers in the dispatch table, FSDP2's two hooks and
-:meth:`dequantize` as methods (:func:`dtensor_quant._core.dispatch.implements_method`)
--- so the tensor never imports the layers above it.
+:meth:`dequantize` as methods (:func:`dtensor_quant._core.dispatch.implements_method`, slots of
+:mod:`dtensor_quant._core.registry`) -- so the tensor never imports the layers above it.
 """
 
 from __future__ import annotations
