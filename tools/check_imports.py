@@ -48,7 +48,7 @@ LAYERS = [
     ("_parallel", "across ranks: placements, collectives on stored bytes, sharded quantize, custom ops"),
     ("_fsdp", "FSDP2: all-gather hooks, fully_shard checks, GatherQuantized, the post-forward reshard"),
     ("_checkpoint", "DCP entries and save/load; Hugging Face directories"),
-    ("_model", "whole models: quantize_, LoRA, trainable weights, TP plans and padding, the mesh planner"),
+    ("_model", "whole models: quantize_, LoRA, trainable weights, TP plans and padding, the mesh planner (planner/)"),
     ("_optim", "optimizers whose states are quantized tensors (AdamW8bit, AdamW4bit)"),
     ("", "the public front: __init__, __main__ (the CLI), " + ", ".join(sorted(PUBLIC))),
     ("testing", "the conformance kit and the rank pool"),
