@@ -23,7 +23,7 @@ The planner's speed on a whole 70B-class model is bench/planner.py's.
 from __future__ import annotations
 
 import dtensor_quant as dq
-from dtensor_quant._model.planner import Layer, kind_from_name, plan
+from dtensor_quant._model.planner.plan import Layer, kind_from_name, plan
 from dtensor_quant.testing import is_default, where
 
 # name: (layers, hidden, intermediate, attention heads, KV heads, head dim, vocab) -- from each model's config.json

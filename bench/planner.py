@@ -55,7 +55,7 @@ def child(case: str, fmt_name: str) -> dict:
     """One measurement in this (fresh) process."""
     import torch
 
-    from dtensor_quant._model.planner import plan
+    from dtensor_quant._model.planner.plan import plan
 
     fmt = format_of(fmt_name)
     start = time.perf_counter()

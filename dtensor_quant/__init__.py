@@ -17,7 +17,18 @@ library's own tensor class and replaces nothing in torch.
 from . import _ops, _parallel, checkpoint, config, fsdp, hf, interop, lora, optim, planner, training, wire  # noqa: F401  (the op handlers and collectives register themselves)
 from ._core.dispatch import UnsupportedOpError
 from ._core.format import QuantFormat, Reducer, check_shape, check_weight, weight_layout
-from ._core.layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Packed, flat_blocked
+from ._core.layout import (
+    Blocked,
+    Constant,
+    FlatBlocked,
+    InFlat,
+    LayoutError,
+    OneToOne,
+    Opaque,
+    Packed,
+    Stacked,
+    flat_blocked,
+)
 from ._core.reductions import block_reduce, expand_to, reduce_to
 from ._core.tensor import QuantizedTensor
 from ._formats import (
@@ -69,10 +80,12 @@ __all__ = [
     "LayoutError",
     "NF4BlockScales",
     "OneToOne",
+    "Opaque",
     "Packed",
     "QuantFormat",
     "QuantizedTensor",
     "Reducer",
+    "Stacked",
     "UnsupportedOpError",
     "adapt_tp_plan",
     "block_reduce",
@@ -110,3 +123,32 @@ __all__ = [
     "weight_layout",
     "wire",
 ]
+
+# What torch.save writes for a quantized tensor names these public paths (dtensor_quant.Int8Rowwise), not
+# the private modules that define them, so that moving a private module breaks no saved file: the name
+# torch itself gives DTensor (torch.distributed.tensor). _formats/pickle_names.py keeps earlier files' paths.
+for _pickled in (
+    QuantizedTensor,
+    MXFP4,
+    NF4,
+    BlockFloat8,
+    BlockLog4,
+    BnbNF4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+    NF4BlockScales,
+    Blocked,
+    Constant,
+    FlatBlocked,
+    InFlat,
+    OneToOne,
+    Opaque,
+    Packed,
+    Stacked,
+):
+    _pickled.__module__ = __name__
+del _pickled

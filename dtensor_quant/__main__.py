@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant._model.planner) and
+"""Command line: ``python -m dtensor_quant plan ...`` (see dtensor_quant._model.planner.plan) and
 ``python -m dtensor_quant kernels [--build]`` (which C++ kernels run on this machine, on which vector path; with
 ``--build``, every kernel built into the cache first) and ``python -m dtensor_quant config`` (every environment
 variable the library reads, with its value in force).
@@ -24,8 +24,8 @@ import torch
 
 from ._core import config, native, native_build
 from ._model.format_spec import parse_format
-from ._model.plan_checkpoint import stored_layers
-from ._model.planner import ALL_STYLES, RUNTIMES, STYLES, Layer, attention_role, kind_from_name, layers_of, plan
+from ._model.planner.checkpoint import stored_layers
+from ._model.planner.plan import ALL_STYLES, RUNTIMES, STYLES, Layer, attention_role, kind_from_name, layers_of, plan
 
 
 def _load(target: str):

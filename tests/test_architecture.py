@@ -62,3 +62,21 @@ def test_checker_catches_private_names_used_from_tests_benches_and_examples(tmp_
     assert any(p.startswith("examples/e.py:3: reads private low._cache") for p in problems), problems
     # an attribute of a class (dq.Thing._slot) is not a module's private name
     assert len(check_imports.outside_problems(tmp_path)) == 3, problems
+
+
+def test_checker_refuses_a_write_into_another_module(tmp_path):
+    pkg = tmp_path / "dtensor_quant"
+    (pkg / "_ops").mkdir(parents=True)
+    (pkg / "_model").mkdir()
+    for folder in (pkg, pkg / "_ops", pkg / "_model"):
+        (folder / "__init__.py").write_text("")
+    (pkg / "_ops" / "arithmetic.py").write_text("TRAINABLE = None\n")
+    (pkg / "_model" / "trainable.py").write_text(
+        "from .._ops import arithmetic\n\n\ndef resolve(q):\n    return None\n\n\n"
+        "arithmetic.TRAINABLE = resolve\nsetattr(arithmetic, 'TRAINABLE', resolve)\n"
+    )
+    problems = check_imports.check(tmp_path)
+    writes = [p for p in problems if "writes arithmetic." in p]
+    assert len(writes) == 2 and "into module dtensor_quant._ops.arithmetic" in writes[0], problems
+    (pkg / "_model" / "trainable.py").write_text("from .._ops import arithmetic\n\nTRAINABLE = arithmetic\n")
+    assert check_imports.check(tmp_path) == []

@@ -9,6 +9,8 @@ never above. Fails (exit 1, one line per problem) on:
 * an import circle, through module-level and function-level imports alike;
 * a module of the package that the table does not place;
 * a private name (``_x``) imported from, or read off, another module of the package;
+* a write into another module of the package (``m.NAME = ...``, ``setattr(m, ...)``): code a lower
+  layer needs from above is a slot of ``_core/registry.py``, provided on import;
 * a private name of the package imported or read by the code that uses it from
   outside (``OUTSIDE``: tests, benches, examples): ``from dtensor_quant.m import _x``,
   ``import dtensor_quant._m``, ``dq._x``, ``dq.m._x`` or ``m._x`` for a module
@@ -46,7 +48,7 @@ LAYERS = [
     ("_parallel", "across ranks: placements, collectives on stored bytes, sharded quantize, custom ops"),
     ("_fsdp", "FSDP2: all-gather hooks, fully_shard checks, GatherQuantized, the post-forward reshard"),
     ("_checkpoint", "DCP entries and save/load; Hugging Face directories"),
-    ("_model", "whole models: quantize_, LoRA, trainable weights, TP plans and padding, the mesh planner"),
+    ("_model", "whole models: quantize_, LoRA, trainable weights, TP plans and padding, the mesh planner (planner/)"),
     ("_optim", "optimizers whose states are quantized tensors (AdamW8bit, AdamW4bit)"),
     ("_frameworks", "training frameworks' extension points (torchtitan): converters, optimizers, checkpoints"),
     ("", "the public front: __init__, __main__ (the CLI), " + ", ".join(sorted(PUBLIC))),
@@ -198,6 +200,29 @@ def outside_problems(root: Path = ROOT) -> list[str]:
     return problems
 
 
+def _assignments_into(tree: ast.Module, aliases: dict[str, str], mod: str, where: Path) -> list[str]:
+    """Writes into another module's globals (``arithmetic.TRAINABLE = f``, ``setattr(m, ...)``): a module
+    reaches code above it through ``_core/registry.py`` (``declare`` below, ``@provides`` above) instead."""
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                target = aliases.get(t.value.id)
+                if target is not None and target != mod:
+                    out.append(
+                        f"{where}:{node.lineno}: writes {t.value.id}.{t.attr} into module {target}; declare a slot "
+                        "there and provide it (dtensor_quant/_core/registry.py)"
+                    )
+    return out
+
+
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -275,6 +300,7 @@ def check(root: Path = ROOT) -> list[str]:
                 and not node.attr.startswith("__")
             ):
                 problems.append(f"{path.relative_to(root)}:{node.lineno}: reads private {node.value.id}.{node.attr}")
+        problems += _assignments_into(tree, aliases, mod, path.relative_to(root))
     # A package's __init__ that imports its own submodules is no circle: the submodule's import of the
     # package runs first. Every other pair of modules that import each other, directly or not, is one.
     graph = {

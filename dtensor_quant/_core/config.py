@@ -29,17 +29,19 @@ def _flag(text: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"takes 1/true/yes/on or 0/false/no/off, not {text!r}")
+    raise ValueError("1/true/yes/on or 0/false/no/off")
+
+
+#: The vector levels ``DTENSOR_QUANT_MAX_LEVEL`` takes, and the instructions of each.
+LEVELS = {"1": "AVX2", "2": "AVX-512", "3": "AVX-512 BF16", "4": "AMX"}
 
 
 def _level(text: str) -> int | None:
     value = text.strip()
     if not value:
         return None
-    names = {"1": "AVX2", "2": "AVX-512", "3": "AVX-512 BF16", "4": "AMX"}
-    if value not in names:
-        listed = ", ".join(f"{k} ({n})" for k, n in names.items())
-        raise ValueError(f"caps the kernels' vector path at one of {listed}, not {text!r}")
+    if value not in LEVELS:
+        raise ValueError("")  # the setting's doc lists the levels, once
     return int(value)
 
 
@@ -70,7 +72,9 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "DTENSOR_QUANT_MAX_LEVEL",
             "",
-            "caps the kernels' vector path: 1 AVX2, 2 AVX-512, 3 AVX-512 BF16, 4 AMX (empty: what the CPU has)",
+            "caps the kernels' vector path: "
+            + ", ".join(f"{k} {n}" for k, n in LEVELS.items())
+            + " (empty: what the CPU has)",
             _level,
         ),
         Setting(
@@ -121,7 +125,9 @@ def get(name: str):
     try:
         return setting.parse(text)
     except ValueError as e:
-        raise ConfigError(f"{setting.env}={text!r}: {setting.env} {e} ({setting.doc})") from None
+        takes = f" ({e})" if str(e) else ""  # the values it takes, where its doc does not list them
+        what = f"what it does: {setting.doc}"
+        raise ConfigError(f"{setting.env}={text!r} is not a value it takes{takes}; {what}") from None
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -11,7 +11,7 @@ import. An op with no handler raises :class:`UnsupportedOpError`: nothing is
 dequantized behind the caller's back.
 
 This module is the bottom of the op stack: it imports no other module of the
-package, so the tensor class can import it.
+package but :mod:`dtensor_quant._core.registry`, so the tensor class can import it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from .registry import Slot, declare, provides
 
 HANDLERS: dict[str, Callable] = {}
 
@@ -116,30 +118,33 @@ def context_hint(hint: str):
 
 # -- methods of the tensor implemented above it --------------------------------
 
-#: ``QuantizedTensor`` methods whose code lives in the layers above the tensor (FSDP2's hooks in
-#: :mod:`dtensor_quant._fsdp.all_gather`, ``dequantize`` in :mod:`dtensor_quant._ops.dequant`). Those
-#: modules register them on import, as the op handlers do: the tensor never imports upwards.
-METHODS: dict[str, Callable] = {}
+#: ``QuantizedTensor`` methods whose code lives in the layers above the tensor, each a slot of
+#: :mod:`dtensor_quant._core.registry` (``dequantize`` in :mod:`dtensor_quant._ops.dequant`, FSDP2's hooks in
+#: :mod:`dtensor_quant._fsdp.all_gather`, DCP's in :mod:`dtensor_quant._checkpoint.state_dict`). Those modules
+#: provide them on import, as the op handlers register: the tensor never imports upwards.
+METHODS: dict[str, Slot] = {
+    name: declare(f"QuantizedTensor.{name}", doc)
+    for name, doc in {
+        "dequantize": "(q, dtype) -> the dense tensor q stands for",
+        "fsdp_pre_all_gather": "(q) -> FSDP2's pre-all-gather hook of q",
+        "fsdp_post_all_gather": "(q, outputs, metadata, param_dtype, out=None) -> FSDP2's gathered weight",
+        "dcp_write_items": "(q, fqn, obj) -> DCP's write items of q",
+        "dcp_chunk_list": "(q) -> DCP's chunks of q",
+        "dcp_tensor_shard": "(q, index) -> DCP's tensor for one chunk of q",
+    }.items()
+}
 
 
 def implements_method(name: str):
-    """Register the implementation of ``QuantizedTensor.<name>`` (called with the tensor first)."""
-
-    def register(fn):
-        METHODS[name] = fn
-        return fn
-
-    return register
+    """Provide ``QuantizedTensor.<name>`` (called with the tensor first): a slot of :data:`METHODS`."""
+    if name not in METHODS:
+        raise RuntimeError(f"dtensor_quant: QuantizedTensor has no method slot {name!r}; slots: {sorted(METHODS)}")
+    return provides(f"QuantizedTensor.{name}")
 
 
-def method(name: str) -> Callable:
-    """The registered implementation of ``QuantizedTensor.<name>``."""
-    fn = METHODS.get(name)
-    if (
-        fn is None
-    ):  # only if dtensor_quant._core was imported without the package (never through ``import dtensor_quant``)
-        raise RuntimeError(f"dtensor_quant: QuantizedTensor.{name} is registered by the package: import dtensor_quant")
-    return fn
+def method(name: str) -> Slot:
+    """The slot of ``QuantizedTensor.<name>`` (calling it before the package provides it raises)."""
+    return METHODS[name]
 
 
 def _composite(func) -> bool:

@@ -11,8 +11,8 @@ instead of dequantizing.
 The class sits below the modules that implement its behaviour (the op
 handlers, FSDP2's hooks, dequantizing). Those register themselves on import
 -- the handlers in the dispatch table, FSDP2's two hooks and
-:meth:`dequantize` as methods (:func:`dtensor_quant._core.dispatch.implements_method`)
--- so the tensor never imports the layers above it.
+:meth:`dequantize` as methods (:func:`dtensor_quant._core.dispatch.implements_method`, slots of
+:mod:`dtensor_quant._core.registry`) -- so the tensor never imports the layers above it.
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner, fmt, rels, dims, shape, dtype, stride=None, requires_grad=False, notes=None):
+        if not isinstance(fmt, QuantFormat) or not isinstance(inner, dict) or not inner:
+            raise LayoutError(
+                f"not a QuantizedTensor's parts: format {type(fmt).__name__}, inner {type(inner).__name__} "
+                "(a dict of the format's inner tensors); build quantized tensors with dtensor_quant.quantize()"
+            )
         device = next(iter(inner.values())).device
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -198,16 +203,19 @@ class QuantizedTensor(torch.Tensor):
 
     # -- torch.save / torch.load (weights_only=True) --------------------------
     def __reduce_ex__(self, protocol):
-        """Pickled as its inner tensors, format, relations, orientation, shape, strides, dtype and requires_grad.
+        """Pickled as a call of the class on its inner tensors, format, relations, orientation, shape, dtype,
+        strides and requires_grad.
 
         Not the notes: which views share these bytes and what kernels prepared
         from them belong to this process (the loaded tensor starts its own).
-        Every global this needs is registered as safe for ``torch.load``'s
-        default ``weights_only=True`` (:func:`rebuild`, the relations, every
-        format class as it is defined: :class:`~dtensor_quant._core.format.QuantFormat`).
+        The file names only public paths (``dtensor_quant.QuantizedTensor``,
+        ``dtensor_quant.Int8Rowwise``, ``dtensor_quant.OneToOne``: the package
+        root gives them that name), never the private modules that define them,
+        so moving one breaks no saved file; each is a safe global for
+        ``torch.load``'s default ``weights_only=True``.
         """
         args = (self.inner, self.fmt, self.rels, self.dims, tuple(self.shape), self.dtype, tuple(self.stride()))
-        return rebuild, (*args, self.requires_grad)
+        return QuantizedTensor, (*args, self.requires_grad)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
@@ -261,13 +269,18 @@ class QuantizedTensor(torch.Tensor):
 
 
 def rebuild(inner, fmt, rels, dims, shape, dtype, stride, requires_grad) -> QuantizedTensor:
-    """A pickled QuantizedTensor again (``torch.load``): checked like any one built from its parts."""
+    """A QuantizedTensor pickled before pickles named public paths (``dtensor_quant._core.tensor.rebuild``).
+
+    Kept, and registered under that path, so that those files still load;
+    new files call :class:`QuantizedTensor` itself.
+    """
     if not isinstance(fmt, QuantFormat) or not isinstance(inner, dict):
         raise LayoutError(f"not a pickled QuantizedTensor: format {type(fmt).__name__}, inner {type(inner).__name__}")
     return QuantizedTensor(inner, fmt, rels, dims, torch.Size(shape), dtype, stride, requires_grad=requires_grad)
 
 
 #: What a pickled QuantizedTensor names besides torch's own: safe for ``torch.load(weights_only=True)``
-#: (torch's public allow-list; the format classes register themselves, ``QuantFormat.__init_subclass__``).
-SAFE_GLOBALS = [QuantizedTensor, rebuild, OneToOne, Packed, Blocked, Constant, Stacked, FlatBlocked, InFlat, Opaque]
+#: (torch's public allow-list; the format classes register themselves, ``QuantFormat.__init_subclass__``;
+#: the private paths earlier files name: :mod:`dtensor_quant._formats.pickle_names`).
+SAFE_GLOBALS = [QuantizedTensor, OneToOne, Packed, Blocked, Constant, Stacked, FlatBlocked, InFlat, Opaque]
 torch.serialization.add_safe_globals(SAFE_GLOBALS)

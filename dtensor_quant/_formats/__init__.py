@@ -1,5 +1,6 @@
 """Built-in formats. Each file holds one format's layout, math and kernel."""
 
+from . import pickle_names  # noqa: F401  (the private paths earlier pickles name stay loadable)
 from .block_states import BlockFloat8, BlockLog4
 from .bnb_nf4 import BnbNF4
 from .float8 import Float8Rowwise, Float8Tensorwise

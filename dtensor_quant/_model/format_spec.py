@@ -50,7 +50,7 @@ def _subclasses(cls) -> list[type]:
 @functools.cache
 def _plannable(cls: type) -> bool:
     """Whether the planner can plan ``cls`` (built with its defaults, one weight checked at TP 2)."""
-    from .plan_cells import Layer, check
+    from .planner.cells import Layer, check
 
     try:
         check(Layer("w", (256, 256), "colwise"), cls(), 1, 2)

@@ -24,8 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._core.format import Reducer
+from .._core.registry import provides
 from .._core.tensor import QuantizedTensor
-from .._ops import arithmetic, init
+from .._ops import arithmetic
 from .._parallel.shard_quant import MeshReducer, quantize_local
 
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
@@ -58,6 +59,7 @@ def owner(q: QuantizedTensor) -> torch.Tensor | None:
     return found
 
 
+@provides("quantize_like")  # asked by _ops/init.py
 def quantize_like(q: QuantizedTensor, dense: torch.Tensor) -> QuantizedTensor:
     """``dense`` (``q``'s local shape) quantized as ``q``'s weight is: global shape, mesh statistics."""
     link = arithmetic.trainable(q)
@@ -68,6 +70,3 @@ def quantize_like(q: QuantizedTensor, dense: torch.Tensor) -> QuantizedTensor:
         reducer = MeshReducer.for_mesh(q.fmt, tuple(p.shape), p.device_mesh, tuple(p.placements))
         return quantize_local(q.fmt, dense, reducer, tuple(p.shape))
     return quantize_local(q.fmt, dense, Reducer(tuple(q.shape)), tuple(q.shape))
-
-
-init.QUANTIZE_LIKE = quantize_like  # registration: _ops/init.py asks it

@@ -49,8 +49,8 @@ from .._core.tensor import QuantizedTensor
 from .._ops.unpack import whole_blocks
 from .._parallel.quantize import quantize
 from .expand_scales import expand_scales
-from .plan_cells import Layer, check
-from .plan_layers import is_pattern, key_matches
+from .planner.cells import Layer, check
+from .planner.layers import is_pattern, key_matches
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def adapt_tp_plan(
 
 
 def _matching(model: nn.Module, pattern: str) -> list[str]:
-    """The module names ``pattern`` matches: :func:`~.plan_layers.key_matches`, ``parallelize_module``'s rule."""
+    """The module names ``pattern`` matches: :func:`~.planner.layers.key_matches`, ``parallelize_module``'s rule."""
     return [name for name, _ in model.named_modules() if name and key_matches(pattern, name)]
 
 

@@ -53,8 +53,9 @@ from .._core import stochastic
 from .._core.format import QuantFormat, Reducer
 from .._core.layout import LayoutError
 from .._core.reductions import canonical_nans
+from .._core.registry import provides
 from .._core.tensor import QuantizedTensor
-from .._ops import arithmetic, writes
+from .._ops import arithmetic, writes  # noqa: F401  (arithmetic declares the slot "trainable" provided here)
 from .._ops.dequant import dequantize
 from .._ops.layout_ops import block_sizes, canonical_dims, describe
 from .._ops.unpack import dense_inner
@@ -150,6 +151,7 @@ class ShardLink:
         self.state.step += 1
 
 
+@provides("trainable")  # asked by the pointwise handlers and the factories (_ops/arithmetic.py)
 def resolve(q: QuantizedTensor) -> ShardLink | None:
     """The link of ``q`` if it is (an alias of) a trainable weight or one of its shards, else None.
 
@@ -213,9 +215,6 @@ def _link_for(outer, q: QuantizedTensor, state: TrainState) -> ShardLink:
             f"should be {tuple(shape)}"
         )
     return ShardLink(state, outer.shape, offsets, MeshReducer.for_mesh(q.fmt, outer.shape, mesh, placements))
-
-
-arithmetic.TRAINABLE = resolve  # registration: the pointwise handlers and the factories ask it
 
 
 # -- the requantization count in the optimizer's live state ------------------------------

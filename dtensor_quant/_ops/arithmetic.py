@@ -24,24 +24,28 @@ An in-place op whose scalar arguments make it the identity (``mul_(1)``,
 states) leaves the bytes as they are: every rank decides that from the
 arguments alone, so no rank requantizes (and reduces statistics) alone.
 
-Which weights are trainable is asked of :data:`TRAINABLE`, which
-:mod:`dtensor_quant._model.trainable` sets (registration, like the fast path):
-``TRAINABLE(q)`` is the weight's link (with ``dense(q)``, its float32 values,
-and ``requantize_(q, values)``) or None.
+Which weights are trainable is known above this layer: the slot
+``"trainable"`` (:mod:`dtensor_quant._core.registry`), which
+:mod:`dtensor_quant._model.trainable` provides on import, answers with the
+weight's link (with ``dense(q)``, its float32 values, and
+``requantize_(q, values)``) or None; without it no weight is trainable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from .._core.dispatch import KEEPS_INITIAL, fallback, implements, refusal
+from .._core.registry import declare
 from .._core.tensor import QuantizedTensor
 from .dequant import dequantize
 from .init import continue_open, initial_values
 
-TRAINABLE: Callable[[QuantizedTensor], object | None] | None = None  # -> a link: dense(q), requantize_(q, x)
+_TRAINABLE = declare(
+    "trainable",
+    "(q) -> the link of the trainable weight whose local tensor is q (dense(q), requantize_(q, x)), or None",
+    unprovided=lambda q: None,
+)
 
 _HINT = (
     " A weight trained in place is made with dtensor_quant.quantize_(model, fmt, trainable=True): "
@@ -51,7 +55,8 @@ _HINT = (
 
 def trainable(q: QuantizedTensor):
     """The link of a trainable weight's (local) tensor ``q``, or None for a frozen one."""
-    return TRAINABLE(q) if TRAINABLE is not None else None
+    fn = _TRAINABLE.fn
+    return fn(q) if fn is not None else None
 
 
 def _is_pointwise(func) -> bool:

@@ -26,28 +26,31 @@ derived from the layout the same way:
   (the memory of a few dense weights, never of the model).
 
 Where a local tensor sits in its weight (the global shape and the mesh
-reducer) is known above this layer: :data:`QUANTIZE_LIKE` is set by
-:mod:`dtensor_quant._model.placed` (registration, like
-:data:`dtensor_quant._ops.arithmetic.TRAINABLE`).
+reducer) is known above this layer: the slot ``"quantize_like"``
+(:mod:`dtensor_quant._core.registry`) is provided by
+:mod:`dtensor_quant._model.placed` on import, as ``"trainable"`` is by
+:mod:`dtensor_quant._model.trainable`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
 from .._core.dispatch import EPOCH, KEEPS_INITIAL, implements
 from .._core.layout import LayoutError
+from .._core.registry import declare
 from .._core.tensor import QuantizedTensor
 from . import writes
 from .layout_ops import canonical_dims, describe
 
-#: ``QUANTIZE_LIKE(q, dense)``: ``dense`` (``q``'s local shape and logical dtype) quantized as ``q``'s weight
-#: would be -- its format, its global shape, the statistics reduced over the shards that share them.
-QUANTIZE_LIKE: Callable[[QuantizedTensor, torch.Tensor], QuantizedTensor] | None = None
+_QUANTIZE_LIKE = declare(
+    "quantize_like",
+    "(q, dense) -> dense (q's local shape and logical dtype) quantized as q's weight would be: its format, "
+    "its global shape, the statistics reduced over the shards that share them",
+)
 
 OPEN_LIMIT = 4  # initialisations whose dense values stay open at once
 _OPEN: OrderedDict = OrderedDict()  # key(q) -> (weakref to its bytes record, stamp, epoch, dense values)
@@ -97,10 +100,10 @@ def write_dense(q: QuantizedTensor, dense: torch.Tensor) -> QuantizedTensor:
             f"{describe(q)}: a transposed view is not initialised in place; initialise the dense [out, in] "
             "weight and quantize it (dtensor_quant.quantize)."
         )
-    if QUANTIZE_LIKE is None:
+    if _QUANTIZE_LIKE.fn is None:
         raise LayoutError(f"{describe(q)}: in-place initialisation needs dtensor_quant._model (import dtensor_quant)")
     with torch.no_grad():
-        fresh = QUANTIZE_LIKE(q, dense)
+        fresh = _QUANTIZE_LIKE(q, dense)
         keep = writes.check_copy(q, fresh, describe)
         pairs = [(getattr(q, n), getattr(fresh, n)) for n in q.fmt.inner_names if n not in keep]
         for dst, src in pairs:

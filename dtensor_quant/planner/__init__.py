@@ -9,6 +9,6 @@ command-line spelling (``int4:128,float16``).
 """
 
 from .._model.format_spec import parse_format
-from .._model.planner import Plan, plan
+from .._model.planner.plan import Plan, plan
 
 __all__ = ["Plan", "parse_format", "plan"]

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate
 import dtensor_quant as dq
 from dtensor_quant._core.format import check_shape, check_weight
 from dtensor_quant._core.reductions import block_reduce, expand_blocks
-from dtensor_quant._model.planner import plan
+from dtensor_quant._model.planner.plan import plan
 from dtensor_quant.testing import weight
 
 

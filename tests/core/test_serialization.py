@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import pickletools
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,4 +80,102 @@ def test_a_file_that_is_no_quantized_tensor_is_refused():
     from dtensor_quant._core.tensor import rebuild
 
     with pytest.raises(dq.LayoutError, match="not a pickled QuantizedTensor"):
-        rebuild({}, "int8", (), (), (1,), torch.float32, (1,), False)
+        rebuild({}, "int8", (), (), (1,), torch.float32, (1,), False)  # what earlier files call
+    with pytest.raises(dq.LayoutError, match="not a QuantizedTensor's parts: format str"):
+        dq.QuantizedTensor({}, "int8", (), (), (1,), torch.float32, (1,), False)  # what files call now
+
+
+# -- the paths a file names: public ones only; the private ones of earlier files still load ---------------
+
+_DATA = Path(__file__).resolve().parent / "data"
+
+
+def _globals_named(obj) -> set[str]:
+    """Every ``module.name`` global the pickle of ``obj`` (``torch.save``'s ``data.pkl``) refers to."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        data = next(z.read(n) for n in z.namelist() if n.endswith("data.pkl"))
+    names, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            names.add(arg.replace(" ", "."))
+        elif op.name == "STACK_GLOBAL":
+            names.add(".".join(strings[-2:]))
+        if isinstance(arg, str):
+            strings.append(arg)
+    return names
+
+
+def _every_format():
+    """One instance of every format class the package exports, and the conformance kit's instances."""
+    classes = {
+        v for v in vars(dq).values() if isinstance(v, type) and issubclass(v, QuantFormat) and v is not QuantFormat
+    }
+    assert classes, "no format class exported"
+    return {type(f).__name__ + repr(f): f for f in FORMATS.values()} | {c.__name__: c() for c in classes}
+
+
+@pytest.mark.parametrize("fmt", list(_every_format().values()), ids=list(_every_format()))
+def test_a_pickle_of_every_format_names_only_public_paths(fmt):
+    q = dq.quantize(weight((32, 256), seed=2), fmt)
+    views = {"weight": lambda: q, "transposed": q.t, "a flat view": lambda: q.view(-1), "rows": lambda: q[128:]}
+    saved = 0
+    for what, make in views.items():
+        try:
+            t = make()
+        except (dq.LayoutError, dq.UnsupportedOpError):  # a view this layout refuses: nothing to save
+            continue
+        ours = {n for n in _globals_named(t) if n.startswith("dtensor_quant")}
+        assert ours and not [n for n in ours if "._" in n], f"{fmt} {what}: {sorted(ours)}"
+        assert all(n.split(".")[1] in dq.__all__ for n in ours), f"{fmt} {what}: {sorted(ours)}"
+        saved += 1
+    assert saved >= 2  # the weight and its transpose, at least
+
+
+def test_every_relation_and_the_tensor_are_named_by_the_package_root():
+    for cls in (dq.QuantizedTensor, dq.OneToOne, dq.Packed, dq.Blocked, dq.Constant, dq.Stacked, dq.FlatBlocked,
+                dq.InFlat, dq.Opaque):  # fmt: skip
+        assert cls.__module__ == "dtensor_quant" and getattr(dq, cls.__qualname__) is cls
+        assert cls in torch.serialization.get_safe_globals()
+
+
+def test_a_file_written_with_the_private_paths_still_loads_weights_only():
+    """``data/quantized_private_paths.pt``: written by the package before pickles named public paths (it names
+    ``dtensor_quant._core.tensor.rebuild``, ``dtensor_quant._formats.int8.Int8Rowwise``, ...): every format
+    class, a transposed weight and a flat view. Loaded with ``weights_only=True``, each is bit for bit the
+    same weight quantized now."""
+    path = _DATA / "quantized_private_paths.pt"
+    with zipfile.ZipFile(path) as z:
+        data = next(z.read(n) for n in z.namelist() if n.endswith("data.pkl"))
+    assert b"dtensor_quant._core.tensor" in data and b"dtensor_quant._formats.int8" in data  # what it tests
+    loaded = torch.load(path, weights_only=True)
+    w = weight((32, 128), seed=5)
+    fmts = {
+        type(f).__name__: f
+        for f in (
+            dq.Int8Rowwise(),
+            dq.Int4Groupwise(32),
+            dq.Int4GroupwiseIntZero(32),
+            dq.NF4(32, 4),
+            dq.BnbNF4(),
+            dq.NF4BlockScales(),
+            dq.Float8Rowwise(),
+            dq.Float8Tensorwise(),
+            dq.Float8Blockwise(32),
+            dq.MXFP4(),
+            dq.BlockFloat8(),
+            dq.BlockLog4(),
+        )
+    }
+    assert set(loaded) == {*fmts, "Int8Rowwise.t", "NF4.view"}
+    for name, fmt in fmts.items():
+        assert loaded[name].fmt == fmt
+        assert_same_bits(loaded[name], dq.quantize(w, fmt), name)
+    assert_same_bits(loaded["Int8Rowwise.t"], dq.quantize(w, dq.Int8Rowwise()).t(), "transposed")
+    assert_same_bits(loaded["NF4.view"], dq.quantize(w, dq.NF4(32, 4)).view(-1), "flat view")
+    assert loaded["NF4.view"].rels == dq.quantize(w, dq.NF4(32, 4)).view(-1).rels
+    # and a file saved now of the same tensors names none of those paths, and loads to the same bits
+    again = _round_trip(loaded)
+    for name, t in loaded.items():
+        assert_same_bits(again[name], t, name)

@@ -1,4 +1,4 @@
-"""model/planner: every verdict agrees with what DTensor and the layout actually do, and every refusal says why.
+"""_model/planner: every verdict agrees with what DTensor and the layout actually do, and every refusal says why.
 
 The planner works from shapes alone; these tests check its verdicts against
 ``check_placements`` (the rule the ops enforce), its byte counts against
@@ -18,7 +18,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 import dtensor_quant as dq
 from dtensor_quant._model.format_spec import parse_format
-from dtensor_quant._model.planner import Layer, plan, stored_bytes
+from dtensor_quant._model.planner.plan import Layer, plan, stored_bytes
 from dtensor_quant.testing import weight
 from tests.model.test_quantize_model import tiny_moe
 
@@ -236,7 +236,7 @@ def test_arithmetic_shard_boundaries_match_torchs_splitting():
 
 
 def test_planner_takes_expert_stacks_and_ep():
-    from dtensor_quant._model.planner import plan, stored_bytes
+    from dtensor_quant._model.planner.plan import plan, stored_bytes
 
     fmt = dq.Int4Groupwise(128)
     layers = [("experts.gate_up", (8, 2 * 1536, 2048), "colwise"), ("experts.down", (8, 2048, 1536), "rowwise"),
@@ -264,7 +264,7 @@ def test_planner_takes_expert_stacks_and_ep():
 
 
 def test_planner_lists_a_models_expert_stacks():
-    from dtensor_quant._model.planner import layers_of
+    from dtensor_quant._model.planner.plan import layers_of
 
     with torch.device("meta"):
         model = tiny_moe("mixtral")

@@ -1,4 +1,4 @@
-"""model/planner: the runtime's head rule, the verdict per mesh after adaptation, a checkpoint planned as stored, and
+"""_model/planner: the runtime's head rule, the verdict per mesh after adaptation, a checkpoint planned as stored, and
 the command line's formats and one-line errors.
 
 Models are transformers configs built on the meta device (no weights); the
@@ -16,10 +16,10 @@ from torch import nn
 import dtensor_quant as dq
 from dtensor_quant.__main__ import run
 from dtensor_quant._model.format_spec import parse_format, plannable_formats
-from dtensor_quant._model.plan_cells import padding_cost
-from dtensor_quant._model.plan_layers import key_matches, layers_of
-from dtensor_quant._model.plan_verdict import ADAPT, AS_IS, BOTH, NO, PADDING
-from dtensor_quant._model.planner import Layer, heads_refusal, plan
+from dtensor_quant._model.planner.cells import padding_cost
+from dtensor_quant._model.planner.layers import key_matches, layers_of
+from dtensor_quant._model.planner.plan import Layer, heads_refusal, plan
+from dtensor_quant._model.planner.verdict import ADAPT, AS_IS, BOTH, NO, PADDING
 from dtensor_quant._model.tp_plan import adapt_tp_plan
 
 transformers = pytest.importorskip("transformers", reason="the head rule is read from transformers configs")
@@ -182,7 +182,7 @@ def test_checkpoint_planned_as_stored(tmp_path, capsys, monkeypatch):
     """An FP8 block checkpoint (DeepSeek's layout, 128x128 blocks): its block size, never a smaller one; padding
     only where the stored bytes pad exactly; no weight read."""
     from dtensor_quant._checkpoint.hf.safetensors_io import Checkpoint
-    from dtensor_quant._model.plan_checkpoint import stored_layers
+    from dtensor_quant._model.planner.checkpoint import stored_layers
     from tests.support import hf_cases as hc
 
     config = dict(TINY, intermediate_size=640)

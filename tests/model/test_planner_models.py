@@ -1,4 +1,4 @@
-"""model/planner on whole models (model/plan_layers): a TP plan's wildcard keys, identical layers collapsed,
+"""the planner on whole models (_model/planner/layers.py): a TP plan's wildcard keys, identical layers collapsed,
 totals, width, CSV.
 
 Transformers models are built on the meta device from their configs (no
@@ -16,8 +16,8 @@ from torch import nn
 import dtensor_quant as dq
 from dtensor_quant.__main__ import main
 from dtensor_quant._model.padding import mlp_padding
-from dtensor_quant._model.plan_layers import PlanKeys, layers_of
-from dtensor_quant._model.planner import Layer, plan, stored_bytes
+from dtensor_quant._model.planner.layers import PlanKeys, layers_of
+from dtensor_quant._model.planner.plan import Layer, plan, stored_bytes
 
 transformers = pytest.importorskip("transformers", reason="the whole-model planner tests build transformers models")
 

@@ -28,7 +28,7 @@ def test_legal_row_cut_is_kept():
 
 def test_planner_suggests_the_switch():
     """The planner's refusal of TinyLlama's NF4 down-projection names the way to keep the degree."""
-    from dtensor_quant._model.planner import plan
+    from dtensor_quant._model.planner.plan import plan
 
     ((_, cells),) = plan([("w2", (2048, 5632), "rowwise")], dq.NF4(), tp=[2, 4]).rows
     for cell in cells:

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
-from dtensor_quant._model.plan_verdict import ADAPT, AS_IS, NO
-from dtensor_quant._model.planner import plan
+from dtensor_quant._model.planner.plan import plan
+from dtensor_quant._model.planner.verdict import ADAPT, AS_IS, NO
 from dtensor_quant.testing import mesh
 from dtensor_quant.testing.bounds import gamma
 

@@ -7,9 +7,9 @@
 
 For every weight and every mesh ``(dp, tp)`` it checks the placements the
 weight would get with the rule DTensor, FSDP2 and DCP are held to
-(:mod:`.plan_cells`); the weights and their styles come from a model and its
-TP plan, wildcards included (:mod:`.plan_layers`), and the report collapses
-identical layers and adds up the bytes per rank (:mod:`.plan_report`).
+(:mod:`.cells`); the weights and their styles come from a model and its
+TP plan, wildcards included (:mod:`.layers`), and the report collapses
+identical layers and adds up the bytes per rank (:mod:`.report`).
 
 A refused degree is explained: where the cut falls, the alignment the
 layout needs and which inner tensor needs it, the nearest legal degrees, and,
@@ -21,7 +21,7 @@ Attention projections obey the head rule of the runtime (``runtime``:
 ``"torch"`` for torch's and transformers' TP, ``"vllm"``, which replicates
 KV heads): the heads come from a model's config or ``heads=(H, KV)``.
 The report opens with the verdict per mesh after adaptation
-(:mod:`.plan_verdict`, ``Plan.summary()``): legal as is, with
+(:mod:`.verdict`, ``Plan.summary()``): legal as is, with
 ``adapt_tp_plan``, with padding, or not at all.
 
 Fused expert stacks ``[E, out, in]`` (mixture-of-experts layers) are planned
@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .._core.format import QuantFormat
-from .plan_cells import ALL_STYLES, RUNTIMES, STYLES, Cell, Layer, check, heads_refusal, nearest_degrees, stored_bytes
-from .plan_layers import attention_role, kind_from_name, layers_of, model_heads
-from .plan_report import WIDTH, csv_rows, groups, padding_hint, render
-from .plan_verdict import Verdict, summary_lines, verdicts
+from ..._core.format import QuantFormat
+from .cells import ALL_STYLES, RUNTIMES, STYLES, Cell, Layer, check, heads_refusal, nearest_degrees, stored_bytes
+from .layers import attention_role, kind_from_name, layers_of, model_heads
+from .report import WIDTH, csv_rows, groups, padding_hint, render
+from .verdict import Verdict, summary_lines, verdicts
 
 __all__ = [
     "ALL_STYLES",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .plan_cells import DENSE_BYTES, Cell, Layer, local_shape, mesh_and_placements, numel, size, stored_bytes
+from .cells import DENSE_BYTES, Cell, Layer, local_shape, mesh_and_placements, numel, size, stored_bytes
 
 WIDTH = 120
 _NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")  # an atom of a dotted name that is a number: a layer or expert index

@@ -38,12 +38,12 @@ import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._core.format import QuantFormat, Reducer, check_shape, weight_layout
-from .._core.layout import MAX_LISTED_MESH_SIZE
-from .._parallel.placements import first_bad_cut
-from .._parallel.quantize import quantize
-from .padding import mlp_padding, zero_padded
-from .vocab_padding import vocab_length
+from ..._core.format import QuantFormat, Reducer, check_shape, weight_layout
+from ..._core.layout import MAX_LISTED_MESH_SIZE
+from ..._parallel.placements import first_bad_cut
+from ..._parallel.quantize import quantize
+from ..padding import mlp_padding, zero_padded
+from ..vocab_padding import vocab_length
 
 STYLES = {"colwise": Shard(0), "rowwise": Shard(1)}
 #: Styles of a weight on the tp dim: its rows, its columns, each half of them (transformers' packed

@@ -25,11 +25,11 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from .._checkpoint.hf.tensors import MLP_NAMES
-from .padding import find_mlps
-from .plan_cells import STYLES, Layer
-from .quantize_model import is_matmul_weight
-from .vocab_padding import output_head
+from ..._checkpoint.hf.tensors import MLP_NAMES
+from ..padding import find_mlps
+from ..quantize_model import is_matmul_weight
+from ..vocab_padding import output_head
+from .cells import STYLES, Layer
 
 # transformers' style names (transformers/distributed/tensor_parallel.py), by what they do to a weight.
 _COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}

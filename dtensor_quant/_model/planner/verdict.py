@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._core.layout import MAX_LISTED_MESH_SIZE
-from .plan_cells import Cell, Layer, check, heads_refusal, heads_rule, legal_at, padding_cost, size, stored_bytes
-from .plan_report import groups, mesh_label
-from .plan_report import where_meshes as _where
+from ..._core.layout import MAX_LISTED_MESH_SIZE
+from .cells import Cell, Layer, check, heads_refusal, heads_rule, legal_at, padding_cost, size, stored_bytes
+from .report import groups, mesh_label
+from .report import where_meshes as _where
 
 AS_IS, ADAPT, PADDING, BOTH, NO = (
     "legal as is",

@@ -19,13 +19,13 @@ import dataclasses
 
 from torch import nn
 
-from .._checkpoint.hf.prequantized import detect, quantization_config
-from .._checkpoint.hf.safetensors_io import Checkpoint
-from .plan_cells import Layer
+from ..._checkpoint.hf.prequantized import detect, quantization_config
+from ..._checkpoint.hf.safetensors_io import Checkpoint
+from .cells import Layer
 
 
 def stored_layers(model: nn.Module, path, layers: list[Layer]) -> tuple[list[Layer], dict[str, int]]:
-    """``layers`` (of ``model``, from :func:`~.plan_layers.layers_of`) with each quantized weight in its stored format.
+    """``layers`` (of ``model``, from :func:`~.layers.layers_of`) with each quantized weight in its stored format.
 
     Returns the layers and ``{stored layout's description: weights}``. Raises
     ``ValueError`` naming every weight stored in a layout no format holds,
