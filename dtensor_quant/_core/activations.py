@@ -31,8 +31,8 @@ The schemes (``SCHEMES``), each the reference arithmetic of
   quantizes every token exactly as one process does.
 
 A row whose absmax is 0 takes scale 1 (codes 0, output 0); a NaN or Inf in a
-row makes that row's output NaN (its scale is NaN or Inf): nothing is clipped
-silently into finite numbers.
+row makes that row's output NaN (its scale is NaN or Inf; with a static scale
+the row's scale is made NaN): nothing is clipped silently into finite numbers.
 """
 
 from __future__ import annotations
@@ -166,7 +166,10 @@ def token_stat_reduction(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Iter
 
 def token_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
     """Each row's ``max |x|`` as fp32 ``[tokens, 1]`` (NaN if the row has one), reduced as the scheme says."""
-    amax = x.float().abs().amax(-1, keepdim=True) if x.shape[-1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+    if not x.shape[-1]:
+        amax = x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+    else:  # max |x| as max(max x, -min x): exact in x's dtype, no |x| copy; NaN kept
+        amax = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_()).float()
     stack = getattr(_LOCAL, "stack", None)
     if stack and not scheme.per_rank:
         amax = stack[-1](amax)
@@ -183,9 +186,15 @@ def quantize_activation(x: torch.Tensor, scheme: ActivationScheme, input_scale) 
         scale = torch.where(amax == 0, 1.0, amax / scheme.qmax)
     else:
         scale = torch.full((1, 1), float(input_scale), dtype=torch.float32, device=x.device)
-    v = x.float() / scale
+        bad = ~x.isfinite().all(-1, keepdim=True)
+        if bool(bad.any()):  # a token holding NaN or Inf: its row NaN, as a dynamic scale makes it
+            scale = torch.where(bad, float("nan"), scale.expand(x.shape[0], 1))
+    v = torch.div(x, scale)  # fp32: x promoted exactly, then divided
     if scheme.codes == "int8":
-        codes = v.round_().clamp_(scheme.qmin, scheme.qmax).nan_to_num_(0.0).to(torch.int8)
+        v = v.round_().clamp_(scheme.qmin, scheme.qmax)
+        if bool(scale.isnan().any()):
+            v = v.nan_to_num_(0.0)  # int8 has no NaN code: the row's NaN scale carries it
+        codes = v.to(torch.int8)
     else:
         codes = v.clamp_(scheme.qmin, scheme.qmax).to(torch.float8_e4m3fn)
     return codes, scale
@@ -197,7 +206,8 @@ def scale_output(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
     ``acc`` is the ``[tokens, out]`` sum of code products (int32 or fp32), ``x_scale`` ``[tokens, 1]`` or
     ``[1, 1]``, ``w_scale`` the weight's stored scale ``[out, 1]`` or ``[1, 1]`` (any dtype: read as fp32).
     """
-    return (acc.float() * x_scale * w_scale.float().reshape(1, -1)).to(dtype)
+    out = torch.mul(acc, x_scale).mul_(w_scale.float().reshape(1, -1))  # acc promoted to fp32 exactly first
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def reference_linear(

@@ -16,8 +16,9 @@ rounds the product to it before converting: compressed-tensors'
 
 Activations (``activations="fp8-token"``, ``"fp8-token-per-rank"``, or ``"fp8-tensor"`` with
 ``input_scale``; :mod:`dtensor_quant._core.activations`): ``linear`` quantizes each activation to e4m3fn as
-declared, multiplies the code values in fp32 (each product exact; the weight dequantized in the tile with
-scale 1, or an fp32 matmul of the values where the tiles cannot run) and scales the sum by ``x_scale * scale``
+declared, multiplies the code values (each product exact, summed in fp32; the weight dequantized in the tile
+with scale 1, or an fp32 matmul of the values where the tiles cannot run; with bf16 activations the tiles'
+sum comes out rounded to bf16 once before the scales) and scales the sum by ``x_scale * scale``
 (compressed-tensors' ``float-quantized`` FP8 dynamic/static). Default None: weight-only.
 
 Extremes (docs/hostile_input.md): the scale is the finite values' maximum, so
@@ -219,20 +220,26 @@ def kernel_linear(x, prepared, bias, scale_dtype: torch.dtype | None = None):
 # -- quantized activations: e4m3 x e4m3 products summed in fp32 --------------------------------------------------
 
 
-def fp8_matmul(codes: torch.Tensor, prepared) -> torch.Tensor:
-    """``float(codes) @ float(W codes).T`` in fp32 for e4m3fn ``[tokens, in]`` codes: each product exact, the sum an
-    fp32 sum (within the bound of its summation). The tiled float8 kernel with unit scales (the weight dequantized
-    in the tile) where it runs; else an fp32 matmul of the code values."""
+def fp8_matmul(codes: torch.Tensor, prepared, dtype: torch.dtype) -> torch.Tensor:
+    """``float(codes) @ float(W codes).T`` for e4m3fn ``[tokens, in]`` codes: each product exact, summed in fp32.
+
+    The tiled float8 kernel with unit scales (each weight dequantized in the tile): for bf16 activations
+    (``dtype``) the code values go in as bf16 (exact) and the sum comes out rounded once to bf16, the tiles'
+    output (AVX-512 BF16 / AMX speed); for fp32 the sum stays fp32. Where the tiles cannot run: an fp32 matmul
+    of the code values.
+    """
     w_codes, unit = prepared
-    values = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    wide = dtype if dtype == torch.bfloat16 else torch.float32
+    values = torch.empty(codes.shape, dtype=wide, device=codes.device)
     if table_fits(values):
         codes_into(codes, values)
     else:
         values.copy_(codes)
     inputs = native.inputs_for(values, unit)
-    out = _matmul(values, inputs, True, None, False) if inputs is not None else None
+    out = _matmul(values, inputs, True, None, wide == torch.bfloat16) if inputs is not None else None
     if out is not None:
         return out
+    values = values.float()
     w = torch.empty(w_codes.shape, dtype=torch.float32, device=w_codes.device)
     if table_fits(w):
         codes_into(w_codes, w)
@@ -253,7 +260,7 @@ def fp8_linear(fmt, x, prepared, bias):
     :func:`dtensor_quant._core.activations.reference_linear`, the sum through :func:`fp8_matmul`)."""
     scale, matmul_inputs = prepared
     codes, x_scale = activations.quantize_activation(x, fmt.activation_scheme, fmt.input_scale)
-    out = activations.scale_output(fp8_matmul(codes, matmul_inputs), x_scale, scale, x.dtype)
+    out = activations.scale_output(fp8_matmul(codes, matmul_inputs, x.dtype), x_scale, scale, x.dtype)
     return out + bias if bias is not None else out
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import dtensor_quant as dq
 from dtensor_quant._core import activations
 from dtensor_quant._formats.int8 import int_matmul
-from dtensor_quant.testing import assert_within, linear_error_bound, weight
+from dtensor_quant.testing import assert_within, linear_error_bound, unit_roundoff, weight
 
 INT8 = [
     dq.Int8Rowwise(activations="int8-token"),
@@ -58,9 +58,12 @@ def test_fp8_linear_within_the_summation_bound(fmt, shape, dtype):
     wv = q.qdata.double() * q.scale.double()
     exact = xv @ wv.t()
     bound = linear_error_bound(xv, wv, out_dtype=dtype)
+    reference_bound = bound
+    if dtype == torch.bfloat16:  # the tiles' bf16 output rounds the sum once more, before the scales
+        bound = bound + unit_roundoff(dtype) * (exact.abs() + bound)
     assert_within(got, exact, bound, f"{fmt} {shape} {dtype}")
     reference = activations.reference_linear(x, q.qdata, q.scale, fmt.activation_scheme, fmt.input_scale)
-    assert_within(reference, exact, bound, "the reference itself")
+    assert_within(reference, exact, reference_bound, "the reference itself")
 
 
 def test_token_statistics_as_declared():
@@ -149,3 +152,12 @@ def test_the_kit_checks_the_scheme(fmt):
     (outcome,) = check_format(fmt, checks=checks).outcomes
     assert outcome.ok, outcome.detail
     assert ("not applicable" in outcome.detail) == (fmt.activation_scheme is None)
+
+
+@pytest.mark.parametrize("fmt", [INT8[3], FP8[3]], ids=str)
+def test_static_nan_and_inf_rows_are_nan(fmt):
+    q = dq.quantize(weight((8, 64), seed=5), fmt)
+    x = weight((3, 64), seed=6)
+    x[0, 3], x[1, 5] = float("nan"), float("-inf")
+    out = F.linear(x, q)
+    assert out[0].isnan().all() and out[1].isnan().all() and out[2].isfinite().all()
