@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import activations
 from .layout import Blocked, OneToOne, Relation
 from .stochastic import Noise
 
@@ -66,6 +67,12 @@ class QuantFormat:
         """Every format class is safe for ``torch.load(weights_only=True)``: a pickled weight names it."""
         super().__init_subclass__(**kwargs)
         torch.serialization.add_safe_globals([cls])
+
+    def __setstate__(self, state):
+        """Unpickling (a format sent to a rank, a ``torch.load``) declares its activation scheme as building does."""
+        for name, value in (state or {}).items():
+            object.__setattr__(self, name, value)
+        activations.declare(self.activation_scheme)
 
     @property
     def layout(self) -> dict[str, tuple[Relation, ...]]:
@@ -178,6 +185,19 @@ class QuantFormat:
 
     def linear(self, x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x @ W.T + bias`` from ``prepare``'s result, or None to dequantize instead."""
+        return None
+
+    @property
+    def activation_scheme(self):
+        """How ``linear`` quantizes its activation, or None (the default): weight-only, ``x`` multiplied as it comes.
+
+        A format that declares one (an :class:`~dtensor_quant._core.activations.ActivationScheme`, spelled by its
+        ``activations`` field: ``Int8Rowwise(activations="int8-token")``) computes ``linear`` as that scheme's
+        reference arithmetic (:func:`~dtensor_quant._core.activations.reference_linear`) and never returns None
+        from it: a weight-only fallback would change the arithmetic silently. Under tensor parallelism the
+        per-token statistic is reduced over the mesh dims that cut the reduction dim
+        (:mod:`dtensor_quant._parallel.activation_stats`).
+        """
         return None
 
     def expanded_format(self) -> QuantFormat | None:

@@ -14,6 +14,13 @@ rounds the product to it before converting: compressed-tensors'
 ``weight_scale`` ``[out, 1]``, dequantized as ``q.to(bf16) * scale``);
 ``Float8Tensorwise(scale_dtype=...)`` the same with one scale.
 
+Activations (``activations="fp8-token"``, ``"fp8-token-per-rank"``, or ``"fp8-tensor"`` with
+``input_scale``; :mod:`dtensor_quant._core.activations`): ``linear`` quantizes each activation to e4m3fn as
+declared, multiplies the code values (each product exact, summed in fp32; the weight dequantized in the tile
+with scale 1, or an fp32 matmul of the values where the tiles cannot run; with bf16 activations the tiles'
+sum comes out rounded to bf16 once before the scales) and scales the sum by ``x_scale * scale``
+(compressed-tensors' ``float-quantized`` FP8 dynamic/static). Default None: weight-only.
+
 Extremes (docs/hostile_input.md): the scale is the finite values' maximum, so
 a NaN weight is NaN in its own element only (e4m3fn's NaN code), an Inf
 saturates to +-448 * scale, and ``448 * scale`` is capped where rounding to the
@@ -27,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .._core import native
+from .._core import activations, native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Constant, OneToOne
 from .._core.reductions import block_reduce, block_stat_abs, safe_scale, scaled_into
@@ -210,16 +217,97 @@ def kernel_linear(x, prepared, bias, scale_dtype: torch.dtype | None = None):
     return out + bias if bias is not None and out is not None else out
 
 
+# -- quantized activations: e4m3 x e4m3 products summed in fp32 --------------------------------------------------
+
+
+def fp8_matmul(codes: torch.Tensor, prepared, dtype: torch.dtype) -> torch.Tensor:
+    """``float(codes) @ float(W codes).T`` for e4m3fn ``[tokens, in]`` codes: each product exact, summed in fp32.
+
+    The tiled float8 kernel with unit scales (each weight dequantized in the tile): for bf16 activations
+    (``dtype``) the code values go in as bf16 (exact) and the sum comes out rounded once to bf16, the tiles'
+    output (AVX-512 BF16 / AMX speed); for fp32 the sum stays fp32. Where the tiles cannot run: an fp32 matmul
+    of the code values.
+    """
+    w_codes, unit = prepared
+    wide = dtype if dtype == torch.bfloat16 else torch.float32
+    values = torch.empty(codes.shape, dtype=wide, device=codes.device)
+    if table_fits(values):
+        codes_into(codes, values)
+    else:
+        values.copy_(codes)
+    inputs = native.inputs_for(values, unit)
+    out = _matmul(values, inputs, True, None, wide == torch.bfloat16) if inputs is not None else None
+    if out is not None:
+        return out
+    values = values.float()
+    w = torch.empty(w_codes.shape, dtype=torch.float32, device=w_codes.device)
+    if table_fits(w):
+        codes_into(w_codes, w)
+    else:
+        w.copy_(w_codes)
+    return values @ w.t()
+
+
+def _prepare_activations(inner):
+    """``(codes, Lazy of the tiled kernel's inputs with unit scales)`` for :func:`fp8_matmul`."""
+    q = inner["qdata"]
+    unit = torch.ones((q.shape[0], 1), dtype=torch.float32, device=q.device)
+    return q, native.Lazy(lambda: kernel_prepare(q, unit, q.shape[-1]))
+
+
+def fp8_linear(fmt, x, prepared, bias):
+    """``x @ W.T + bias`` with ``x`` quantized to e4m3 as ``fmt`` declares (the reference arithmetic of
+    :func:`dtensor_quant._core.activations.reference_linear`, the sum through :func:`fp8_matmul`)."""
+    scale, matmul_inputs = prepared
+    codes, x_scale = activations.quantize_activation(x, fmt.activation_scheme, fmt.input_scale)
+    out = activations.scale_output(fp8_matmul(codes, matmul_inputs, x.dtype), x_scale, scale, x.dtype)
+    return out + bias if bias is not None else out
+
+
+class _Activations:
+    """The activation fields' checks, shared by both float8 formats (their dataclass fields are their own)."""
+
+    def _check_activations(self):
+        activations.parse(type(self).__name__, self.activations, self.input_scale, "fp8")
+        if self.input_scale is not None:
+            object.__setattr__(self, "input_scale", float(self.input_scale))
+
+    @property
+    def activation_scheme(self):
+        return activations.SCHEMES.get(self.activations)
+
+    def prepare(self, inner):
+        if self.activations is not None:
+            return inner["scale"], _prepare_activations(inner)
+        return _prepare(inner)
+
+    def linear(self, x, prepared, bias):
+        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None. With an
+        activation scheme: :func:`fp8_linear`, always.
+
+        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
+        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
+        """
+        if self.activations is not None:
+            return fp8_linear(self, x, prepared, bias)
+        return kernel_linear(x, prepared, bias, self.scale_dtype)
+
+
 @dataclass(frozen=True)
-class Float8Rowwise(QuantFormat):
+class Float8Rowwise(_Activations, QuantFormat):
     #: The dtype of ``scale`` (None: the weight's); see the module docstring.
     scale_dtype: torch.dtype | None = None
+    #: How ``linear`` quantizes its activation (None: weight-only); see the module docstring.
+    activations: str | None = None
+    #: The static scheme's per-tensor activation scale.
+    input_scale: float | None = None
 
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (OneToOne(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
     def __post_init__(self):
         dtype_param(self, "scale_dtype")
+        self._check_activations()
 
     __repr__ = compact_repr
 
@@ -238,31 +326,25 @@ class Float8Rowwise(QuantFormat):
             return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
 
-    def prepare(self, inner):
-        return _prepare(inner)
-
-    def linear(self, x, prepared, bias):
-        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
-
-        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
-        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
-        """
-        return kernel_linear(x, prepared, bias, self.scale_dtype)
-
     def __str__(self) -> str:
         return compact_repr(self).replace("torch.", "")
 
 
 @dataclass(frozen=True)
-class Float8Tensorwise(QuantFormat):
+class Float8Tensorwise(_Activations, QuantFormat):
     #: The dtype of ``scale`` (None: the weight's): compressed-tensors' per-tensor FP8 keeps it in its own dtype.
     scale_dtype: torch.dtype | None = None
+    #: How ``linear`` quantizes its activation (None: weight-only); see the module docstring.
+    activations: str | None = None
+    #: The static scheme's per-tensor activation scale.
+    input_scale: float | None = None
 
     layout = {"qdata": (OneToOne(), OneToOne()), "scale": (Constant(), Constant())}
     block_size_params = ()  # no blocks: every row and column cut is legal
 
     def __post_init__(self):
         dtype_param(self, "scale_dtype")
+        self._check_activations()
 
     __repr__ = compact_repr
 
@@ -281,17 +363,6 @@ class Float8Tensorwise(QuantFormat):
         if self.scale_dtype is not None and out.dtype != self.scale_dtype:
             return unpack_through(self, inner, out, self.scale_dtype)
         return _unpack(inner, out)
-
-    def prepare(self, inner):
-        return _prepare(inner)
-
-    def linear(self, x, prepared, bias):
-        """bf16 or fp32 activations, up to ``native.TILES_MAX_TOKENS`` rows: the kernels; else None.
-
-        The kernels round each weight at most once, to bf16: a bf16 ``scale_dtype`` rounds there whatever the
-        activations; an fp16 one would round to fp16 first, so such a weight dequantizes instead.
-        """
-        return kernel_linear(x, prepared, bias, self.scale_dtype)
 
     def __str__(self) -> str:
         return compact_repr(self).replace("torch.", "")

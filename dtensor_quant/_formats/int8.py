@@ -10,6 +10,11 @@ Math: ``w ~= q * scale``, in float32, rounded once to the output dtype; with
 ``int-quantized`` checkpoints: int8 ``weight`` and bf16 ``weight_scale``
 ``[out, 1]``, dequantized as ``q.to(bf16) * scale``).
 
+Activations (``activations="int8-token"``, ``"int8-token-per-rank"``, or ``"int8-tensor"`` with
+``input_scale``; :mod:`dtensor_quant._core.activations`): ``linear`` quantizes each activation to int8 as
+declared, multiplies the codes in int32 (``torch._int_mm``, exact) and scales the sum by ``x_scale * scale``
+(W8A8: compressed-tensors' ``int-quantized`` with ``input_activations``). Default None: weight-only.
+
 Extremes (docs/hostile_input.md): the scale is the row's finite maximum, so
 an Inf saturates to +-127 * scale and a NaN makes its row NaN (int8 has no NaN
 code); ``127 * scale`` is capped at the largest scale-dtype value finite in the
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .._core import native
+from .._core import activations, native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Constant, OneToOne
 from .._core.reductions import block_reduce, block_stat_abs, canonical_nan, safe_scale, scaled_into
@@ -103,10 +108,40 @@ def _scale(weight: torch.Tensor, reduce: Reducer, dtype: torch.dtype, out_dtype:
     return safe_scale(reduce(_row_absmax(weight), "max", "scale"), _QMAX, dtype, out_dtype)
 
 
+def int_matmul(codes: torch.Tensor, w_codes: torch.Tensor) -> torch.Tensor:
+    """``codes @ w_codes.T`` of int8 ``[tokens, in]`` and ``[out, in]``, exact: int32 (int64 past int32's reach).
+
+    ``torch._int_mm`` (CPU: VNNI/AMX through oneDNN, any shape; CUDA needs ``tokens > 16`` and multiples of 8);
+    where it refuses, or ``in`` is long enough for an int32 sum to overflow, a float64 matmul of the codes, exact
+    below 2**53.
+    """
+    if codes.shape[1] <= _INT32_SAFE_K:
+        try:
+            return torch._int_mm(codes, w_codes.t())
+        except RuntimeError:
+            pass
+    return (codes.double() @ w_codes.double().t()).to(torch.int64)
+
+
+_INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # |code products| <= 128 * 128: an int32 sum of this many never overflows
+
+
+def w8a8_linear(x, q, scale, scheme, input_scale, bias):
+    """``x @ W.T + bias`` with ``x`` quantized to int8 as ``scheme`` says: the reference arithmetic of
+    :func:`dtensor_quant._core.activations.reference_linear`, the integer sum through :func:`int_matmul`."""
+    codes, x_scale = activations.quantize_activation(x, scheme, input_scale)
+    out = activations.scale_output(int_matmul(codes, q), x_scale, scale, x.dtype)
+    return out + bias if bias is not None else out
+
+
 @dataclass(frozen=True)
 class Int8Rowwise(QuantFormat):
     #: The dtype of ``scale`` (None: the weight's); see the module docstring.
     scale_dtype: torch.dtype | None = None
+    #: How ``linear`` quantizes its activation (None: weight-only); see the module docstring.
+    activations: str | None = None
+    #: The static scheme's per-tensor activation scale.
+    input_scale: float | None = None
 
     layout = {
         "qdata": (OneToOne(), OneToOne()),
@@ -116,8 +151,15 @@ class Int8Rowwise(QuantFormat):
 
     def __post_init__(self):
         dtype_param(self, "scale_dtype")
+        activations.parse(type(self).__name__, self.activations, self.input_scale, "int8")
+        if self.input_scale is not None:
+            object.__setattr__(self, "input_scale", float(self.input_scale))
 
     __repr__ = compact_repr
+
+    @property
+    def activation_scheme(self):
+        return activations.SCHEMES.get(self.activations)
 
     def quantize(self, weight: torch.Tensor, reduce: Reducer) -> dict[str, torch.Tensor]:
         scale = _scale(weight, reduce, self.scale_dtype or weight.dtype, weight.dtype)
@@ -161,10 +203,13 @@ class Int8Rowwise(QuantFormat):
         return q, scale, native.Lazy(functools.partial(_tile_inputs, q, scale))
 
     def linear(self, x, prepared, bias):
-        """bf16 activations of up to ``_TORCH_MAX_TOKENS`` rows: ``aten._weight_int8pack_mm`` (per-row scale;
+        """With an activation scheme: :func:`w8a8_linear`, always. Weight-only: bf16 activations of up to
+        ``_TORCH_MAX_TOKENS`` rows: ``aten._weight_int8pack_mm`` (per-row scale;
         CPU, CUDA if built in, untested here; any count on CUDA); more rows, or fp32 activations: the tiled kernel
         (int8.cpp); else None (dequantize + mm)."""
         q, scale, tile_inputs = prepared
+        if self.activations is not None:
+            return w8a8_linear(x, q, scale, self.activation_scheme, self.input_scale, bias)
         tokens = x.shape[0]
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
         if (

@@ -99,8 +99,13 @@ class GatherMeta:
 
 @implements_method("fsdp_pre_all_gather")
 def quantized_pre_hook(q: QuantizedTensor):
-    """``QuantizedTensor.fsdp_pre_all_gather``: the shard's own bytes, gathered and kept quantized."""
-    return hook_for(q, lambda mesh: q, dense=True)
+    """``QuantizedTensor.fsdp_pre_all_gather``: the shard's own bytes, gathered and kept quantized.
+
+    The gathered weight is dequantized once for the forward and backward, unless its format quantizes its
+    activations (``fmt.activation_scheme``): its forward must run the format's own arithmetic, so the weight
+    stays quantized (the backward's ``grad @ W`` dequantizes it, as for any quantized weight).
+    """
+    return hook_for(q, lambda mesh: q, dense=q.fmt.activation_scheme is None)
 
 
 @implements_method("fsdp_post_all_gather")

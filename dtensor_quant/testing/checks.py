@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from .._core import activations
 from .._core.format import QuantFormat, check_shape
 from .._core.layout import LayoutError
 from .._parallel import wire
 from .._parallel.quantize import quantize
+from .bounds import assert_within, linear_error_bound, unit_roundoff
 from .tools import assert_local_matches, assert_same_bits, legal, mesh, weight
 
 CANDIDATE_SHAPES = [(64, 256), (64, 512), (32, 1024), (64, 2048), (16, 4096), (128, 4096), (64, 16384)]
@@ -233,6 +235,34 @@ def tensor_parallel(fmt: QuantFormat, shape) -> str:
     return "matches one process up to reduction order: " + ", ".join(done) if done else "not applicable"
 
 
+def quantized_activations(fmt: QuantFormat, shape) -> str:
+    """A declared activation scheme (``fmt.activation_scheme``): ``F.linear`` computes the scheme's arithmetic.
+
+    The activation is quantized as :func:`dtensor_quant._core.activations.quantize_activation` declares, the
+    code values times the weight's values summed: the result is within the summation bound of that exact
+    value (plus the weight's own rounding to its ``scale_dtype``, where it has one, and, for bf16 outputs, one
+    rounding of the sum to bf16 before the scales). Weight-only formats: not applicable.
+    """
+    scheme = fmt.activation_scheme
+    if scheme is None:
+        return "not applicable (weight-only)"
+    q = quantize(weight(shape, seed=11), fmt)
+    done = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = weight((5, shape[1]), seed=12).to(dtype)
+        got = torch.nn.functional.linear(x, q.to(dtype))
+        codes, x_scale = activations.quantize_activation(x, scheme, getattr(fmt, "input_scale", None))
+        xv, wv = codes.double() * x_scale.double(), q.dequantize(torch.float32).double()
+        rounding = unit_roundoff(getattr(fmt, "scale_dtype", None) or torch.float32)
+        bound = linear_error_bound(xv, wv, out_dtype=dtype, weight_error=wv.abs() * rounding)
+        exact = xv @ wv.t()
+        if dtype != torch.float32:  # a kernel may round its sum to the output dtype once before the scales
+            bound = bound + unit_roundoff(dtype) * (exact.abs() + bound)
+        assert_within(got, exact, bound, f"{fmt} with {str(dtype).removeprefix('torch.')} activations")
+        done.append(str(dtype).removeprefix("torch."))
+    return f"{scheme.spelling}: the declared arithmetic within its bound ({', '.join(done)})"
+
+
 def compile_linear(fmt: QuantFormat, shape) -> str:
     """torch.compile(backend="aot_eager") of a quantized Linear gives the eager result."""
     torch._dynamo.reset()
@@ -369,6 +399,7 @@ CHECKS = [
     Check("FSDP2 QLoRA", fsdp2_qlora),
     Check("FSDP2 quantized all-gather", fsdp2_quantized_allgather),
     Check("DCP reshard", checkpoint_reshard),
+    Check("quantized activations", quantized_activations, distributed=False),
     Check("torch.compile", compile_linear, distributed=False),
     Check("expert stacks [E, out, in]", expert_stacks),
 ]

@@ -66,7 +66,15 @@ CT = {
     "ct_fp8": ("FP8_DYNAMIC", "float-quantized", None),
     "ct_fp8_block": ("FP8_BLOCK", "float-quantized", None),
     "ct_mxfp4": ("MXFP4A16", "mxfp4-pack-quantized", None),
+    # quantized activations (issue 35): W8A8 int8 dynamic per token, FP8 static (per-tensor weights and inputs),
+    # and W8A8 int8 with a static per-tensor input scale
+    "ct_w8a8": ("W8A8", "int-quantized", None),
+    "ct_fp8_static": ("FP8", "float-quantized", None),
+    "ct_w8a8_static": ("W8A8", "int-quantized", None),
 }
+# kinds whose input activations are made static per tensor, and the input scale each Linear gets: data-free,
+# |x| up to 4 (the tiny Llama's normed hidden states and MLP inputs stay near unit scale)
+STATIC_INPUTS = {"ct_w8a8_static": 4.0 / 127, "ct_fp8_static": 4.0 / 448}
 KINDS = (*CT, "gptq", "gptq_actorder", "awq", "bnb", "bnb_single", "gptoss")
 # A tiny gpt-oss: 4 experts of width 256 (gate_up [E, 256, 512], down [E, 256, 256] as transformers holds them).
 GPTOSS = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -108,6 +116,8 @@ def write_ct(kind: str, path) -> str:
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if strategy is not None:
         scheme.weights.strategy, scheme.weights.group_size = strategy, None
+    if kind in STATIC_INPUTS:
+        scheme.input_activations.strategy, scheme.input_activations.dynamic = "tensor", False
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
                               show_progress=False)  # fmt: skip
     with torch.no_grad():
@@ -119,6 +129,8 @@ def write_ct(kind: str, path) -> str:
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+            if kind in STATIC_INPUTS:
+                module.input_scale.fill_(STATIC_INPUTS[kind])
             module.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)

@@ -15,6 +15,7 @@ format                                 compressed-tensors scheme (``format``)
 =====================================  ==========================================================
 ``Int8Rowwise``                        int8, channel, symmetric (``int-quantized``)
 ``Float8Rowwise``                      fp8 e4m3, channel (``float-quantized``)
+``Float8Tensorwise``                   fp8 e4m3, tensor (``float-quantized``)
 ``Float8Blockwise(b)``                 fp8 e4m3, ``b x b`` blocks (``float-quantized``)
 ``Int4Groupwise(g)`` with zero = 0     int4, group ``g``, symmetric (``pack-quantized``)
 ``Int4GroupwiseIntZero(g)``            int4, group ``g``, asymmetric (``pack-quantized``)
@@ -24,7 +25,14 @@ format                                 compressed-tensors scheme (``format``)
 compressed-tensors loads scales in the model's dtype, so a weight whose
 scales are in another dtype is refused (it would be rounded on the way in),
 as is an ``Int4Groupwise`` weight with a nonzero float zero point and every
-other format (NF4, BnbNF4, Float8Tensorwise): the message says so, by name.
+other format (NF4, BnbNF4): the message says so, by name.
+
+A format's activation scheme (``activations``) is written as its group's
+``input_activations``: ``*-token`` as symmetric 8-bit dynamic per token,
+``*-tensor`` as static per tensor with ``{module}.input_scale`` (the format's
+``input_scale``, in the model's dtype, refused where it does not fit it
+exactly). The ``-per-rank`` schemes have no compressed-tensors form (it
+declares no tensor-parallel statistics) and are refused.
 """
 
 from __future__ import annotations
@@ -35,10 +43,18 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..._core.format import weight_layout
-from ..._formats import MXFP4, Float8Blockwise, Float8Rowwise, Int4Groupwise, Int4GroupwiseIntZero, Int8Rowwise
+from ..._formats import (
+    MXFP4,
+    Float8Blockwise,
+    Float8Rowwise,
+    Float8Tensorwise,
+    Int4Groupwise,
+    Int4GroupwiseIntZero,
+    Int8Rowwise,
+)
 from ..state_dict import canonical_view, entry_placements, entry_shape
 from .prequantized import StoredLayout, weight_shape_record
-from .stored import Fill, PackedCodes, Same, Words
+from .stored import Extra, Fill, Flat, PackedCodes, Same, Words
 from .tensors import first_replica, regions
 
 QUANTIZATIONS = ("compressed-tensors",)
@@ -58,6 +74,10 @@ def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout] | str:
     if isinstance(fmt, Float8Rowwise):
         args = dict(base, num_bits=8, type="float", strategy="channel")
         return "float-quantized", args, StoredLayout(fmt, "", (("qdata", Same("{key}", torch.float8_e4m3fn)), scale))
+    if isinstance(fmt, Float8Tensorwise):
+        args = dict(base, num_bits=8, type="float", strategy="tensor")
+        inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale", Flat("{key}_scale", sd)))
+        return "float-quantized", args, StoredLayout(fmt, "", inner)
     if isinstance(fmt, Float8Blockwise):
         b = fmt.block_size
         args = dict(base, num_bits=8, type="float", strategy="block", block_structure=[b, b])
@@ -76,9 +96,29 @@ def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout] | str:
         args = dict(base, num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
         inner = (("qdata", Same("{key}_packed", torch.uint8)), ("scale", Same("{key}_scale", torch.uint8)))
         return "mxfp4-pack-quantized", args, StoredLayout(fmt, "", inner)
-    return (f"compressed-tensors has no scheme for {fmt} (it writes Int8Rowwise, Float8Rowwise, "
+    return (f"compressed-tensors has no scheme for {fmt} (it writes Int8Rowwise, Float8Rowwise, Float8Tensorwise, "
             "Float8Blockwise, Int4Groupwise with zero points 0, Int4GroupwiseIntZero and MXFP4); save it dense "
             "(quantization=None)")  # fmt: skip
+
+
+def _activations(fmt, dtype: torch.dtype) -> tuple[dict | None, tuple[Extra, ...]] | str:
+    """``(input_activations args or None, extras)`` for ``fmt``'s activation scheme, or why it cannot be written."""
+    scheme = fmt.activation_scheme
+    if scheme is None:
+        return None, ()
+    if scheme.per_rank:
+        return (f"activations={scheme.spelling!r} (per-rank statistics) has no compressed-tensors form; "
+                f"'{scheme.codes}-token' does")  # fmt: skip
+    kind, strategy = "int" if scheme.codes == "int8" else "float", "token" if scheme.dynamic else "tensor"
+    args = {"num_bits": 8, "type": kind, "symmetric": True, "group_size": None, "strategy": strategy,
+            "dynamic": scheme.dynamic}  # fmt: skip
+    if scheme.dynamic:
+        return args, ()
+    value = torch.tensor([fmt.input_scale], dtype=dtype)
+    if float(value) != fmt.input_scale:
+        return (f"its input_scale {fmt.input_scale!r} is not a {dtype} value, and compressed-tensors loads it in the "
+                "model's dtype (it would be rounded)")  # fmt: skip
+    return args, (Extra("{base}.input_scale", None, lambda shape, v=value: v),)
 
 
 class CompressedTensorsExport:
@@ -98,9 +138,13 @@ class CompressedTensorsExport:
         q, inner, to_canonical, shape = canonical_view(t, key)
         why = "its key does not end in .weight" if not key.endswith(".weight") or len(shape) != 2 else None
         scheme = why or _scheme(q.fmt, t.dtype)
+        acts = _activations(q.fmt, t.dtype) if not isinstance(scheme, str) else None
+        if isinstance(acts, str):
+            scheme = acts
         if isinstance(scheme, str):
             raise ValueError(f"{key}: {q.fmt} cannot be written as compressed-tensors: {scheme}")
         fmt_name, args, layout = scheme
+        input_args, act_extras = acts
         mesh = t.device_mesh if isinstance(t, DTensor) else None
         out = []
         for name, rels in weight_layout(q.fmt, shape).items():
@@ -124,12 +168,13 @@ class CompressedTensorsExport:
             writes = boxes and first_replica(mesh, placements, leader)
             spans = [((0,) * s_chunk.ndim, tuple(s_offset), tuple(s_chunk.shape))] if writes else []
             out.append((st.key(key), st.dtype, st.stored_shape(g_shape), spans, lambda c=s_chunk: c))
-        for extra in layout.extras:
+        for extra in (*layout.extras, *act_extras):
             value = extra.value(shape)
             spans = [((0,), (0,), tuple(value.shape))] if leader else []
             out.append((extra.key(key), value.dtype, tuple(value.shape), spans, lambda v=value: v))
         module = key[: -len(".weight")]
-        self.groups.setdefault((fmt_name, json.dumps(args, sort_keys=True)), []).append(module)
+        group = (fmt_name, json.dumps(args, sort_keys=True), json.dumps(input_args, sort_keys=True))
+        self.groups.setdefault(group, []).append(module)
         return out
 
     def config(self, dense_linears: list[str]) -> dict:
@@ -137,9 +182,10 @@ class CompressedTensorsExport:
         from importlib.metadata import PackageNotFoundError, version
 
         groups = {}
-        for i, ((fmt_name, args), modules) in enumerate(sorted(self.groups.items())):
+        for i, ((fmt_name, args, input_args), modules) in enumerate(sorted(self.groups.items())):
             groups[f"group_{i}"] = {"targets": sorted(modules), "weights": json.loads(args), "format": fmt_name,
-                                    "input_activations": None, "output_activations": None}  # fmt: skip
+                                    "input_activations": json.loads(input_args),
+                                    "output_activations": None}  # fmt: skip
         formats = {g["format"] for g in groups.values()}
         try:  # the version of the package that reads it, where installed (not a dependency of this library)
             ct_version = {"version": version("compressed-tensors")}

@@ -30,6 +30,7 @@ from ..._formats import (
     BnbNF4,
     Float8Blockwise,
     Float8Rowwise,
+    Float8Tensorwise,
     Int4Groupwise,
     Int4GroupwiseIntZero,
     Int8Rowwise,
@@ -181,22 +182,73 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
     if fmt_name in ("int-quantized", "naive-quantized") and kind == "int" and bits == 8 and key in tensors:
         if strategy != "channel" or not sym:
             raise ValueError(f"{key}: {what} is not read (int8 is read per channel, symmetric)")
+        acts, extras, said = _ct_activations(scheme, ckpt, key, "int8")
         inner = (("qdata", Same("{key}", torch.int8)), scale_same)
-        return StoredLayout(Int8Rowwise(scale_dtype=s_dtype), what, inner)
+        return StoredLayout(Int8Rowwise(scale_dtype=s_dtype, **acts), what + said, inner, extras)
     if fmt_name in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8 and key in tensors:
-        if strategy == "channel":
-            inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), scale_same)
-            return StoredLayout(Float8Rowwise(scale_dtype=s_dtype), what, inner)
+        if strategy in ("channel", "tensor"):
+            acts, extras, said = _ct_activations(scheme, ckpt, key, "fp8")
+            if strategy == "channel":
+                inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), scale_same)
+                return StoredLayout(Float8Rowwise(scale_dtype=s_dtype, **acts), what + said, inner, extras)
+            inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale", Flat("{key}_scale", s_dtype)))
+            return StoredLayout(Float8Tensorwise(scale_dtype=s_dtype, **acts), what + said, inner, extras)
         block = args.field("block_structure", list_of(POSITIVE, 2), tensor=key)
         if strategy == "block" and block and block[0] == block[1]:
             what = f"compressed-tensors {fmt_name} (fp8, {block[0]}x{block[1]} blocks)"
             inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale", s_dtype)))
             return StoredLayout(Float8Blockwise(block[0], scale_dtype=s_dtype), what, inner)
-        raise ValueError(f"{key}: {what} is not read (fp8 is read per channel or in square blocks)")
+        raise ValueError(f"{key}: {what} is not read (fp8 is read per channel, per tensor or in square blocks)")
     if fmt_name == "mxfp4-pack-quantized" and kind == "float" and bits == 4 and packed in tensors:
         inner = (("qdata", Same("{key}_packed", torch.uint8)), ("scale", Same("{key}_scale", torch.uint8)))
         return StoredLayout(MXFP4(), what, inner)
     raise ValueError(f"{key}: {what} has no format here that holds it as stored")
+
+
+def _ct_activations(scheme: Fields | None, ckpt: Checkpoint, key: str, codes: str) -> tuple[dict, tuple, str]:
+    """compressed-tensors' ``input_activations`` as the format's activation fields: ``(fields, extras, words)``.
+
+    Read: symmetric 8-bit ``int``/``float`` (``codes``) activations, dynamic per ``token`` (``int8-token``,
+    ``fp8-token``) or static per ``tensor`` with ``{base}.input_scale`` (``int8-tensor``/``fp8-tensor``, the
+    scale a format parameter: read here, checked again at load). None: weight-only. Anything else is refused
+    by name: serving it weight-only would compute another model than the producer's.
+    """
+    acts = scheme.sub("input_activations", None, tensor=key) if scheme is not None else None
+    if acts is None:
+        return {}, (), ""
+    kind, bits = acts.field("type", STRING, "int", tensor=key), acts.field("num_bits", POSITIVE, 8, tensor=key)
+    strategy = acts.field("strategy", STRING, tensor=key)
+    dynamic = acts.field("dynamic", either(BOOL, STRING), False, tensor=key)
+    sym = acts.field("symmetric", BOOL, True, tensor=key)
+    want = "int" if codes == "int8" else "float"
+    said = f"; input activations {kind}{bits} {strategy}{' dynamic' if dynamic is True else ''}"
+    said += "" if sym else ", asymmetric"
+    if kind == want and bits == 8 and sym and strategy == "token" and dynamic is True:
+        return {"activations": f"{codes}-token"}, (), said
+    if kind == want and bits == 8 and sym and strategy == "tensor" and dynamic is False:
+        scale_key = key[: -len(".weight")] + ".input_scale"
+        if scale_key not in ckpt.tensors:
+            raise ValueError(f"{key}: static input activations need {scale_key}, which the checkpoint lacks")
+        stored = small(ckpt, scale_key)
+        if stored.numel() != 1:
+            raise ValueError(f"{key}: {scale_key} holds {stored.numel()} values; a per-tensor scale is one")
+        value = float(stored.reshape(-1)[0])
+        return {"activations": f"{codes}-tensor", "input_scale": value}, (_input_scale(value, stored.dtype),), said
+    raise ValueError(
+        f"{key}: compressed-tensors input activations ({said[2:]}) are not read: this library computes symmetric "
+        f"8-bit {want} activations dynamic per token or static per tensor, with {codes} weights"
+    )
+
+
+def _input_scale(value: float, dtype: torch.dtype) -> Extra:
+    """``{base}.input_scale``: the static scale the format holds as ``input_scale`` (one value, checked on load)."""
+
+    def check(t, shape):
+        if t.numel() != 1 or float(t.reshape(-1)[0]) != value:
+            return f"holds {t.reshape(-1).tolist()}, the model's format has input_scale={value!r}"
+        return None
+
+    return Extra("{base}.input_scale", check, lambda shape: torch.tensor([value], dtype=dtype))
 
 
 def _g_idx(group: int, desc_act) -> Extra:

@@ -49,6 +49,23 @@ def test_scale_dtype_formats_pass_kit(ranks, fmt):
     check_format(fmt, world_size=2, pool=ranks(2)).raise_if_failed()
 
 
+# Formats that quantize their activations (issue 35): every capability of the kit, and their arithmetic.
+ACTIVATIONS = [
+    dq.Int8Rowwise(activations="int8-token"),
+    dq.Float8Rowwise(scale_dtype=torch.bfloat16, activations="fp8-token"),
+    dq.Float8Tensorwise(activations="fp8-tensor", input_scale=0.01),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ACTIVATIONS, ids=str)
+def test_activation_formats_pass_kit(ranks, fmt):
+    report = check_format(fmt, world_size=2, pool=ranks(2))
+    report.raise_if_failed()
+    (arithmetic,) = [o for o in report.outcomes if o.check.name == "quantized activations"]
+    assert "not applicable" not in arithmetic.detail, arithmetic.detail
+
+
 def test_report_names_a_failing_capability(ranks):
     """A broken format is reported, capability by capability, not crashed on."""
     report = check_format(BrokenLayout(), world_size=2, pool=ranks(2))

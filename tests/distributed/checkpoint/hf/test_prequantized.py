@@ -243,3 +243,16 @@ def test_gptoss_mxfp4_experts_load_as_stored(ranks, producer_checkpoints, layout
     # bytes read equal the slices exactly (checked on the ranks); under EP the dense attention is replicated
     for s in ranks(2).run(load_gptoss, layout, path) if layout == "ep2" else [load_gptoss(layout, path)]:
         assert s["finite"] and s["read"] <= s["file"], s
+
+
+@pytest.mark.parametrize("kind", ["ct_w8a8", "ct_fp8"])
+def test_prequantized_w8a8_model_at_tp2_equals_one_process(ranks, producer_checkpoints, kind):
+    """A W8A8 / FP8-dynamic checkpoint loaded as stored runs at TP 2 with its activation scheme: the row-parallel
+    layers reduce each token's statistic over the ranks, so every activation gets its one-process code and the
+    logits differ from one process only by the ranks' float sums of partial outputs (a few ulps of the largest
+    logit; float32 model)."""
+    for r in ranks(2).run(tp2_logits, producer_checkpoints[kind]):
+        tp, one = r["tp2"], r["single"]
+        assert torch.isfinite(tp).all()
+        bound = 64 * torch.finfo(torch.float32).eps * float(one.abs().max())
+        assert float((tp - one).abs().max()) <= bound, (float((tp - one).abs().max()), bound)

@@ -1,0 +1,111 @@
+"""Per-token activation statistics reduced over the mesh dims that cut a row-parallel matmul's reduction dim.
+
+A format that quantizes its activation per token (``Int8Rowwise(activations="int8-token")``)
+takes each token's ``max |x|`` over the features. Under ``RowwiseParallel`` the
+input is ``Shard(-1)``: each rank holds a slice of every token's features, and a
+scale taken from the slice differs from the one-process scale, so the ranks
+would compute another model (vLLM's behaviour, available explicitly as the
+``"...-token-per-rank"`` schemes). Here the maximum, one float per token, is
+all-reduced (MAX, NaN kept) over the mesh dims along which the weight cuts its
+input dim before any rank quantizes, so every element gets the code it gets on
+one process: the integer partial sums add up to the one-process sum exactly,
+and the only difference left is the float sum of the ranks' partial outputs.
+
+How: DTensor issues ``aten.mm``/``aten.addmm`` for ``F.linear``; the handler
+installed here in DTensor's table of op handlers
+(``DTensor._op_dispatcher._custom_op_handlers``, which torch's own loss
+parallelism uses too) sees the weight's placements, and when it is a quantized
+weight with a dynamic, reduced scheme cut on its input dim, it runs torch's own
+dispatch of the op inside :func:`~dtensor_quant._core.activations.token_stat_reduction`,
+which the format's ``linear`` asks for its maxima. Every other ``mm`` goes to
+torch's dispatch unchanged. The handler is installed when the process first
+declares such a scheme (importing the library changes nothing in torch). While
+it runs torch's dispatch, the handler is out of the table: another thread's
+DTensor ``mm`` at that instant would take torch's path (DTensor ops from
+several threads of one process are not supported here).
+
+The all-reduce is recorded by :func:`dtensor_quant.wire.record` as a dense
+``all_reduce`` of ``tokens x 4`` bytes per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+from .._core import activations
+from .._core.reductions import reduce_nan_aware
+from .._core.tensor import QuantizedTensor
+from . import wire
+from .placements import shard_like
+
+_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+_LOCK = threading.RLock()
+
+
+def install() -> None:
+    """Put the handler into DTensor's op-handler table for ``mm`` and ``addmm`` (idempotent)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _OPS:
+        if handlers.get(op) is None:
+            handlers[op] = _handle
+
+
+def installed() -> bool:
+    """Whether the handler is in DTensor's table."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    return all(handlers.get(op) is _handle for op in _OPS)
+
+
+def cut_groups(w_t) -> list[str]:
+    """The process groups of the mesh dims whose shards of ``w_t`` (a transposed weight ``[in, out]``) cut ``in``,
+    when its local tensor is quantized with a dynamic, reduced activation scheme; else none."""
+    if not isinstance(w_t, DTensor) or not isinstance(w_t._local_tensor, QuantizedTensor):
+        return []
+    scheme = w_t._local_tensor.fmt.activation_scheme
+    if scheme is None or not scheme.dynamic or scheme.per_rank or w_t.ndim != 2:
+        return []
+    mesh = w_t.device_mesh
+    return [mesh.get_group(m).group_name for m, p in enumerate(w_t.placements) if shard_like(p) and p.dim % 2 == 0]
+
+
+def _reduce_max(groups: list[str], amax: torch.Tensor) -> torch.Tensor:
+    for group in groups:
+        amax = reduce_nan_aware(amax, "max", functools.partial(_all_reduce, group=group))
+    return amax
+
+
+def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    out = funcol.all_reduce(t.contiguous(), op, group)
+    wire.note_hidden("_c10d_functional::all_reduce", out)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+@contextlib.contextmanager
+def _torch_dispatch(op):
+    """The op's handler out of DTensor's table for the block, so that calling it runs torch's dispatch."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with _LOCK:
+        mine = handlers.pop(op, None)
+        try:
+            yield
+        finally:
+            if mine is not None:
+                handlers[op] = mine
+
+
+def _handle(op, args, kwargs):
+    groups = cut_groups(args[-1])
+    with _torch_dispatch(op):
+        if not groups:
+            return op(*args, **kwargs)
+        with activations.token_stat_reduction(functools.partial(_reduce_max, groups)):
+            return op(*args, **kwargs)
+
+
+activations.on_reduced_scheme(install)
