@@ -57,7 +57,15 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .._checkpoint.hf.prequantized import NATIVE, NATIVE_VERSION, native_groups, native_record, native_targets
-from .._checkpoint.state_dict import SPEC_KEY, format_of_record, from_entries, is_quantized, parse_spec, to_entries
+from .._checkpoint.state_dict import (
+    SPEC_KEY,
+    format_of_record,
+    from_entries,
+    is_quantized,
+    parse_spec,
+    tensor_state_dicts,
+    to_entries,
+)
 from .._core.format import QuantFormat
 from .._core.tensor import contiguous_strides
 from .._parallel.quantize import quantize
@@ -257,6 +265,11 @@ class DtensorQuantHfQuantizer(HfQuantizer):
                 getattr(module, name).requires_grad_(True)
                 placed.own(module)
                 trainable_weights.make_trainable(module, name, trainable_weights.weight_seed(seed, key))
+            # A model loaded to be fine-tuned is checkpointed by Trainer through accelerate, whose FSDP2 checkpoints
+            # cannot carry a tensor subclass on torch 2.13: FULL_STATE_DICT loads with broadcast_from_rank0 (the
+            # other ranks make dense receive buffers for rank 0's quantized tensors: the broadcasts never match, a
+            # hang) and SHARDED_STATE_DICT with DCP's default planners (refused). Both carry the entry form.
+            tensor_state_dicts(model, enabled=False)
         # Reading is done: its converters describe no rename of this model's keys for save_pretrained to revert.
         conversions = getattr(model, "_weight_conversions", None)
         if conversions:

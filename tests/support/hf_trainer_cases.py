@@ -81,8 +81,9 @@ def make_trainer(path, out, steps: int, tensors: bool = False, state_dict_type: 
     """The model loaded with trainable int8 weights, a Trainer with FSDP2 over every decoder layer; defaults else.
 
     ``tensors``: the model's state dicts hold each quantized weight as a tensor (``tensor_state_dicts``), not as
-    entries. ``state_dict_type``: how accelerate writes Trainer's checkpoints (``FULL_STATE_DICT``: one file
-    from rank 0; ``SHARDED_STATE_DICT``: DCP); ``save_model`` writes only under ``FULL_STATE_DICT``."""
+    the entries a model loaded with ``QuantConfig(trainable=True)`` keeps. ``state_dict_type``: how accelerate
+    writes Trainer's checkpoints (``FULL_STATE_DICT``: one file from rank 0; ``SHARDED_STATE_DICT``: DCP);
+    ``save_model`` writes only under ``FULL_STATE_DICT``."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -38,7 +38,8 @@ def test_trainer_fsdp2_fused_adamw_save_model_reload(ranks, checkpoints, tmp_pat
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
-# Trainer's checkpoints as accelerate writes them: one file from rank 0, or DCP. Not with tensor state dicts yet: there
+# Trainer's checkpoints as accelerate writes them: one file from rank 0, or DCP, with the entry form that a model
+# loaded with QuantConfig(trainable=True) keeps. Not with tensor state dicts: there
 # set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) (accelerate's FULL_STATE_DICT load) makes
 # dense empties on ranks > 0 for rank 0's quantized tensors and the broadcast never matches (a hang).
 @pytest.mark.slow
