@@ -7,11 +7,14 @@ these planners turn such values into their entries (``state_dict.entries_from_st
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType
 
-from .state_dict import SPEC_KEY, check_spec, entries_from_state, parse_spec
+from .state_dict import entries_from_state, guard_state_dict
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -54,23 +57,18 @@ class LoadPlanner(WeightsOnlyLoadPlanner):
     Each quantized value is read as its entries, which alias its inner
     tensors: the stored bytes land in the value (any layout into any other,
     as DCP reshards). A checkpoint whose ``__quant__`` record differs from the
-    value's raises :class:`CheckpointFormatError` naming both -- after DCP
-    read it, so use ``dq.checkpoint.load`` to be refused before any byte moves.
-    Non-tensor entries are unpickled with ``weights_only=True``.
+    value's raises :class:`CheckpointFormatError` naming both, and nothing of
+    the load is written: the records are read first, and whatever DCP reads
+    before the last of them (another rank's file) waits in a scratch copy
+    (:mod:`.load_guard`). Non-tensor entries are unpickled with ``weights_only=True``.
     """
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(entries_from_state(state_dict), metadata, is_coordinator)
-        suffix = "." + SPEC_KEY
-        self._records = {k: v for k, v in self.state_dict.items() if k.endswith(suffix)}
+        entries = entries_from_state(state_dict)
+        self._guard = guard_state_dict(entries)  # DCP's set-up below assigns each record: they join this guard
+        super().set_up_planner(entries, metadata, is_coordinator)
 
-    def load_bytes(self, read_item, value) -> None:
-        fqn = read_item.dest_index.fqn
-        expected = self._records.get(fqn)
-        if expected is None:
-            return super().load_bytes(read_item, value)
-        found = torch.load(value, weights_only=True)
-        key = fqn[: -len(SPEC_KEY) - 1]
-        check_spec(parse_spec(found, key), parse_spec(expected, key), key)
-        value.seek(0)
-        return super().load_bytes(read_item, value)  # into the entries: commits chunks read before the record
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        # the records (bytes) first: in each file DCP reads them before any tensor, so nothing waits to be checked
+        return dataclasses.replace(plan, items=sorted(plan.items, key=lambda i: i.type != LoadItemType.BYTE_IO))
