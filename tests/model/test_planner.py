@@ -178,6 +178,14 @@ def test_command_line_errors(capsys):
         main(["plan", "--format", "int4", "--shape", "4096x4096x2x2"])  # 3 parts: an expert stack
     with pytest.raises(ValueError, match="unknown format"):
         main(["plan", "--format", "int3", "--shape", "8x8"])
+    # before: torch's "negative dimension" traceback; AttributeError ('str' object has no attribute 'named_modules')
+    with pytest.raises(SystemExit, match="OUTxIN"):
+        main(["plan", "--format", "int8", "--shape", "w=-64x64"])
+    with pytest.raises(SystemExit, match="returned a str, not a model"):
+        main(["plan", "--format", "int8", "--model", "os:getcwd"])
+    # before: a traceback from the format's range check ('<' between str and int) or torch's unflatten
+    with pytest.raises(ValueError, match="group_size must be an integer"):
+        main(["plan", "--format", "int4:abc", "--shape", "8x256"])
     assert main(["plan", "--format", "int8", "--shape", "wo=64x96:rowwise", "--tp", "2", "3"]) == 0
     assert "wo" in capsys.readouterr().out
 

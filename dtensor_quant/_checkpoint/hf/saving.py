@@ -262,6 +262,9 @@ def _gather_adapters(adapters: dict, full: dict) -> None:
         full[k] = (t.full_tensor() if isinstance(t, DTensor) else t).float()
 
 
+DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def save(
     model: nn.Module,
     path,
@@ -317,6 +320,16 @@ def save(
     model with DTensors: the ranks of its mesh agree.
     """
     path = Path(path)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dq.hf.save takes a model (nn.Module), got {type(model).__name__}")
+    if dtype not in DENSE_DTYPES:
+        raise ValueError(
+            f"save(dtype={dtype!r}): the dtype dense tensors are written in, one of "
+            f"{', '.join(map(str, DENSE_DTYPES))} (float8 weights: quantize the model with a Float8 format, whose "
+            "stored bytes and scales are written)"
+        )
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"save(max_shard_bytes={max_shard_bytes!r}): the largest file's size, a positive integer")
     model = unwrap(model)
     what = f"dq.hf.save to {path}"
     adapters, full = {}, {}
