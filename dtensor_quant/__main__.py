@@ -58,7 +58,7 @@ def _shape(text: str, heads=None) -> list[Layer]:
     dims, _, style = rest.partition(":")
     try:
         shape = tuple(int(v) for v in dims.lower().split("x"))
-        assert len(shape) in (2, 3)
+        assert len(shape) in (2, 3) and min(shape) >= 0
     except (ValueError, AssertionError):
         raise SystemExit(
             f"bad --shape {text!r}: expected [NAME=][EXPERTSx]OUTxIN[:colwise|rowwise], "
@@ -88,6 +88,8 @@ def _model_and_plan(args):
     """The model (on the meta device) and the TP plan to plan it with, with a line saying which plan that is."""
     with torch.device("meta"):
         model = _from_config(args.config or args.checkpoint) if args.config or args.checkpoint else _load(args.model)()
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"--model {args.model}: returned a {type(model).__name__}, not a model (an nn.Module)")
     own = getattr(model, "_tp_plan", None) or None
     if args.tp_plan in (None, "model"):
         if own is None and args.tp_plan == "model":
@@ -98,6 +100,8 @@ def _model_and_plan(args):
     if args.tp_plan == "none":
         return model, None, "no TP plan: every matmul weight is listed column- and row-parallel"
     tp_plan = _load(args.tp_plan)(model)
+    if not isinstance(tp_plan, dict):
+        raise SystemExit(f"--tp-plan {args.tp_plan}: returned a {type(tp_plan).__name__}, not a plan (a dict)")
     return model, tp_plan, f"TP plan: {args.tp_plan} ({len(tp_plan)} keys)"
 
 

@@ -77,8 +77,30 @@ def empty_dir(path: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+def check_target(final: Path) -> None:
+    """Raise ``FileExistsError`` unless replacing ``final`` whole by a checkpoint loses nothing but a checkpoint.
+
+    The commit swaps the new directory with whatever is at ``final`` and deletes it: a file there (the swap
+    works with a file too) or a directory of other files would be deleted. Absent, empty, or a checkpoint (its
+    ``.metadata``) is fine.
+    """
+    if final.is_symlink() and not final.is_dir():
+        raise FileExistsError(f"{final} is a link to no directory: a checkpoint goes in a directory")
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(
+            f"{final} is a file, not a checkpoint directory: dq.checkpoint.save replaces the directory at its path "
+            "whole, which would delete the file. Remove it or save to another path"
+        )
+    if final.is_dir() and not (final / ".metadata").exists() and any(final.iterdir()):
+        raise FileExistsError(
+            f"{final} holds files but no checkpoint (no .metadata): dq.checkpoint.save replaces the directory at "
+            "its path whole, which would delete them. Save into a new or empty directory, or over a checkpoint"
+        )
+
+
 def commit(staging: Path, final: Path) -> None:
     """Replace ``final`` by ``staging`` (atomically where the OS can swap directories)."""
+    check_target(final)  # checked before the save began; a file put there since must not be swapped in and deleted
     fsync_dir(staging)
     if not final.exists():
         os.rename(staging, final)

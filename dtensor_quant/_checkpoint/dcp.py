@@ -54,7 +54,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .._core.tensor import contiguous_strides
 from .._parallel import liveness
 from .._parallel.agree import raise_together
-from .atomic import AtomicFileSystemWriter, staging_path
+from .atomic import AtomicFileSystemWriter, check_target, staging_path
 from .checksums import CHECKSUM_SUFFIX, VerifyingFileSystemReader
 from .errors import CheckpointCorruptError, CheckpointLoadError, CheckpointSaveError
 from .planners import LoadPlanner, SavePlanner, WeightsOnlyLoadPlanner
@@ -97,13 +97,23 @@ __all__ = [
 def _to_save(state) -> dict:
     if isinstance(state, nn.Module):
         return entries_from_state(register(state).state_dict())  # either form of state dict
+    if not isinstance(state, dict):
+        raise TypeError(f"dq.checkpoint.save takes a model (nn.Module) or a state dict, got {type(state).__name__}")
     return entries_from_state(state)
 
 
-def _prepared(state, process_group) -> dict:
-    """The state dict to save; a model one rank cannot checkpoint (a Partial weight, a flattened view) raises on
-    every rank here, not only on that one while the others wait in DCP's first collective."""
-    return raise_together(lambda: _to_save(state), process_group)
+def _prepared(state, path, process_group) -> dict:
+    """The state dict to save; a model one rank cannot checkpoint (a Partial weight, a flattened view), or a
+    ``path`` the commit would destroy, raises on every rank here, not only on one while the others wait in DCP's
+    first collective."""
+
+    def prepare():
+        coordinator = not dist.is_initialized() or dist.get_rank(process_group) == 0  # DCP's: it moves the directory
+        if coordinator:
+            check_target(Path(path))
+        return _to_save(state)
+
+    return raise_together(prepare, process_group)
 
 
 def save(state, path, *, process_group=None) -> Metadata:
@@ -114,7 +124,7 @@ def save(state, path, *, process_group=None) -> Metadata:
     :class:`CheckpointSaveError` on every surviving rank if the save does not
     complete; ``path`` then still holds the previous checkpoint.
     """
-    state_dict = _prepared(state, process_group)
+    state_dict = _prepared(state, path, process_group)
     writer = AtomicFileSystemWriter(path)
     try:
         with _quiet_single_process():
@@ -137,7 +147,7 @@ def async_save(state, path, *, process_group=None) -> Future:
     ``process_group`` is given: on the default group they would interleave
     with the training loop's collectives and deadlock.
     """
-    state_dict = _prepared(state, process_group)
+    state_dict = _prepared(state, path, process_group)
     writer, group = AtomicFileSystemWriter(path), process_group or _background_group()
     with _quiet_single_process():
         inner = dcp.async_save(

@@ -7,11 +7,14 @@ these planners turn such values into their entries (``state_dict.entries_from_st
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType
 
-from .state_dict import SPEC_KEY, check_spec, entries_from_state, parse_spec
+from .state_dict import SPEC_KEY, entries_from_state, guard_state_dict
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -54,29 +57,30 @@ class LoadPlanner(WeightsOnlyLoadPlanner):
     Each quantized value is read as its entries, which alias its inner
     tensors: the stored bytes land in the value (any layout into any other,
     as DCP reshards). A checkpoint whose ``__quant__`` record differs from the
-    value's raises :class:`CheckpointFormatError` naming both -- after DCP
-    read it, so use ``dq.checkpoint.load`` to be refused before any byte moves.
-    Non-tensor entries are unpickled with ``weights_only=True``.
+    value's raises :class:`CheckpointFormatError` naming both, and nothing of
+    the load is written: the records are read first, and whatever DCP reads
+    before the last of them (another rank's file) waits in a scratch copy
+    (:mod:`.load_guard`). Non-tensor entries are unpickled with ``weights_only=True``.
     """
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(entries_from_state(state_dict), metadata, is_coordinator)
+        entries = entries_from_state(state_dict)
+        self._guard = guard_state_dict(entries)  # DCP's set-up below assigns each record: they join this guard
+        super().set_up_planner(entries, metadata, is_coordinator)
         self._user_state_dict = state_dict  # entries_from_state copied its dicts: non-tensor values go here
-        suffix = "." + SPEC_KEY
-        self._records = {k: v for k, v in self.state_dict.items() if k.endswith(suffix)}
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        # the records (bytes) first: in each file DCP reads them before any tensor, so nothing waits to be checked
+        return dataclasses.replace(plan, items=sorted(plan.items, key=lambda i: i.type != LoadItemType.BYTE_IO))
 
     def load_bytes(self, read_item, value) -> None:
         fqn = read_item.dest_index.fqn
-        expected = self._records.get(fqn)
-        if expected is None:  # a non-tensor value (an optimizer's step count, say): into the caller's dict
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self._user_state_dict, self.mappings[fqn], obj)
-            else:
-                self._user_state_dict[fqn] = obj
-            return None
-        found = torch.load(value, weights_only=True)
-        key = fqn[: -len(SPEC_KEY) - 1]
-        check_spec(parse_spec(found, key), parse_spec(expected, key), key)
-        value.seek(0)
-        return super().load_bytes(read_item, value)  # into the entries: commits chunks read before the record
+        if fqn.endswith("." + SPEC_KEY):  # a weight's record: into its entries, where the guard checks it
+            return super().load_bytes(read_item, value)
+        obj = torch.load(value, weights_only=True)  # another non-tensor value (an optimizer's step count, say)
+        if self.flatten_state_dict:
+            set_element(self._user_state_dict, self.mappings[fqn], obj)
+        else:
+            self._user_state_dict[fqn] = obj
+        return None

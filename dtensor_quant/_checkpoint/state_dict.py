@@ -79,6 +79,7 @@ from .._core.notes import watch
 from .._core.tensor import QuantizedTensor, contiguous_strides
 from .._ops.layout_ops import canonical_dims, canonical_inner
 from .._parallel.quantize import quantize
+from .load_guard import LoadGuard
 
 SPEC_KEY = "__quant__"
 SPEC_VERSION = 1
@@ -311,7 +312,7 @@ def check_entry_chunks(fmt: QuantFormat, shape: tuple, mesh_shape: tuple, placem
 
 class Entries(dict):
     """One quantized weight's entries (what :func:`to_entries` returns): a dict that checks the format record a
-    plain ``dcp.load`` reads into it before any of the weight's bytes reach the parameter.
+    plain ``dcp.load`` reads into it before any byte of the load reaches the model.
 
     The entries alias the parameter's inner tensors, so ``dcp.load`` writes
     the checkpoint's bytes straight into the parameter; DCP reads the
@@ -320,28 +321,30 @@ class Entries(dict):
     between reading its metadata and writing, except this: its load planner
     assigns every value back into its dict (``_init_state_dict``) as it sets
     up the load, which a save never does. That assignment of the record
-    arms this dict: until the record DCP reads is checked, a chunk DCP asks
-    an entry for (``__get_tensor_shard__``, its lookup of the tensor to read
-    into) is a scratch copy of this rank's entry, not the parameter. The
-    record is the dict's first entry, so DCP usually reads it first and
-    nothing is staged; a chunk in a file read before the record's file is
-    staged. A record that fits commits the staged chunks; one that does not
-    raises :class:`CheckpointFormatError` with the parameter untouched.
+    arms a :class:`~.load_guard.LoadGuard` over the state dict this dict came
+    from (``siblings``: the dict ``model.state_dict()`` built, its dense
+    tensors too) or joins the one ``dq.checkpoint.LoadPlanner`` made: until
+    every record the load reads is checked, each chunk DCP reads goes into a
+    scratch copy, not into the model. The record is each dict's first entry,
+    so DCP usually reads it before the weight's chunks; a dense tensor or a
+    chunk read before the last record is staged. Records that fit commit the
+    staged chunks; one that does not raises :class:`CheckpointFormatError`
+    with the model untouched.
 
     Pickles, and deep-copies, as an ``OrderedDict`` (``weights_only`` loads stay safe).
     """
 
-    def __init__(self, key: str, record: str):
+    def __init__(self, key: str, record: str, siblings: Mapping | None = None):
         super().__init__()
         dict.__setitem__(self, SPEC_KEY, record)
-        self._key, self._record = key, record
-        self._staged: dict | None = None  # armed: {name: (local, scratch)}; None: not in a load, or checked
+        self._key, self._record, self._siblings = key, record, siblings
+        self.guard: LoadGuard | None = None  # the load this dict is in, while it is armed
 
     def __setitem__(self, name, value) -> None:
         if name == SPEC_KEY and value is dict.get(self, SPEC_KEY):
             self._arm()  # DCP's load planner, setting up a load
-        elif name == SPEC_KEY and self._staged is not None:
-            self._check(value)  # the checkpoint's record, read by the load
+        elif name == SPEC_KEY and self.guard is not None:
+            self.guard.check(self, value)  # the checkpoint's record, read by the load
         dict.__setitem__(self, name, value)
 
     def __reduce__(self):  # as an OrderedDict (a state dict's own type), which weights_only loads accept
@@ -349,47 +352,58 @@ class Entries(dict):
 
     def staged(self) -> bool:
         """Whether a load read chunks into scratch copies that no record committed (a record never read)."""
-        return bool(self._staged)
+        return self.guard is not None and self.guard.holds(self)
 
-    def _arm(self) -> None:
-        self._disarm()
-        self._staged = {}
-        for name, e in self.items():
-            if isinstance(e, torch.Tensor):
-                e.__get_tensor_shard__ = functools.partial(self._target, name, e)
+    def disarm(self) -> None:
+        """Drop what the load staged (nothing of it is written) and disarm."""
+        if self.guard is not None:
+            self.guard.abort()
 
-    def _disarm(self) -> dict:
-        staged, self._staged = self._staged or {}, None
-        for e in self.values():
-            if isinstance(e, torch.Tensor):
-                e.__dict__.pop("__get_tensor_shard__", None)
-        return staged
-
-    def _target(self, name: str, e: torch.Tensor, index) -> torch.Tensor:
-        """What DCP reads entry ``name``'s chunk into: a scratch copy while the record is unchecked."""
-        local = e._local_tensor if isinstance(e, DTensor) else e
-        if self._staged is None:
-            return local
-        if name not in self._staged:
-            self._staged[name] = (local, local.clone())  # unread parts keep their bytes when committed
-        return self._staged[name][1]
-
-    def _check(self, value) -> None:
-        staged = self._disarm()
+    def check_record(self, value) -> None:
+        """Raise :class:`CheckpointFormatError` unless ``value`` is a record this weight can load."""
         try:
             check_spec(parse_spec(value, self._key), parse_spec(self._record, self._key), self._key)
         except CheckpointFormatError as e:
             raise CheckpointFormatError(
-                f"{e} Nothing was written into the parameter: the load checked this record before the weight's bytes."
+                f"{e} Nothing was written into the parameter, nor anything else of this load: the load checks every "
+                "record before the bytes it read reach the model."
             ) from None
-        for local, scratch in staged.values():
-            local.copy_(scratch)
+
+    def _arm(self) -> None:
+        if self.guard is not None and self.guard.set_up(self):
+            return  # a guard of this set-up pass already holds this dict
+        if self.guard is not None:
+            self.guard.abort()  # a load that ended before reading
+        guard_state_dict(self._siblings if self._siblings is not None else {self._key: self}, self).set_up(self)
+
+
+def guard_state_dict(state_dict: Mapping, required=None) -> LoadGuard:
+    """A :class:`~.load_guard.LoadGuard` over every weight's entries and every dense tensor of ``state_dict``
+    (nested), for one load; ``required`` (entries) is guarded even where ``state_dict`` does not hold it."""
+    groups, dense = [], []
+
+    def walk(d):
+        for v in d.values():
+            if isinstance(v, Entries):
+                groups.append(v)
+            elif isinstance(v, Mapping):
+                walk(v)
+            elif isinstance(v, torch.Tensor) and not is_quantized(v):
+                dense.append(v)
+
+    walk(state_dict)
+    if required is not None and all(g is not required for g in groups):
+        groups.append(required)
+    for g in groups:
+        if g.guard is not None:
+            g.guard.abort()
+    return LoadGuard(groups, dense)
 
 
 # -- weight -> entries -------------------------------------------------------------
 
 
-def to_entries(value, key: str = "weight") -> dict:
+def to_entries(value, key: str = "weight", siblings: Mapping | None = None) -> dict:
     """The state-dict form of a quantized weight (entries alias its inner tensors).
 
     A checkpoint loader writes into the entries with plain ``copy_``: the
@@ -399,7 +413,7 @@ def to_entries(value, key: str = "weight") -> dict:
     q, inner, to_canonical, shape = canonical_view(value, key)
     watch(q.notes, inner.values())
     spec = quant_record(q.fmt, shape, value.dtype, {n: t.dtype for n, t in inner.items()})
-    out = Entries(key, json.dumps(spec, sort_keys=True))  # the record first: DCP reads it first, where it can
+    out = Entries(key, json.dumps(spec, sort_keys=True), siblings)  # the record first: DCP reads it first, if it can
     if isinstance(value, DTensor):
         mesh = value.device_mesh
         canon = entry_placements(value.placements, (OneToOne(),) * len(shape), to_canonical)
@@ -417,14 +431,18 @@ def to_entries(value, key: str = "weight") -> dict:
     return out
 
 
-def entries_from_state(state_dict: dict) -> dict:
-    """A shallow copy of ``state_dict`` (nested) with every quantized value in its entry form."""
+def entries_from_state(state_dict: dict, _root: dict | None = None) -> dict:
+    """A shallow copy of ``state_dict`` (nested) with every quantized value in its entry form.
+
+    The entries know the copy they are in (``siblings``): a plain ``dcp.load`` into it holds back every chunk
+    it reads, dense tensors included, until every format record of the load is checked."""
     out = {}
+    root = out if _root is None else _root
     for k, v in state_dict.items():
         if isinstance(v, dict) and SPEC_KEY not in v:
-            out[k] = entries_from_state(v)
+            out[k] = entries_from_state(v, root)
         elif isinstance(v, torch.Tensor) and is_quantized(v):
-            out[k] = to_entries(v, str(k))
+            out[k] = to_entries(v, str(k), siblings=root)
         else:
             out[k] = v
     return out
@@ -578,7 +596,7 @@ def _state_dict_hook(module: nn.Module, state_dict, prefix: str, local_metadata)
     for name, param in module._parameters.items():
         key = prefix + name
         if param is not None and is_quantized(param) and key in state_dict:
-            state_dict[key] = to_entries(state_dict[key], key)
+            state_dict[key] = to_entries(state_dict[key], key, siblings=state_dict)
 
 
 def _load_hook(module: nn.Module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
@@ -591,11 +609,11 @@ def _load_hook(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
         if flat and value is None:
             value = {short: state_dict.pop(full) for short, full in flat.items()}
         if isinstance(value, Entries) and value.staged():
-            value._disarm()
+            value.disarm()
             raise CheckpointFormatError(
                 f"{key}: the load read this weight's entries without their {SPEC_KEY} format record (the "
-                "checkpoint has none), so they were not written into the parameter: a record is what says the "
-                "bytes are in the parameter's format. Load a checkpoint saved with its records."
+                "checkpoint has none), so nothing the load read was written into the model: a record is what says "
+                "the bytes are in the parameter's format. Load a checkpoint saved with its records."
             )
         if isinstance(value, Mapping):
             try:

@@ -101,8 +101,13 @@ class QuantFormat:
         """
         if len(shape) != 2:
             raise ValueError(f"{self} quantizes 2-D weights [out, in]; got shape {tuple(shape)}")
-        if not dtype.is_floating_point:
-            raise ValueError(f"{self} quantizes floating-point weights; got {dtype}")
+        if dtype not in _FLOAT_DTYPES:
+            # float64 and the float8 dtypes reach statistics and kernels written for these three (scales capped at
+            # float32's range, isinf/nextafter that float8 lacks): refused here, not as a torch error deep inside
+            raise ValueError(
+                f"{self} quantizes floating-point weights in float32, bfloat16 or float16; got {dtype}"
+                + (": convert it first (weight.float())" if dtype.is_floating_point else "")
+            )
         self.check_shape(shape)
 
     @property
@@ -345,6 +350,7 @@ def check_shape(fmt: QuantFormat, shape) -> None:
     before (a format that overrides ``check_weight`` for a dtype rule alone
     and refuses bfloat16 should override ``check_shape`` too).
     """
+    check_format(fmt)
     shape = tuple(shape)
     if len(shape) < 2:
         raise ValueError(f"{fmt} quantizes weights [..., out, in] of at least 2 dims; got shape {shape}")
@@ -361,8 +367,34 @@ def check_shape(fmt: QuantFormat, shape) -> None:
         raise type(e)(f"each [out, in] matrix {shape[-2:]} of the {shape} weight: {e}") from None
 
 
+def check_format(fmt) -> None:
+    """Raise ``TypeError`` unless ``fmt`` is a format instance (what every entry point taking a format needs)."""
+    if isinstance(fmt, QuantFormat):
+        return
+    if isinstance(fmt, type) and issubclass(fmt, QuantFormat):
+        raise TypeError(f"expected a format instance, got the class {fmt.__name__}: call it ({fmt.__name__}())")
+    raise TypeError(
+        f"expected a format instance such as dtensor_quant.Int8Rowwise() or Int4Groupwise(128), got {fmt!r} "
+        f"({type(fmt).__name__}); format strings ('int8', 'int4:64') are for the command line "
+        "(dtensor_quant.planner.parse_format reads them)"
+    )
+
+
+def int_params(fmt: QuantFormat, names=None) -> None:
+    """In ``__post_init__``: each integer field ``names`` (default: ``block_size_params``) holds an ``int``.
+
+    A float or a string there fails later inside torch (``unflatten`` of a block size of ``128.0``), or in the
+    field's own range check with a bare ``TypeError``: refused here, naming the field.
+    """
+    for name in fmt.block_size_params if names is None else names:
+        value = getattr(fmt, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{type(fmt).__name__}: {name} must be an integer; got {value!r} ({type(value).__name__})")
+
+
 def check_weight(fmt: QuantFormat, shape, dtype: torch.dtype) -> None:
     """``fmt.check_weight`` for a weight ``[..., out, in]``: the format checks one ``[out, in]`` matrix."""
+    check_format(fmt)
     shape = tuple(shape)
     if len(shape) < 2:
         raise ValueError(f"{fmt} quantizes weights [..., out, in] of at least 2 dims; got shape {shape}")

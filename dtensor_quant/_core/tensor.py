@@ -254,7 +254,10 @@ class QuantizedTensor(torch.Tensor):
 
     # -- user API ----------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The dense tensor this stands for (in ``dtype``, default the logical dtype)."""
+        """The dense tensor this stands for (in ``dtype``, default the logical dtype: a floating-point dtype)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            # an integer dtype would truncate every value without a word; a name fails deep inside torch
+            raise ValueError(f"dequantize(dtype) takes a floating-point torch.dtype (bfloat16, ...), got {dtype!r}")
         return method("dequantize")(self, dtype or self.dtype)
 
     @property

@@ -141,6 +141,10 @@ class BlockFloat8(QuantFormat):
     block_size: int = 256
     nonnegative: bool = False
 
+    def check_weight(self, shape, dtype):
+        """A float64 parameter's moments too: the statistics and codes are computed in float32 (weights: no)."""
+        super().check_weight(shape, torch.float32 if dtype == torch.float64 else dtype)
+
     @property
     def layout(self):
         return {"codes": (OneToOne(), OneToOne()), "absmax": (OneToOne(), Blocked(self.block_size))}
@@ -254,6 +258,10 @@ class BlockLog4(QuantFormat):
 
     block_size: int = 128
     nonnegative: bool = False
+
+    def check_weight(self, shape, dtype):
+        """A float64 parameter's moments too: the statistics and codes are computed in float32 (weights: no)."""
+        super().check_weight(shape, torch.float32 if dtype == torch.float64 else dtype)
 
     @property
     def layout(self):

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from .._core import native
-from .._core.format import FlatBlockedFormat, Reducer
+from .._core.format import FlatBlockedFormat, Reducer, int_params
 from .._core.layout import Constant, flat_blocked
 from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 from .nf4 import flat_kernel_inputs, kernel_linear
@@ -124,6 +124,7 @@ class BnbNF4(FlatBlockedFormat):
     block_size_params = ("block_size", "nested_block_size")
 
     def __post_init__(self):
+        int_params(self)
         if self.block_size < 2 or self.block_size % 2 or self.nested_block_size < 1:
             raise ValueError(f"BnbNF4 needs an even block_size >= 2 and nested_block_size >= 1, got {self}")
 

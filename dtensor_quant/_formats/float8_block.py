@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .._core import native
-from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
+from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params, unpack_through
 from .._core.layout import Blocked, OneToOne
 from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, safe_scale
 from .float8 import codes_into, kernel_linear, kernel_prepare, table_fits
@@ -47,6 +47,7 @@ class Float8Blockwise(QuantFormat):
     block_size_params = ("block_size",)
 
     def __post_init__(self):
+        int_params(self)
         if self.block_size < 1:
             raise ValueError(f"Float8Blockwise needs block_size >= 1, got {self.block_size}")
         dtype_param(self, "scale_dtype")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .._core import native
-from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
+from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params, unpack_through
 from .._core.layout import Blocked, OneToOne, Packed
 from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
@@ -80,6 +80,7 @@ class Int4Groupwise(QuantFormat):
     block_size_params = ("group_size",)
 
     def __post_init__(self):
+        int_params(self)
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"Int4Groupwise needs an even group_size >= 2, got {self.group_size}")
         dtype_param(self, "scale_dtype")

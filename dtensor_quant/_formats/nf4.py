@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 from .._core import native
-from .._core.format import FlatBlockedFormat, Reducer
+from .._core.format import FlatBlockedFormat, Reducer, int_params
 from .._core.layout import Constant, flat_blocked
 from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 
@@ -84,6 +84,7 @@ class NF4(FlatBlockedFormat):
     block_size_params = ("block_size", "scaler_block_size")
 
     def __post_init__(self):
+        int_params(self)
         if self.block_size < 2 or self.block_size % 2 or self.scaler_block_size < 1:
             raise ValueError(f"NF4 needs an even block_size >= 2 and scaler_block_size >= 1, got {self}")
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from .._core import native
-from .._core.format import FlatBlockedFormat, QuantFormat, Reducer, expansion_of
+from .._core.format import FlatBlockedFormat, QuantFormat, Reducer, expansion_of, int_params
 from .._core.layout import flat_blocked
 from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 from .bnb_nf4 import NF4_LEVELS_F32, BnbNF4, nf4_codes
@@ -71,6 +71,7 @@ class NF4BlockScales(FlatBlockedFormat):
     block_size_params = ("block_size",)
 
     def __post_init__(self):
+        int_params(self)
         if self.block_size < 2 or self.block_size % 2:
             raise ValueError(f"NF4BlockScales needs an even block_size >= 2, got {self.block_size}")
         if self.levels not in LEVELS:

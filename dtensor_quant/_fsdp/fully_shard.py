@@ -104,8 +104,8 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
             )
         if world is not None and world > 1:
             factor = _row_factor(local)
-            if not _padded_legal(local.shape[0], world, factor):
-                legal = [n for n in range(1, MAX_LISTED_MESH_SIZE + 1) if _padded_legal(local.shape[0], n, factor)]
+            if not padded_legal(local.shape[0], world, factor):
+                legal = [n for n in range(1, MAX_LISTED_MESH_SIZE + 1) if padded_legal(local.shape[0], n, factor)]
                 raise LayoutError(
                     f"{where}: FSDP2 over {world} ranks cuts its {local.shape[0]} rows into shards of "
                     f"{-(-local.shape[0] // world)} rows (the short ones padded), but its layout needs multiples "
@@ -113,11 +113,12 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
 
 
-def _padded_legal(rows: int, world: int, factor: int) -> bool:
+def padded_legal(rows: int, world: int, factor: int) -> bool:
     """Whether FSDP2's shards of ``rows`` over ``world`` ranks -- each padded to ``ceil(rows / world)`` rows,
     all of them all-gathered -- cut only on multiples of ``factor``. ``torch.chunk``'s rule
     (:func:`~dtensor_quant._core.layout.legal_chunk`) but for one row: torch.chunk leaves it whole, FSDP2 pads
-    every other rank with a row of its own, a cut inside a block of more rows."""
+    every other rank with a row of its own, a cut inside a block of more rows. The planner
+    (:mod:`dtensor_quant._model.planner.cells`) asks this same rule for the dp dim, so its verdicts are this check's."""
     return world == 1 or factor == 1 or (-(-rows // world)) % factor == 0
 
 

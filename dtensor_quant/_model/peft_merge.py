@@ -224,6 +224,12 @@ def merge_and_unload(
     LoRA on anything but a Linear, replicated layers; :func:`unmergeable`),
     before changing anything.
     """
+    if not isinstance(peft_model, nn.Module) or not callable(getattr(peft_model, "merge_and_unload", None)):
+        raise TypeError(
+            f"dq.lora.merge_and_unload takes a PEFT model (peft.get_peft_model, PeftModel.from_pretrained), got "
+            f"{type(peft_model).__name__}, which has no merge_and_unload; dtensor_quant.lora's own adapters "
+            "(add_lora_) are merged by dtensor_quant.hf.save (merge_lora=True)"
+        )
     lora_layer, check_adapters_to_merge = _peft()
     layers = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, lora_layer)]
     todo, dense_biases, errors = [], [], []

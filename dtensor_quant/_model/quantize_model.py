@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.conv import _ConvNd
 
 from .._checkpoint.state_dict import is_quantized, register
-from .._core.format import QuantFormat
+from .._core.format import QuantFormat, check_format
 from .._core.tensor import QuantizedTensor
 from .._fsdp.all_gather import dequantized_from
 from .._parallel.quantize import quantize
@@ -75,6 +75,9 @@ def quantize_(
     transformers): it is quantized as ``[..., out, in]`` (blocks along its
     inputs) and the parameter is the transposed view.
     """
+    check_format(fmt)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_ takes a model (an nn.Module), got {type(model).__name__}; for a tensor: quantize")
     if trainable and not _trainable_weights.supports_training(fmt):
         raise ValueError(
             f"quantize_(..., trainable=True): {fmt} has no stochastic rounding (QuantFormat.quantize_stochastic), "

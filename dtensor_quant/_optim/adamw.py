@@ -100,8 +100,9 @@ class AdamW(torch.optim.Optimizer):
         min_quantized_numel: int = 4096,
         seed: int = 0,
     ):
-        if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"AdamW: invalid lr={lr}, eps={eps} or betas={betas}")
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        if isinstance(min_quantized_numel, bool) or not isinstance(min_quantized_numel, int) or min_quantized_numel < 0:
+            raise ValueError(f"AdamW: min_quantized_numel must be an integer >= 0, got {min_quantized_numel!r}")
         self.state_formats = _two_formats(state_formats)
         self.min_quantized_numel = min_quantized_numel
         self.seed = seed
@@ -161,6 +162,12 @@ class AdamW(torch.optim.Optimizer):
         return True
 
     def _check(self, p: torch.Tensor, formats) -> None:
+        if p.is_complex():
+            # the step reads gradients as float32 (.float() drops the imaginary part): refused, not silently wrong
+            raise ValueError(
+                f"AdamW: complex parameters ({p.dtype}, {tuple(p.shape)}) are not supported; optimize "
+                "torch.view_as_real(p) as a real parameter, or use torch.optim.AdamW"
+            )
         local = _local(p)
         if isinstance(local, QuantizedTensor) and trainable.resolve(local) is None:
             raise ValueError(
@@ -343,10 +350,35 @@ class AdamW4bit(_BlockStates):
                          min_quantized_numel=min_quantized_numel, seed=seed)  # fmt: skip
 
 
+def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    """torch.optim.AdamW's checks (each a number in range), with one message naming the bad ones."""
+
+    def at_least_zero(x) -> bool:
+        number = isinstance(x, (int, float)) and not isinstance(x, bool)
+        return (number or (isinstance(x, torch.Tensor) and x.numel() == 1)) and 0.0 <= x
+
+    bad = [f"{name}={value!r}" for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay))
+           if not at_least_zero(value)]  # fmt: skip
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(at_least_zero(b) and b < 1 for b in betas)):
+        bad.append(f"betas={betas!r}")
+    if bad:
+        raise ValueError(
+            f"AdamW: invalid {', '.join(bad)}: lr, eps and weight_decay are numbers >= 0, betas two numbers in [0, 1)"
+        )
+
+
 def _two_formats(formats) -> tuple:
+    if isinstance(formats, (str, dict)) or not hasattr(formats, "__iter__"):
+        raise ValueError(
+            f"AdamW: state_formats is a pair (format or None for exp_avg, for exp_avg_sq), e.g. "
+            f"(dtensor_quant.BlockFloat8(256), None); got {formats!r}"
+        )
     formats = tuple(formats)
     if len(formats) != 2:
         raise ValueError(f"AdamW: state_formats holds one format per moment (2), got {len(formats)}")
+    for fmt in formats:
+        if fmt is not None and not isinstance(fmt, QuantFormat):
+            raise ValueError(f"AdamW: state_formats holds a format instance or None per moment, got {fmt!r}")
     return formats
 
 

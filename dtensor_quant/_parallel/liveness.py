@@ -84,9 +84,12 @@ def lost_ranks(process_group=None, window: float = ROLL_CALL_SECONDS) -> list[in
 def roll_call(process_group=None, window: float = ROLL_CALL_SECONDS) -> tuple[list[int], str]:
     """:func:`lost_ranks` and a sentence saying how they were found; ``process_group`` may be a list of groups
     (a mesh's: the roll call is over all their ranks)."""
+    groups = process_group if isinstance(process_group, (list, tuple)) else [process_group]
+    bad = [g for g in groups if g is not None and not isinstance(g, dist.ProcessGroup)]
+    if bad:  # before: a KeyError from c10d's group lookup, or [] without a process group
+        raise TypeError(f"lost_ranks takes a ProcessGroup (or None: the default group), got {bad[0]!r}")
     if not dist.is_initialized():
         return [], "no process group"
-    groups = process_group if isinstance(process_group, (list, tuple)) else [process_group]
     groups = [g or c10d._get_default_group() for g in groups]
     ranks = sorted({r for g in groups for r in dist.get_process_group_ranks(g)})
     name = "+".join(sorted(g.group_name for g in groups))

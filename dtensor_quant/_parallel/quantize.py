@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._core.format import QuantFormat, Reducer
+from .._core.format import QuantFormat, Reducer, check_format
 from .._core.tensor import QuantizedTensor
 from . import custom_ops
 from .placements import check_placements
@@ -35,6 +35,9 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     tensors are quantized. Raises :class:`~dtensor_quant.LayoutError` on every
     rank, before any collective, when a placement cuts a pack or a group.
     """
+    check_format(fmt)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"quantize takes a weight tensor [..., out, in] or a DTensor; got {type(weight).__name__}")
     if isinstance(weight, QuantizedTensor) or (
         isinstance(weight, DTensor) and isinstance(weight._local_tensor, QuantizedTensor)
     ):

@@ -133,3 +133,27 @@ def test_bad_expert_shape_names_the_matrix():
         dq.quantize(weight((2, 8, 100)), dq.NF4(64, 256))
     with pytest.raises(ValueError, match="at least 2 dims"):
         dq.quantize(weight((64,)), dq.Int8Rowwise())
+
+
+def test_formats_and_weights_that_cannot_be_quantized_are_refused_by_name():
+    """Before: a format string or class raised AttributeError/TypeError deep inside; a float64 or float8 weight
+    raised torch errors inside the statistics ('value cannot be converted to type float without overflow',
+    '"isinf" not implemented for Float8_e4m3fn', KeyError 16) or, for some formats, quantized; a block size of
+    128.0 or '128' failed in torch's unflatten or in the range check's comparison."""
+    w = weight((8, 256))
+    with pytest.raises(TypeError, match=r"format instance such as dtensor_quant.Int8Rowwise\(\).*got 'int8'"):
+        dq.quantize(w, "int8")
+    with pytest.raises(TypeError, match=r"got the class Int8Rowwise: call it \(Int8Rowwise\(\)\)"):
+        dq.quantize(w, dq.Int8Rowwise)
+    with pytest.raises(TypeError, match="got None"):
+        check_shape(None, (8, 256))
+    for fmt in dq.testing.FORMATS.values():
+        for dtype in (torch.float64, torch.float8_e4m3fn, torch.int32):
+            with pytest.raises(ValueError, match=f"float32, bfloat16 or float16; got {dtype}"):
+                dq.quantize(w.to(dtype), fmt)
+    with pytest.raises(ValueError, match=r"Int4Groupwise: group_size must be an integer; got 128.0 \(float\)"):
+        dq.Int4Groupwise(128.0)
+    with pytest.raises(ValueError, match="NF4: scaler_block_size must be an integer; got '256'"):
+        dq.NF4(scaler_block_size="256")
+    with pytest.raises(ValueError, match="Float8Blockwise: block_size must be an integer; got True"):
+        dq.Float8Blockwise(True)

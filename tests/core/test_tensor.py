@@ -56,3 +56,12 @@ def test_assigning_data_takes_the_new_weights_values_and_keeps_the_parameters_ta
     assert torch.equal(lin(x), torch.nn.functional.linear(x, b))
     with pytest.raises(ValueError, match="Quantize it first"):
         lin.weight.data = torch.randn(32, 256)
+
+
+def test_dequantize_takes_a_floating_point_dtype():
+    """Before: dequantize(torch.int8) truncated every value without a word; a dtype name failed inside torch."""
+    q = dq.quantize(torch.randn(8, 64), dq.Int8Rowwise())
+    for bad in (torch.int8, torch.int32, "float32"):
+        with pytest.raises(ValueError, match=r"floating-point torch\.dtype"):
+            q.dequantize(bad)
+    assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16

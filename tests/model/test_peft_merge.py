@@ -237,3 +237,10 @@ def test_registered_layers_refuse_what_does_not_merge_exactly():
     layer.fan_in_fan_out = True  # what PEFT's dispatch never sets on a Linear: the delta would be transposed
     with pytest.raises(ValueError, match="fan_in_fan_out"):
         quantized.merge_and_unload()
+
+
+@pytest.mark.parametrize("model", [torch.nn.Sequential(torch.nn.Linear(4, 4)), None, torch.ones(2)])
+def test_merge_and_unload_takes_a_peft_model(model):
+    """Before: AttributeError ('Sequential' object has no attribute 'merge_and_unload', or 'named_modules')."""
+    with pytest.raises(TypeError, match="takes a PEFT model"):
+        dq.lora.merge_and_unload(model)

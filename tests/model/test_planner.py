@@ -78,6 +78,23 @@ def test_fsdp_dim0_and_strided_shard_with_tp():
     assert cells[0].legal and cells[0].placements == (Shard(0), Shard(1))
 
 
+def test_fsdp_one_row_shards_of_row_blocks_are_refused():
+    """FSDP2 pads every rank's dim-0 shard of its TP shard to ceil(rows / dp) rows: one row of a format blocked over
+    several rows is cut (torch.chunk would leave it whole). The real runs: tests/distributed/model/
+    test_planner_real.py::test_planner_fsdp_verdicts_hold_on_real_ranks."""
+    for style in ("colwise", "rowwise"):
+        # a 2-row colwise weight at tp=2 leaves one row per TP shard; the TP cut itself is then the refusal
+        for shape, tp in (((1, 256), 1), ((1, 256), 2)):
+            ((_, cells),) = plan([("w", shape, style)], dq.Float8Blockwise(128), tp=[tp], dp=[1, 2, 3]).rows
+            assert [c.legal for c in cells] == [True, False, False], (style, shape, tp)
+            assert "FSDP2 over dp=2 pads every rank's dim-0 shard of 1 row" in cells[1].why
+            assert "nearest legal dp: 1" in cells[1].alternatives
+    ((_, cells),) = plan([("w", (1, 256), "colwise")], dq.Int8Rowwise(), dp=[2]).rows
+    assert cells[0].legal  # rows are free: nothing to cut
+    # NF4's scalers span 64 rows of 256 columns; its expanded scales do not, and the plan says so
+    assert plan([("w", (1, 256), "colwise")], dq.NF4(), dp=[2]).summary()[0].status == "legal with expand_scales"
+
+
 def test_bytes_per_rank_are_the_shards_stored_bytes():
     fmt = dq.Int4Groupwise(64)
     w = torch.randn(100, 384, dtype=torch.bfloat16)
@@ -161,6 +178,14 @@ def test_command_line_errors(capsys):
         main(["plan", "--format", "int4", "--shape", "4096x4096x2x2"])  # 3 parts: an expert stack
     with pytest.raises(ValueError, match="unknown format"):
         main(["plan", "--format", "int3", "--shape", "8x8"])
+    # before: torch's "negative dimension" traceback; AttributeError ('str' object has no attribute 'named_modules')
+    with pytest.raises(SystemExit, match="OUTxIN"):
+        main(["plan", "--format", "int8", "--shape", "w=-64x64"])
+    with pytest.raises(SystemExit, match="returned a str, not a model"):
+        main(["plan", "--format", "int8", "--model", "os:getcwd"])
+    # before: a traceback from the format's range check ('<' between str and int) or torch's unflatten
+    with pytest.raises(ValueError, match="group_size must be an integer"):
+        main(["plan", "--format", "int4:abc", "--shape", "8x256"])
     assert main(["plan", "--format", "int8", "--shape", "wo=64x96:rowwise", "--tp", "2", "3"]) == 0
     assert "wo" in capsys.readouterr().out
 

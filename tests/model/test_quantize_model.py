@@ -118,3 +118,13 @@ def test_trainable_quantized_parameter_is_refused_before_backward_single_process
         net(torch.randn(2, 64))
     with torch.no_grad():  # inference is fine
         net(torch.randn(2, 64))
+
+
+def test_quantize_takes_a_model_and_a_format():
+    """Before: AttributeError ('Tensor' object has no attribute 'named_modules'; 'str' ... 'check_weight')."""
+    with pytest.raises(TypeError, match="takes a model"):
+        dq.quantize_(torch.randn(4, 4), dq.Int8Rowwise())
+    with pytest.raises(TypeError, match="format instance"):
+        dq.quantize_(torch.nn.Linear(4, 4), "int8")
+    with pytest.raises(TypeError, match="takes a weight tensor"):
+        dq.quantize([[1.0, 2.0]], dq.Int8Rowwise())

@@ -356,3 +356,37 @@ def test_dcp_checkpoint_of_dense_moments_loads_into_8bit_ones(tmp_path):
     dq.checkpoint.save({"optim": eight.state_dict()}, str(tmp_path / "eight"))
     with pytest.raises(dq.checkpoint.CheckpointFormatError, match=r"optim\.state\.0\.exp_avg"):
         dq.checkpoint.load({"optim": dense.state_dict()}, str(tmp_path / "eight"))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(weight_decay=-1), "weight_decay=-1"),  # before: accepted (torch's AdamW refuses it)
+        (dict(lr="1e-3"), "lr='1e-3'"),  # before: TypeError from a comparison
+        (dict(betas=(0.9,)), r"betas=\(0.9,\)"),
+        (dict(min_quantized_numel=-1), "min_quantized_numel"),  # before: accepted
+        (dict(state_formats="int8"), "state_formats is a pair"),  # before: "one format per moment (2), got 4"
+        (dict(state_formats=("int8", None)), "a format instance or None"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dq.optim.AdamW([nn.Parameter(torch.randn(64, 64))], **kwargs)
+
+
+def test_complex_parameters_are_refused_and_float64_ones_train():
+    """Before: a complex parameter trained silently wrong (its gradient read as float32 dropped the imaginary part:
+    3.2 off torch's AdamW after 3 steps). float64 parameters keep their quantized moments (computed in float32),
+    within the moments' rounding of torch's AdamW."""
+    with pytest.raises(ValueError, match="complex parameters"):
+        dq.optim.AdamW8bit([nn.Parameter(torch.randn(64, 64, dtype=torch.complex64))])
+    for cls in (dq.optim.AdamW8bit, dq.optim.AdamW4bit):
+        ours = nn.Parameter(torch.randn(128, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+        ref = nn.Parameter(ours.detach().clone())
+        opt, torch_opt = cls([ours], min_quantized_numel=0), torch.optim.AdamW([ref])
+        ours.grad = ref.grad = torch.randn(128, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        torch_opt.step()
+        assert isinstance(opt.state[ours]["exp_avg"], dq.QuantizedTensor) and ours.dtype == torch.float64
+        # one step: |update| <= lr for both; the moments' rounding moves ours by at most 2 lr
+        assert float((ours - ref).abs().max()) <= 2 * 1e-3

@@ -3,6 +3,7 @@
 The roll call itself runs on ranks of their own in tests/distributed/checkpoint/test_faults.py.
 """
 
+import pytest
 import torch.distributed as dist
 
 import dtensor_quant as dq
@@ -30,3 +31,10 @@ def test_the_message_names_the_ranks():
     assert describe([1], "how").startswith("rank 1 stopped answering")
     assert describe([0, 2], "how").startswith("ranks 0, 2 stopped answering")
     assert "every rank answered" in describe([], "how")
+
+
+def test_lost_ranks_takes_a_process_group():
+    """Before: a KeyError from c10d's group lookup (with a process group), or [] (without one)."""
+    for bad in ("world", 5, ["world"]):
+        with pytest.raises(TypeError, match="takes a ProcessGroup"):
+            dq.lost_ranks(bad)

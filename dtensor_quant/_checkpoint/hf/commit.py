@@ -56,9 +56,11 @@ def finish(path) -> bool:
     path = Path(path)
     journal = path / JOURNAL
     try:
-        text = journal.read_text()
+        text = journal.read_bytes().decode()
     except FileNotFoundError:
         return False  # no interrupted save (or another rank finished it just now)
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise CheckpointFormatError(f"{journal}: damaged ({type(e).__name__}: {e}); remove it to read") from None
     moves, removals = _parse(journal, text)
     staging = path / STAGING
     try:

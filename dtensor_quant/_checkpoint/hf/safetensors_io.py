@@ -75,6 +75,11 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = Path(path)
+        if self.path.is_file():
+            raise NotADirectoryError(
+                f"{self.path} is a file: a Hugging Face checkpoint is the directory that holds it"
+                + (f" ({self.path.parent})" if self.path.suffix in (".safetensors", ".json") else "")
+            )
         finish_interrupted_save(self.path)  # a dq.hf.save killed after its commit point: its export is the one
         index = self.path / INDEX
         weight_map = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -82,6 +83,11 @@ def _export_items(
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     items, refused, unmerged = [], {}, []
     for key, wrapper, t in model_tensors(model):
+        if t.device.type == "meta":
+            raise ValueError(
+                f"{key or names.get(id(t), '?')} is on the meta device: it holds no values to save. Materialize the "
+                "model first (to_empty(device=...), then load or initialise its weights)"
+            )
         if wrapper is not None and wrapper.refused is not None:
             refused.setdefault(wrapper.refused, []).append(names.get(id(t), "?"))
             continue
@@ -177,7 +183,7 @@ def _dense_item(key, t, dtype, unpadded, fetch, leader: bool) -> _Item:
     writes = first_replica(mesh, placements, leader)
     spans = regions(shape, mesh, placements, unpadded) if writes else []
     padding = None
-    if unpadded is not None and writes:
+    if unpadded is not None and (writes or mesh is None):  # a model without DTensors: every rank checks its padding
         dim = next(d for d, (n, m) in enumerate(zip(shape, unpadded)) if n != m)
         index = index_lists(shape, mesh, placements) if mesh is not None else [range(n) for n in shape]
         padding = (dim, unpadded[dim], index[dim])
@@ -256,6 +262,9 @@ def _gather_adapters(adapters: dict, full: dict) -> None:
         full[k] = (t.full_tensor() if isinstance(t, DTensor) else t).float()
 
 
+DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def save(
     model: nn.Module,
     path,
@@ -264,6 +273,7 @@ def save(
     merge_lora: bool = True,
     max_shard_bytes: int = 5 << 30,
     quantization: str | None = None,
+    process_group=None,
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``from_pretrained`` reads.
 
@@ -296,15 +306,36 @@ def save(
     A failure on any rank raises on every rank, and the previous contents of
     ``path`` stay as they were until every rank's bytes are written. A model
     without DTensors is each process's own: rank 0 writes it, with or
-    without the others calling ``save`` too; another rank that calls it
-    raises for a path that cannot be written as rank 0 does, but does not wait
-    for rank 0's writes.
+    without the others calling ``save`` too. Another rank that calls it
+    makes every check that does not need rank 0's writes (the arguments, the
+    model: adapters, the export's formats, the padding, tensors on the meta
+    device; the path, by creating the directory and a file in it), raising
+    what rank 0 raises, and returns without waiting for rank 0: a failure of
+    rank 0's own writes (a full disk, an I/O error, the config's
+    ``save_pretrained``) is raised on rank 0 alone. Pass the group of the
+    ranks that call ``save`` together as ``process_group``
+    (``torch.distributed.group.WORLD``) to have every one of them raise
+    every failure, as for a distributed model (one small all-gather per
+    step; the group's first rank writes). ``process_group`` is ignored for a
+    model with DTensors: the ranks of its mesh agree.
     """
     path = Path(path)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dq.hf.save takes a model (nn.Module), got {type(model).__name__}")
+    if dtype not in DENSE_DTYPES:
+        raise ValueError(
+            f"save(dtype={dtype!r}): the dtype dense tensors are written in, one of "
+            f"{', '.join(map(str, DENSE_DTYPES))} (float8 weights: quantize the model with a Float8 format, whose "
+            "stored bytes and scales are written)"
+        )
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"save(max_shard_bytes={max_shard_bytes!r}): the largest file's size, a positive integer")
     model = unwrap(model)
     what = f"dq.hf.save to {path}"
     adapters, full = {}, {}
     scope, leader = agreement_scope(model)
+    if process_group is not None and scope.get("process_group") is LOCAL and dist.is_initialized():
+        scope, leader = {"process_group": process_group}, dist.get_rank() == dist.get_global_rank(process_group, 0)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"save(quantization={quantization!r}): known are {QUANTIZATIONS}, or None (as stored)")
     export = {"compressed-tensors": CompressedTensorsExport, NATIVE: NativeExport}.get(quantization, lambda: None)()
@@ -323,7 +354,7 @@ def save(
         _gather_adapters(adapters, full)  # the only collectives besides the agreements: before any write
         try:
             prepare = _create_files if leader else _probe if scope.get("process_group") is LOCAL else None
-            raise_together(lambda: prepare and prepare(path, staging, files), what=what, **scope)
+            raise_together(lambda: prepare and prepare(path, staging, files, items), what=what, **scope)
             raise_together(lambda: _write_slices(staging, items, files), what=what, **scope)
             step = lambda: _commit(model, path, staging, files, quant, committed) if leader else None  # noqa: E731
             raise_together(step, what=what, **scope)
@@ -360,7 +391,7 @@ def _lost(path: Path, e: Exception, scope: dict, committed: list) -> CheckpointS
     )
 
 
-def _create_files(path: Path, staging: Path, files: dict) -> None:
+def _create_files(path: Path, staging: Path, files: dict, items=()) -> None:
     """Rank 0: the staging directory with every file at its final size, headers written."""
     path.mkdir(parents=True, exist_ok=True)
     commit.finish(path)  # a save killed after its commit point: its export first becomes whole
@@ -372,18 +403,22 @@ def _create_files(path: Path, staging: Path, files: dict) -> None:
             f.truncate(size)
 
 
-def _probe(path: Path, staging: Path, files: dict) -> None:
+def _probe(path: Path, staging: Path, files: dict, items: list[_Item]) -> None:
     """Another rank's save of a model without DTensors (rank 0 writes it): the checks rank 0's writes make first.
 
     Such a model is each process's own (rank 0 may save it while the others
     do something else), so the ranks share no collective to agree through;
     without this a rank that calls ``save`` with the others returned as if it
     had saved while rank 0 raised. Creating the directory and a file in it
-    raises here what rank 0 raises for a path that cannot be written.
+    raises here what rank 0 raises for a path that cannot be written, and
+    the padding ``pad_for_tp`` added is checked as rank 0 checks it.
     """
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=path):
         pass
+    for item in items:
+        if item.padding is not None:
+            _check_padding_is_zero(item, item.fetch())
 
 
 def _write_slices(staging: Path, items: list[_Item], files: dict) -> None:

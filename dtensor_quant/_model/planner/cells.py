@@ -9,7 +9,13 @@ tensor parallelism shards the rows (``colwise``, ``Shard(0)``), the columns
 experts) shard each half of the rows or columns the same way. FSDP2 shards
 dim 0 on the dp dim (a ``_StridedShard`` when tensor parallelism already
 shards dim 0). FSDP2 pads uneven dim-0 shards; it cannot shard other dims
-unevenly, which is why it is only ever asked for dim 0 here.
+unevenly, which is why it is only ever asked for dim 0 here. Its padding is
+also why one rule more holds on the dp dim than ``check_placements``' chunks:
+a shard of one row, padded with a row on the other ranks, cuts a block of
+several rows (NF4, BnbNF4, Float8Blockwise) where ``torch.chunk`` would leave
+it whole; :func:`bad_cut` asks ``dtensor_quant.fsdp.fully_shard``'s own rule
+(:func:`~dtensor_quant._fsdp.fully_shard.padded_legal`), so a degree the plan
+calls legal is one ``fully_shard`` takes.
 
 An attention projection also obeys the head rule of the runtime that will
 run it (:func:`heads_refusal`): torch's and transformers' TP give each rank
@@ -39,8 +45,9 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..._core.format import QuantFormat, Reducer, check_shape, weight_layout
-from ..._core.layout import MAX_LISTED_MESH_SIZE
-from ..._parallel.placements import first_bad_cut
+from ..._core.layout import MAX_LISTED_MESH_SIZE, chunk_boundaries
+from ..._fsdp.fully_shard import padded_legal
+from ..._parallel.placements import dim_alignment, first_bad_cut, shard_like
 from ..._parallel.quantize import quantize
 from ..padding import mlp_padding, zero_padded
 from ..vocab_padding import vocab_length
@@ -311,13 +318,59 @@ def _check(
         check_shape(fmt, shape)
     except ValueError as e:  # the format cannot hold the weight at all (e.g. odd columns for int4)
         return Cell(dp, tp, placements, why=str(e), fixed_alternatives="leave this layer unquantized (filter_fn)")
-    if first_bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule, without its message
+    if bad_cut(shape, fmt, mesh, placements) is not None:  # check_placements' rule and FSDP2's, without a message
         return Cell(dp, tp, placements, why=_why(shape, fmt, mesh, placements), subject=subject)
     local = local_shape(shape, mesh, placements)
     return Cell(dp, tp, placements, nbytes=stored_bytes(fmt, local, full_shape=shape))
 
 
+def bad_cut(shape, fmt: QuantFormat, mesh, placements) -> tuple[int, int, int] | None:
+    """``(dim, index, alignment)`` of the first cut the runtime cannot make, or None.
+
+    ``check_placements``' rule (:func:`~dtensor_quant._parallel.placements.first_bad_cut`), then FSDP2's
+    on the dp mesh dim (:func:`fsdp_cut`: the index is the padded shard's end, where the padding starts).
+    """
+    bad = first_bad_cut(shape, fmt, mesh, placements)
+    if bad is None and (fsdp := fsdp_cut(tuple(shape), fmt, tuple(mesh), tuple(placements))) is not None:
+        return 0, fsdp[1], fsdp[2]
+    return bad
+
+
+@functools.lru_cache(maxsize=65536)
+def fsdp_cut(shape, fmt: QuantFormat, mesh, placements) -> tuple[int, int, int] | None:
+    """``(rows, padded rows, alignment)`` of a dim-0 shard FSDP2 cannot gather over the dp mesh dim, or None.
+
+    FSDP2 shards each rank's local tensor (the TP or EP shard, whatever the other mesh dims cut off dim 0)
+    along dim 0, every piece padded to ``ceil(rows / dp)`` rows; :func:`~dtensor_quant._fsdp.fully_shard.
+    padded_legal` says which of those it can gather. The dp mesh dim is the one before the last (``(dp, tp)``,
+    ``(ep, dp, tp)``, as :func:`mesh_and_placements` builds them).
+    """
+    dp_dim = len(mesh) - 2
+    if dp_dim < 0 or mesh[dp_dim] == 1 or not shard_like(placements[dp_dim]) or placements[dp_dim].dim % len(shape):
+        return None
+    factor = dim_alignment(fmt, shape, 0)
+    if factor == 1:
+        return None
+    lengths = {shape[0]}  # the local lengths of dim 0 that FSDP2 shards (one per rank of the other mesh dims)
+    for m, (n, p) in enumerate(zip(mesh, placements)):
+        if m != dp_dim and shard_like(p) and p.dim % len(shape) == 0:
+            lengths = {e - s for length in lengths for s, e in chunk_boundaries(length, n)}
+    for rows in sorted(lengths):
+        if not padded_legal(rows, mesh[dp_dim], factor):
+            return rows, -(-rows // mesh[dp_dim]), factor
+    return None
+
+
 def _why(shape, fmt: QuantFormat, mesh, placements) -> str:
+    if first_bad_cut(shape, fmt, mesh, placements) is None:
+        rows, padded, factor = fsdp_cut(tuple(shape), fmt, tuple(mesh), tuple(placements))
+        layout = weight_layout(fmt, shape)
+        needs = ", ".join(f"'{n}' is {rels[0]}" for n, rels in layout.items() if rels[0].factor > 1)
+        return (
+            f"FSDP2 over dp={mesh[-2]} pads every rank's dim-0 shard of {rows} row{'s' * (rows != 1)} to {padded} "
+            f"row{'s' * (padded != 1)} of its own, which cuts its blocks of {factor} rows ({needs}; "
+            "dtensor_quant.fsdp.fully_shard refuses it; torch.chunk would leave the row whole)"
+        )
     dim, bad, factor = first_bad_cut(shape, fmt, mesh, placements)
     layout = weight_layout(fmt, shape)
     # the inner tensors whose alignment this cut breaks (all that align the dim, if the rule is their joint one)
@@ -340,7 +393,7 @@ def legal_at(
     if heads_refusal(heads, tp, runtime):
         return False
     degree = cut_degree(heads, role, tp, runtime)
-    return first_bad_cut(tuple(shape), fmt, *mesh_and_placements(shape, style, dp, degree, ep)) is None
+    return bad_cut(tuple(shape), fmt, *mesh_and_placements(shape, style, dp, degree, ep)) is None
 
 
 def nearest_degrees(
@@ -382,7 +435,7 @@ def _hints(shape, style: str, fmt: QuantFormat, ep: int, kind, heads, role, runt
     heads_bad = heads_refusal(heads, tp, runtime)
     degree = cut_degree(heads, role, tp, runtime)
     mesh, placements = mesh_and_placements(shape, style, dp, degree, ep)
-    bad = None if heads_bad else first_bad_cut(shape, fmt, mesh, placements)
+    bad = None if heads_bad else bad_cut(shape, fmt, mesh, placements)
     out = []
     for mesh_dim, name in ((len(mesh) - 1, "tp"), (len(mesh) - 2, "dp")):
         p = placements[mesh_dim]
@@ -437,7 +490,7 @@ def _padding(
     if kind not in PADDABLE_KINDS or len(shape) > 2 or tp == 1 or heads_refusal(heads, tp, runtime):
         return None
     mesh, placements = mesh_and_placements(shape, style, dp, tp, ep)
-    dim = first_bad_cut(shape, fmt, mesh, placements)[0]
+    dim = bad_cut(shape, fmt, mesh, placements)[0]
     if not isinstance(placements[-1], Shard) or placements[-1].dim != dim:
         return None
     if kind == "mlp" and (style, dim) in (("colwise", 0), ("rowwise", 1)):
@@ -449,7 +502,7 @@ def _padding(
     if length is None:
         return None
     padded = shape[:dim] + (length,) + shape[dim + 1 :]
-    if first_bad_cut(padded, fmt, mesh, placements) is not None:
+    if bad_cut(padded, fmt, mesh, placements) is not None:
         return None
     if stored and not pads_quantized(fmt, tuple(shape), dim, length):
         return None
@@ -489,7 +542,7 @@ def _smaller_block(shape, fmt: QuantFormat, mesh, placements) -> QuantFormat | N
             try:
                 candidate = dataclasses.replace(fmt, **{name: size})
                 check_shape(candidate, shape)
-                if first_bad_cut(shape, candidate, mesh, placements) is None:
+                if bad_cut(shape, candidate, mesh, placements) is None:
                     return candidate
                 size //= 2
             except ValueError:

@@ -59,3 +59,14 @@ def test_a_journal_naming_files_outside_the_directory_touches_nothing(tmp_path, 
     with pytest.raises(CheckpointFormatError, match="not a list of file names"):
         finish(d)
     assert (tmp_path / "outside.safetensors").read_text() == "keep"
+
+
+def test_a_journal_that_is_not_text_or_not_a_file_is_refused_naming_it(tmp_path):
+    """Before: a bare UnicodeDecodeError (no file named) or IsADirectoryError from every dq.hf.load."""
+    (tmp_path / JOURNAL).write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointFormatError, match=f"{JOURNAL}: damaged .UnicodeDecodeError"):
+        finish(tmp_path)
+    (tmp_path / JOURNAL).unlink()
+    (tmp_path / JOURNAL).mkdir()
+    with pytest.raises(CheckpointFormatError, match=f"{JOURNAL}: damaged .IsADirectoryError"):
+        finish(tmp_path)

@@ -255,3 +255,10 @@ def test_reads_only_the_slice(tmp_path):
         assert ck.bytes_read == 2 * 5 * 4 * 4
         assert torch.equal(ck.read("t", (2, 0, 1), (3, 10, 2)), t[2:5, :, 1:3])
         assert torch.equal(ck.read("t"), t)
+
+
+def test_a_file_given_for_the_checkpoint_directory_is_named(tmp_path):
+    """Before: NotADirectoryError about '<file>/.dq_hf_save.commit'."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match=r"model.safetensors is a file: .*the directory that holds it"):
+        dq.hf.Checkpoint(tmp_path / "model.safetensors")

@@ -330,29 +330,37 @@ def test_format_mismatch_on_one_rank_is_raised_on_every_rank(ranks, tmp_path):
         assert same
 
 
-# -- plain dcp.load of another format: every rank raises, no quantized weight written ---------------------
+# -- plain dcp.load of another format: every rank raises, nothing of the model written ------------------------
+
+
+def local_bytes(net) -> dict[str, torch.Tensor]:
+    """This rank's stored bytes of every parameter: a quantized weight's inner tensors, a dense tensor itself."""
+    out = {}
+    for n, p in net.named_parameters():
+        local = p.to_local()
+        inner = local.inner if isinstance(local, dq.QuantizedTensor) else {"": local}
+        out.update({f"{n}.{k}": t.contiguous().view(torch.uint8).clone() for k, t in inner.items()})
+    return out
 
 
 def plain_dcp_load_of(fmt_name, layout, path):
     net = cc.placed(OTHER, fmt_name, layout)
-    before = {
-        n: {k: t.clone() for k, t in p.to_local().inner.items()} for n, p in net.named_parameters() if p.ndim == 2
-    }
+    before = local_bytes(net)
     try:
         dcp.load(ckpt.entries_from_state(net.state_dict()), checkpoint_id=path)  # plain DCP: entries
         outcome = "loaded"
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         outcome = f"{type(e).__name__}: {e}"
-    after = {n: p.to_local().inner for n, p in net.named_parameters() if p.ndim == 2}
-    untouched = all(torch.equal(after[n][k].view(torch.uint8), t.view(torch.uint8)) for n, d in before.items()
-                    for k, t in d.items())  # fmt: skip
-    return outcome, untouched
+    after = local_bytes(net)
+    return outcome, all(torch.equal(after[k], t) for k, t in before.items())
 
 
-def test_plain_dcp_load_of_another_format_writes_no_quantized_weight(ranks, tmp_path):
+def test_plain_dcp_load_of_another_format_writes_nothing(ranks, tmp_path):
     """Saved on 2 ranks (each rank's chunks and some of the records in its own file), read with plain dcp.load
     into another format: before, DCP wrote the int8 codes into the float8 weights and only load_state_dict
-    refused; now the record is checked before any of a weight's chunks reach it, on every rank."""
+    refused. Now nothing DCP reads (the dense bias included) reaches the model before every record of the load is
+    checked, on every rank (the orders that used to write a dense tensor or another weight first:
+    tests/checkpoint/test_dcp.py)."""
     path = str(tmp_path / "ckpt")
     ranks(2).run(save_model, "int8", "s0_2", path)
     for outcome, untouched in ranks(2).run(plain_dcp_load_of, "f8row", "s0_2", path, timeout=120):

@@ -13,14 +13,18 @@ must fail -- by the head rule (a 2-KV-head model at TP 4 fails in
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_quant as dq
+from dtensor_quant._model.planner.cells import Layer, check
 from dtensor_quant._model.planner.plan import plan
 from dtensor_quant._model.planner.verdict import ADAPT, AS_IS, NO
-from dtensor_quant.testing import mesh
+from dtensor_quant.testing import mesh, same_bits, weight
 from dtensor_quant.testing.bounds import gamma
+from tests.support.extra_formats import FORMATS
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,3 +106,49 @@ def test_the_cases_cover_every_verdict():
     adapted = got[("qwen2", "Int4Groupwise(group_size=128)", 4)]
     assert adapted.status == ADAPT and {s.split(".")[-1].split()[0] for s in adapted.switched} == {
         "o_proj", "down_proj"}  # fmt: skip
+
+
+# -- FSDP2: the dp verdict against fully_shard -----------------------------------------------------------------
+
+
+def fsdp_outcomes(names, rows_list):
+    """On every rank, per (format, rows): what ``dq.fsdp.fully_shard`` and torch's ``fully_shard`` (then an
+    unshard) do with a ``[rows, 256]`` weight over every rank: "gathered" (bit-exact to the one-process weight)
+    or "refused" (``LayoutError``: dq's before any collective, torch's at the unshard)."""
+    world, out = dist.get_world_size(), []
+    for name in names:
+        for rows in rows_list:
+            q = dq.quantize(weight((rows, 256), seed=1), FORMATS[name])
+            got = []
+            for shard in (dq.fsdp.fully_shard, torch_fully_shard):
+                model = nn.Sequential(nn.Linear(256, rows, bias=False))
+                model[0].weight = nn.Parameter(dq.quantize(weight((rows, 256), seed=1), FORMATS[name]), False)
+                try:
+                    shard(model, mesh=mesh(world))
+                    model.unshard()
+                except dq.LayoutError:
+                    got.append("refused")
+                    continue
+                assert same_bits(model[0].weight.detach(), q.dequantize()), (name, rows)
+                got.append("gathered")
+            out.append(((name, rows), tuple(got)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_planner_fsdp_verdicts_hold_on_real_ranks(ranks, world):
+    """Every format, 1-3 rows over dp=world: the plan's verdict is what fully_shard does. FSDP2 pads every
+    rank's shard to ``ceil(rows / dp)`` rows, so one row of a format blocked over several rows (NF4, BnbNF4,
+    Float8Blockwise) cannot be gathered, although torch.chunk would leave it whole (the plan said legal)."""
+    results = ranks(world).run(fsdp_outcomes, list(FORMATS), [1, 2, 3])
+    assert all(r == results[0] for r in results)
+    one_row_refused = set()
+    for (name, rows), got in results[0]:
+        cell = check(Layer("w", (rows, 256), "colwise"), FORMATS[name], dp=world, tp=1)
+        expected = "gathered" if cell.legal else "refused"
+        assert got == (expected, expected), (name, rows, got, cell.why)
+        if rows == 1 and not cell.legal:
+            assert "FSDP2 over dp=" in cell.why and "nearest legal dp: 1" in cell.alternatives, cell
+            one_row_refused.add(name)
+    assert {"nf4", "bnbnf4", "f8block128"} <= one_row_refused  # the cases the plan used to call legal
+    assert len(results[0]) == 3 * len(FORMATS)

@@ -332,6 +332,60 @@ def test_unwritable_path_raises_on_every_rank_for_a_model_without_dtensors(ranks
     assert_export_equals(str(out), dense_values(reference))
 
 
+def save_plain_failing(src, padded_src, out, how, group):
+    """Every rank saves a model without DTensors that fails ``how``: a check (the padding pad_for_tp added is
+    non-zero; a tensor on the meta device) or one of rank 0's writes (its file-size limit; the config's
+    save_pretrained). ``group``: pass the world as ``process_group``. Returns (exception type or "saved", message)."""
+    import resource
+    import signal
+
+    import torch.distributed as dist
+
+    if how == "padding":
+        model = padded_model(padded_src)
+        gate = model.model.layers[0].mlp.gate_proj  # rows 384.. of 512 are padding: make them non-zero
+        gate.weight = torch.nn.Parameter(torch.ones(gate.weight.shape, dtype=torch.bfloat16), requires_grad=False)
+    elif how == "meta":
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    else:
+        model = build("llama", "single", "int8")
+        dq.hf.load(model, src)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if how == "file size" and rank() == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit raises EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    if how == "config" and rank() == 0:
+        model.config.save_pretrained = lambda *a, **k: (_ for _ in ()).throw(OSError("the config cannot be written"))
+    try:
+        dq.hf.save(model, out, process_group=dist.group.WORLD if group else None)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    return "saved", ""
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["alone", "process_group"])
+def test_every_failure_of_a_model_without_dtensors_is_raised_on_every_rank(
+    ranks, sources, padded_source, tmp_path, group
+):
+    """The checks every calling rank makes (before: the padding and a meta tensor raised on rank 0 alone, a meta
+    tensor as numpy's TypeError); with process_group, rank 0's failed writes too. Alone, those raise on rank 0
+    only (documented: the others do not wait for its writes)."""
+    expected = {"padding": ("ValueError", "non-zero"), "meta": ("ValueError", "meta device"),
+                "file size": ("OSError", "File too large"), "config": ("OSError", "cannot be written")}  # fmt: skip
+    for how, (kind, words) in expected.items():
+        out = str(tmp_path / f"{how}-{group}")
+        results = ranks(2).run(save_plain_failing, sources["llama"], padded_source, out, how, group, timeout=120)
+        assert results[0][0] == kind and words in results[0][1], (how, results)
+        if group or how in ("padding", "meta"):
+            assert results[1][0] == kind and words in results[1][1], (how, results)
+        else:
+            assert results[1] == ("saved", ""), (how, results)
+        assert not (tmp_path / f"{how}-{group}" / "model.safetensors").exists(), how
+
+
 def load_from(paths):
     model = build("llama", "tp2", "int8")
     start = time.monotonic()
