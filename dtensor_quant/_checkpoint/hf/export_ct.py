@@ -8,7 +8,9 @@ then a load is the identity on the bytes), and ``config.json``'s
 ``quantization_config`` with one config group per scheme, targeting the
 modules by name, and the dense Linears in ``ignore``.
 
-What compressed-tensors can express, and how:
+Each format declares its compressed-tensors form (``QuantFormat.producer_layout``,
+plain data of ``_core/producers.py``); this module turns it into the file maps of
+:mod:`.stored` and names no format. What the built-in formats declare:
 
 =====================================  ==========================================================
 format                                 compressed-tensors scheme (``format``)
