@@ -48,13 +48,11 @@ from ..._core.format import weight_layout
 from ..._core.format import writers as format_writers
 from ..._core.producers import COMPRESSED_TENSORS
 from ..state_dict import canonical_view, entry_placements, entry_shape
-from .prequantized import StoredLayout, weight_shape_record
-from .stored import Extra, Fill, from_spec
+from .prequantized import StoredLayout, declared_layout
+from .stored import Extra, Fill
 from .tensors import first_replica, regions
 
 QUANTIZATIONS = ("compressed-tensors",)
-#: The records a format's compressed-tensors layout names (``ProducerLayout.records``), by name.
-_RECORDS = {"weight_shape": weight_shape_record}
 
 
 def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout, dict[str, str]] | str:
@@ -71,10 +69,9 @@ def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout, dict[str,
         return f"compressed-tensors has no scheme for {fmt} (it writes {writers}); save it dense (quantization=None)"
     if isinstance(declared, str):
         return declared
-    inner = tuple((name, from_spec(spec)) for name, spec in declared.inner)
-    extras = tuple(_RECORDS[r]() for r in declared.records)
+    layout = declared_layout(fmt, COMPRESSED_TENSORS, dtype)
     refusals = {name: spec.refusal for name, spec in declared.inner if spec.refusal}
-    return declared.scheme, dict(declared.args), StoredLayout(fmt, "", inner, extras), refusals
+    return declared.scheme, dict(declared.args), layout, refusals
 
 
 def _activations(fmt, dtype: torch.dtype) -> tuple[dict | None, tuple[Extra, ...]] | str:
