@@ -80,3 +80,33 @@ def test_checker_refuses_a_write_into_another_module(tmp_path):
     assert len(writes) == 2 and "into module dtensor_quant._ops.arithmetic" in writes[0], problems
     (pkg / "_model" / "trainable.py").write_text("from .._ops import arithmetic\n\nTRAINABLE = arithmetic\n")
     assert check_imports.check(tmp_path) == []
+
+
+def test_checker_refuses_a_format_named_outside_formats(tmp_path):
+    pkg = tmp_path / "dtensor_quant"
+    for folder in ("_core", "_formats", "_checkpoint"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from ._formats.int8 import Int8Rowwise\n")  # the public front re-exports
+    (pkg / "_core" / "format.py").write_text("class QuantFormat:\n    pass\n")
+    (pkg / "_formats" / "int8.py").write_text(
+        "from .._core.format import QuantFormat\n\n\nclass Int8Rowwise(QuantFormat):\n    pass\n\n\n"
+        "class Int8Wide(Int8Rowwise):\n    pass\n"
+    )
+    (pkg / "_checkpoint" / "export.py").write_text(
+        "from .. import _formats\n\n\ndef scheme(fmt):\n    return isinstance(fmt, _formats.int8.Int8Wide)\n"
+    )
+    problems = check_imports.check(tmp_path)
+    assert check_imports.format_classes(check_imports.modules(tmp_path)) == {"Int8Rowwise", "Int8Wide"}
+    assert (
+        [p for p in problems if "names format" in p]
+        == [p for p in problems if p.startswith("dtensor_quant/_checkpoint/export.py:5: names format Int8Wide outside")]
+        != []
+    ), problems
+    (pkg / "_checkpoint" / "export.py").write_text("def scheme(fmt):\n    return fmt.producer_layout('x', None)\n")
+    assert check_imports.check(tmp_path) == []
+
+
+def test_every_listed_exception_to_the_format_naming_rule_is_a_module():
+    mods = check_imports.modules()
+    assert set(check_imports.FORMAT_NAMING) <= set(mods), set(check_imports.FORMAT_NAMING) - set(mods)

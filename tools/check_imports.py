@@ -9,6 +9,9 @@ never above. Fails (exit 1, one line per problem) on:
 * an import circle, through module-level and function-level imports alike;
 * a module of the package that the table does not place;
 * a private name (``_x``) imported from, or read off, another module of the package;
+* a module outside ``_formats/`` (and the public front, which re-exports them) that names a format class
+  (docs/architecture.md: a format declares what others need of it), unless ``FORMAT_NAMING`` lists it with
+  its reason;
 * a write into another module of the package (``m.NAME = ...``, ``setattr(m, ...)``): code a lower
   layer needs from above is a slot of ``_core/registry.py``, provided on import;
 * a private name of the package imported or read by the code that uses it from
@@ -249,6 +252,64 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+#: Modules outside ``_formats/`` that name format classes, each with its reason. The public front (the root and
+#: its facades) re-exports them and is not listed. Every other module asks a format what it declares.
+FORMAT_NAMING: dict[str, str] = {
+    "dtensor_quant._checkpoint.hf.prequantized": "the pre-quantized reader still picks the format that holds a "
+    "producer's layout by name; its declarations are not yet moved into the formats (issue 32)",
+    "dtensor_quant._model.interop": "torchao interop: maps torchao's configs and tensors to the formats holding them",
+    "dtensor_quant._optim": "re-exports AdamW8bit/AdamW4bit, whose moments' formats (BlockFloat8, BlockLog4) are "
+    "the optimizers' own choice",
+    "dtensor_quant._optim.adamw": "AdamW8bit and AdamW4bit keep their moments in BlockFloat8 and BlockLog4, by design",
+    "dtensor_quant.testing.registry": "the conformance kit's cases: every built-in format, by name",
+}
+#: Bases that make a class of ``_formats/`` a format (with the format classes found, and their mixins).
+_FORMAT_BASES = {"QuantFormat", "FlatBlockedFormat"}
+
+
+def format_classes(mods: dict[str, Path]) -> set[str]:
+    """The public names of the classes in ``_formats/`` that derive from a format base, however indirectly."""
+    defs = []
+    for mod, path in mods.items():
+        if mod == f"{PACKAGE}._formats" or mod.startswith(f"{PACKAGE}._formats."):
+            for node in ast.parse(path.read_text(), str(path)).body:
+                if isinstance(node, ast.ClassDef):
+                    defs.append((node.name, {d[-1] for d in map(_dotted, node.bases) if d}))
+    found, bases = set(), set(_FORMAT_BASES)
+    while True:
+        new = {name for name, b in defs if b & bases and name not in found}
+        if not new:
+            return {name for name in found if not _private(name)}
+        found |= new
+        bases |= new
+
+
+def format_naming_problems(mods: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """A module outside ``_formats/`` and the public front that names a format class, or a stale exception."""
+    names, problems = format_classes(mods), []
+    for mod, path in mods.items():
+        layer = layer_of(mod)
+        if layer is None or LAYERS[layer][0] in ("", "_formats"):
+            continue
+        hits = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            found += [node.id] if isinstance(node, ast.Name) else [node.attr] if isinstance(node, ast.Attribute) else []
+            for name in found:
+                if name in names:
+                    hits.setdefault(name, node.lineno)
+        if hits and mod not in FORMAT_NAMING:
+            first = min(hits, key=hits.get)
+            problems.append(
+                f"{path.relative_to(root)}:{hits[first]}: names format {', '.join(sorted(hits))} outside _formats/; "
+                "let the format declare what this module needs of it (e.g. producer_layout), or list the module "
+                "in FORMAT_NAMING (tools/check_imports.py) with its reason"
+            )
+        elif not hits and mod in FORMAT_NAMING:
+            problems.append(f"FORMAT_NAMING lists {mod}, which names no format any more: remove it")
+    return problems
+
+
 def _reaches(graph, src, dst) -> bool:
     seen, todo = set(), [src]
     while todo:
@@ -314,6 +375,7 @@ def check(root: Path = ROOT) -> list[str]:
         problems.append("import circle (module- and function-level imports): " + " -> ".join(cycle))
     unused = [k for k in LATE_BINDINGS if not any(k == (m, t) for m, t, *_ in imports(mods))]
     problems += [f"LATE_BINDINGS lists {a} -> {b}, which no longer imports it" for a, b in unused]
+    problems += format_naming_problems(mods, root)
     return problems + outside_problems(root)
 
 

@@ -37,11 +37,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from . import activations
 from .layout import Blocked, OneToOne, Relation
+from .producers import ProducerLayout
 from .stochastic import Noise
 
 
@@ -205,6 +207,21 @@ class QuantFormat:
         """
         return None
 
+    #: The producers this format's :meth:`producer_layout` can write it as, each with a note for messages
+    #: (``{"compressed-tensors": "Int4Groupwise with zero points 0"}``); :func:`writers` lists them.
+    producer_notes: ClassVar[dict[str, str]] = {}
+
+    def producer_layout(self, producer: str, dtype: torch.dtype) -> ProducerLayout | str | None:
+        """How ``producer`` (``"compressed-tensors"``) stores a weight of this format in a ``dtype`` model.
+
+        A :class:`~dtensor_quant._core.producers.ProducerLayout` (plain data:
+        the producer's scheme and, per inner tensor, how it is stored), a
+        string saying why this weight cannot be written so (its scales are in
+        another dtype), or None (the default): the producer has no scheme for
+        the format. The checkpoint layer turns the declaration into file maps.
+        """
+        return None
+
     def expanded_format(self) -> QuantFormat | None:
         """A format that holds exactly this one's values with fewer levels of scale blocks, or None.
 
@@ -325,6 +342,18 @@ def unpack_through(fmt: QuantFormat, inner: dict[str, torch.Tensor], out: torch.
         return False
     out.copy_(values)
     return True
+
+
+def writers(producer: str) -> list[str]:
+    """The notes of every format class that declares it can be written as ``producer``, in definition order."""
+    out, todo = [], list(QuantFormat.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        todo[:0] = cls.__subclasses__()
+        note = cls.__dict__.get("producer_notes", {}).get(producer)
+        if note is not None and note not in out:
+            out.append(note)
+    return out
 
 
 def weight_layout(fmt: QuantFormat, shape) -> dict[str, tuple[Relation, ...]]:

@@ -32,6 +32,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params, unpack_through
 from .._core.layout import Blocked, OneToOne
+from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
 from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, safe_scale
 from .float8 import codes_into, kernel_linear, kernel_prepare, table_fits
 
@@ -45,6 +46,19 @@ class Float8Blockwise(QuantFormat):
     scale_dtype: torch.dtype | None = None
 
     block_size_params = ("block_size",)
+
+    producer_notes = {COMPRESSED_TENSORS: "Float8Blockwise"}
+
+    def producer_layout(self, producer, dtype):
+        """compressed-tensors: fp8 e4m3, square blocks (``float-quantized``); the scales (float32 by default) in the
+        model's dtype."""
+        if producer != COMPRESSED_TENSORS:
+            return None
+        sd, b = self.scale_dtype or torch.float32, self.block_size
+        args = dict(CT_BASE_ARGS, num_bits=8, type="float", strategy="block", block_structure=[b, b])
+        inner = (("qdata", StoredAs("same", "{key}", torch.float8_e4m3fn)),
+                 ("scale_inv", StoredAs("same", "{key}_scale", sd)))  # fmt: skip
+        return scales_in_model_dtype(sd, dtype) or ProducerLayout(producer, "float-quantized", args, inner)
 
     def __post_init__(self):
         int_params(self)

@@ -30,6 +30,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params, unpack_through
 from .._core.layout import Blocked, OneToOne, Packed
+from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
 from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
@@ -78,6 +79,22 @@ class Int4Groupwise(QuantFormat):
     scale_dtype: torch.dtype | None = None
 
     block_size_params = ("group_size",)
+
+    producer_notes = {COMPRESSED_TENSORS: "Int4Groupwise with zero points 0"}
+
+    def producer_layout(self, producer, dtype):
+        """compressed-tensors: int4, symmetric groups (``pack-quantized``): the codes in int32 words, the scales in
+        the model's dtype, no zero point (a weight whose zero points are not all 0 is refused when written)."""
+        if producer != COMPRESSED_TENSORS:
+            return None
+        sd = self.scale_dtype or dtype
+        args = dict(CT_BASE_ARGS, num_bits=4, type="int", strategy="group", group_size=self.group_size)
+        zero = StoredAs("fill", "", sd, (("value", 0.0),), refusal="has nonzero zero points; compressed-tensors' "
+                        "symmetric int4 has none (Int4GroupwiseIntZero writes integer zero points)")  # fmt: skip
+        inner = (("qdata", StoredAs("words", "{key}_packed", torch.int32)),
+                 ("scale", StoredAs("same", "{key}_scale", sd)), ("zero", zero))  # fmt: skip
+        layout = ProducerLayout(producer, "pack-quantized", args, inner, records=("weight_shape",))
+        return scales_in_model_dtype(sd, dtype) or layout
 
     def __post_init__(self):
         int_params(self)

@@ -53,6 +53,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params
 from .._core.layout import Blocked, OneToOne, Packed
+from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
 from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
 _CODES = tuple(float(c) for c in range(16))
@@ -72,6 +73,22 @@ class Int4GroupwiseIntZero(QuantFormat):
     scale_dtype: torch.dtype | None = None
 
     block_size_params = ("group_size",)
+
+    producer_notes = {COMPRESSED_TENSORS: "Int4GroupwiseIntZero"}
+
+    def producer_layout(self, producer, dtype):
+        """compressed-tensors: int4, asymmetric groups (``pack-quantized``): the codes in int32 words, the scales in
+        the model's dtype, the integer zero points packed eight per int32 along the rows."""
+        if producer != COMPRESSED_TENSORS:
+            return None
+        sd = self.scale_dtype or dtype
+        args = dict(CT_BASE_ARGS, num_bits=4, type="int", strategy="group", group_size=self.group_size)
+        args["symmetric"] = False
+        zero = StoredAs("packed_codes", "{key}_zero_point", torch.int32, (("along", 0), ("unpacked", True)))
+        inner = (("qdata", StoredAs("words", "{key}_packed", torch.int32)),
+                 ("scale", StoredAs("same", "{key}_scale", sd)), ("zero", zero))  # fmt: skip
+        layout = ProducerLayout(producer, "pack-quantized", args, inner, records=("weight_shape",))
+        return scales_in_model_dtype(sd, dtype) or layout
 
     def __post_init__(self):
         int_params(self)

@@ -52,6 +52,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer
 from .._core.layout import Blocked, OneToOne, Packed
+from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs
 from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, nibbles_into
 from .nf4 import kernel as nf4_kernel
 from .nf4 import kernel_linear
@@ -81,6 +82,19 @@ class MXFP4(QuantFormat):
     layout = {"qdata": (OneToOne(), Packed(2)), "scale": (OneToOne(), Blocked(BLOCK))}
     block_size = BLOCK  # values per scale: the OCP block, a constant rather than a parameter
     block_size_params = ()  # so nothing for the planner to shrink
+
+    producer_notes = {COMPRESSED_TENSORS: "MXFP4"}
+
+    def producer_layout(self, producer, dtype):
+        """compressed-tensors: mxfp4 (``mxfp4-pack-quantized``): codes and e8m0 exponents as they are, any model
+        dtype."""
+        if producer != COMPRESSED_TENSORS:
+            return None
+        args = dict(CT_BASE_ARGS, num_bits=4, type="float", strategy="group", group_size=BLOCK)
+        args["scale_dtype"] = "torch.uint8"
+        inner = (("qdata", StoredAs("same", "{key}_packed", torch.uint8)),
+                 ("scale", StoredAs("same", "{key}_scale", torch.uint8)))  # fmt: skip
+        return ProducerLayout(producer, "mxfp4-pack-quantized", args, inner)
 
     def check_shape(self, shape):
         super().check_shape(shape)

@@ -13,6 +13,9 @@
 
 Each rank reads and writes only its own slices; docs/huggingface.md says how.
 The implementation lives in the private ``dtensor_quant._checkpoint.hf``.
+A format says how a producer stores it (``save(quantization="compressed-tensors")``)
+with ``QuantFormat.producer_layout``, built from ``ProducerLayout`` and ``StoredAs``
+(docs/custom_format.md).
 
 ``QuantConfig`` is transformers' ``quantization_config`` for this library
 (``quant_method: "dtensor_quant"``)::
@@ -27,6 +30,7 @@ directory ``save_pretrained`` wrote loads with plain ``from_pretrained``.
 """
 
 from .._checkpoint.hf import Checkpoint, LoadResult, TensorInfo, init_empty, load, materialize, save, tp_plan
+from .._core.producers import CT_BASE_ARGS, ProducerLayout, StoredAs
 from .._model.quantize_like import quantize_like_checkpoint
 from .._model.transformers_hook import install, quant_config_class
 
@@ -40,8 +44,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CT_BASE_ARGS",
     "Checkpoint",
     "LoadResult",
+    "ProducerLayout",
+    "StoredAs",
     "TensorInfo",
     "init_empty",
     "load",

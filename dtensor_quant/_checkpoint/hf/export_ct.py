@@ -8,7 +8,9 @@ then a load is the identity on the bytes), and ``config.json``'s
 ``quantization_config`` with one config group per scheme, targeting the
 modules by name, and the dense Linears in ``ignore``.
 
-What compressed-tensors can express, and how:
+Each format declares its compressed-tensors form (``QuantFormat.producer_layout``,
+plain data of ``_core/producers.py``); this module turns it into the file maps of
+:mod:`.stored` and names no format. What the built-in formats declare:
 
 =====================================  ==========================================================
 format                                 compressed-tensors scheme (``format``)
@@ -43,62 +45,33 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..._core.format import weight_layout
-from ..._formats import (
-    MXFP4,
-    Float8Blockwise,
-    Float8Rowwise,
-    Float8Tensorwise,
-    Int4Groupwise,
-    Int4GroupwiseIntZero,
-    Int8Rowwise,
-)
+from ..._core.format import writers as format_writers
+from ..._core.producers import COMPRESSED_TENSORS
 from ..state_dict import canonical_view, entry_placements, entry_shape
-from .prequantized import StoredLayout, weight_shape_record
-from .stored import Extra, Fill, Flat, PackedCodes, Same, Words
+from .prequantized import StoredLayout, declared_layout
+from .stored import Extra, Fill
 from .tensors import first_replica, regions
 
 QUANTIZATIONS = ("compressed-tensors",)
 
 
-def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout] | str:
-    """``(format name, weights args, layout)`` for ``fmt`` in compressed-tensors, or why it cannot be written."""
-    sd = getattr(fmt, "scale_dtype", None) or (torch.float32 if isinstance(fmt, Float8Blockwise) else dtype)
-    base = {"dynamic": False, "symmetric": True, "group_size": None}
-    scale = ("scale", Same("{key}_scale", sd))
-    if not isinstance(fmt, MXFP4) and sd != dtype:
-        return (f"its scales are {sd} in a {dtype} model, and compressed-tensors loads scales in the model's dtype "
-                "(they would be rounded); build the model in the scales' dtype")  # fmt: skip
-    if isinstance(fmt, Int8Rowwise):
-        args = dict(base, num_bits=8, type="int", strategy="channel")
-        return "int-quantized", args, StoredLayout(fmt, "", (("qdata", Same("{key}", torch.int8)), scale))
-    if isinstance(fmt, Float8Rowwise):
-        args = dict(base, num_bits=8, type="float", strategy="channel")
-        return "float-quantized", args, StoredLayout(fmt, "", (("qdata", Same("{key}", torch.float8_e4m3fn)), scale))
-    if isinstance(fmt, Float8Tensorwise):
-        args = dict(base, num_bits=8, type="float", strategy="tensor")
-        inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale", Flat("{key}_scale", sd)))
-        return "float-quantized", args, StoredLayout(fmt, "", inner)
-    if isinstance(fmt, Float8Blockwise):
-        b = fmt.block_size
-        args = dict(base, num_bits=8, type="float", strategy="block", block_structure=[b, b])
-        inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale", sd)))
-        return "float-quantized", args, StoredLayout(fmt, "", inner)
-    codes = ("qdata", Words("{key}_packed", torch.int32))
-    if isinstance(fmt, Int4Groupwise):
-        args = dict(base, num_bits=4, type="int", strategy="group", group_size=fmt.group_size)
-        inner = (codes, scale, ("zero", Fill("", sd, 0.0)))
-        return "pack-quantized", args, StoredLayout(fmt, "", inner, (weight_shape_record(),))
-    if isinstance(fmt, Int4GroupwiseIntZero):
-        args = dict(base, num_bits=4, type="int", strategy="group", group_size=fmt.group_size, symmetric=False)
-        zero = ("zero", PackedCodes("{key}_zero_point", torch.int32, along=0, unpacked=True))
-        return "pack-quantized", args, StoredLayout(fmt, "", (codes, scale, zero), (weight_shape_record(),))
-    if isinstance(fmt, MXFP4):
-        args = dict(base, num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
-        inner = (("qdata", Same("{key}_packed", torch.uint8)), ("scale", Same("{key}_scale", torch.uint8)))
-        return "mxfp4-pack-quantized", args, StoredLayout(fmt, "", inner)
-    return (f"compressed-tensors has no scheme for {fmt} (it writes Int8Rowwise, Float8Rowwise, Float8Tensorwise, "
-            "Float8Blockwise, Int4Groupwise with zero points 0, Int4GroupwiseIntZero and MXFP4); save it dense "
-            "(quantization=None)")  # fmt: skip
+def _scheme(fmt, dtype: torch.dtype) -> tuple[str, dict, StoredLayout, dict[str, str]] | str:
+    """``(format name, weights args, layout, refusals)`` for ``fmt`` in compressed-tensors, or why it cannot be written.
+
+    The format declares its compressed-tensors form (``producer_layout``);
+    ``refusals``: per inner tensor the producer leaves out, what a weight
+    holds when it is not the constant.
+    """
+    declared = fmt.producer_layout(COMPRESSED_TENSORS, dtype)
+    if declared is None:
+        *some, last = format_writers(COMPRESSED_TENSORS)
+        writers = f"{', '.join(some)} and {last}"
+        return f"compressed-tensors has no scheme for {fmt} (it writes {writers}); save it dense (quantization=None)"
+    if isinstance(declared, str):
+        return declared
+    layout = declared_layout(fmt, COMPRESSED_TENSORS, dtype)
+    refusals = {name: spec.refusal for name, spec in declared.inner if spec.refusal}
+    return declared.scheme, dict(declared.args), layout, refusals
 
 
 def _activations(fmt, dtype: torch.dtype) -> tuple[dict | None, tuple[Extra, ...]] | str:
@@ -143,7 +116,7 @@ class CompressedTensorsExport:
             scheme = acts
         if isinstance(scheme, str):
             raise ValueError(f"{key}: {q.fmt} cannot be written as compressed-tensors: {scheme}")
-        fmt_name, args, layout = scheme
+        fmt_name, args, layout, refusals = scheme
         input_args, act_extras = acts
         mesh = t.device_mesh if isinstance(t, DTensor) else None
         out = []
@@ -157,8 +130,7 @@ class CompressedTensorsExport:
             offset = boxes[0][1] if boxes else (0,) * len(g_shape)
             if isinstance(st, Fill):
                 if not st.holds(chunk):
-                    raise ValueError(f"{key}: {q.fmt} has nonzero zero points; compressed-tensors' symmetric int4 "
-                                     "has none (Int4GroupwiseIntZero writes integer zero points)")  # fmt: skip
+                    raise ValueError(f"{key}: {q.fmt} {refusals[name]}")
                 continue
             align = st.write_alignment(len(g_shape))
             if not all(o % a == 0 and (n % a == 0 or o + n == g) for o, n, g, a in

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..._core.format import QuantFormat, weight_layout
+from ..._core.producers import COMPRESSED_TENSORS
 from ..._core.tensor import contiguous_strides
 from ..._formats import (
     MXFP4,
@@ -58,7 +59,7 @@ from .stored import (
     Same,
     Stored,
     Transposed,
-    Words,
+    from_spec,
     json_doc,
     small,
 )
@@ -125,6 +126,30 @@ def weight_shape_record() -> Extra:
     return Extra("{key}_shape", check, lambda shape: torch.tensor(list(shape[-2:]), dtype=torch.int64))
 
 
+#: The records a format's producer layout names (``ProducerLayout.records``), by name.
+_RECORDS = {"weight_shape": weight_shape_record}
+
+
+def declared_layout(fmt: QuantFormat, producer: str, dtype: torch.dtype, method: str = "") -> StoredLayout | str | None:
+    """The :class:`StoredLayout` ``fmt`` declares for ``producer`` in a ``dtype`` model (``producer_layout``).
+
+    None: the format declares no layout for it; a string: why this weight
+    cannot be stored so. The same maps serve the writer and the reader.
+    """
+    declared = fmt.producer_layout(producer, dtype)
+    if declared is None or isinstance(declared, str):
+        return declared
+    inner = tuple((name, from_spec(spec)) for name, spec in declared.inner)
+    return StoredLayout(fmt, method, inner, tuple(_RECORDS[r]() for r in declared.records))
+
+
+def _ct_declared(fmt: QuantFormat, what: str, extras: tuple[Extra, ...] = ()) -> StoredLayout:
+    """``fmt``'s declared compressed-tensors layout, read with the scales' dtype as stored, plus ``extras``."""
+    layout = declared_layout(fmt, COMPRESSED_TENSORS, getattr(fmt, "scale_dtype", None) or torch.float32, what)
+    assert isinstance(layout, StoredLayout), (fmt, layout)  # built with the file's scale dtype: it fits
+    return dataclasses.replace(layout, extras=(*layout.extras, *extras))
+
+
 def _ct_target(target: str, name: str) -> bool:
     """compressed-tensors' matching of a target: ``re:`` a regex, else the exact module name or a class name."""
     import re
@@ -165,43 +190,31 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
     what = f"compressed-tensors {fmt_name} ({kind}{bits}, {strategy}{f' {group}' if group else ''}"
     what += f"{'' if sym else ', asymmetric'})"
     s_dtype = tensors[scale].dtype
-    scale_same = ("scale", Same("{key}_scale", s_dtype))
     if fmt_name == "pack-quantized" and kind == "int" and bits == 4 and packed in tensors:
         g = group if strategy == "group" else shape[1] if strategy == "channel" else None
         if g is None:
             raise ValueError(f"{key}: {what} is not read (int4 strategy {strategy!r}; group and channel are)")
-        codes = ("qdata", Words("{key}_packed", torch.int32))
-        if sym:  # stored q + 8, no zero point: (q - 8) * scale
-            zero = ("zero", Fill("", s_dtype, 0.0))
-            return StoredLayout(Int4Groupwise(g, scale_dtype=s_dtype), what, (codes, scale_same, zero),
-                                (weight_shape_record(),))  # fmt: skip
-        # zero points packed eight per int32 down the rows, stored z + 8: the nibble is the zero of the codes
-        zero = ("zero", PackedCodes("{key}_zero_point", torch.int32, along=0, unpacked=True))
-        fmt = Int4GroupwiseIntZero(g, scale_dtype=s_dtype)
-        return StoredLayout(fmt, what, (codes, scale_same, zero), (weight_shape_record(),))
+        # symmetric: stored q + 8, no zero point: (q - 8) * scale; asymmetric: zero points packed eight per int32
+        # down the rows, stored z + 8: the nibble is the zero of the codes
+        fmt = Int4Groupwise(g, scale_dtype=s_dtype) if sym else Int4GroupwiseIntZero(g, scale_dtype=s_dtype)
+        return _ct_declared(fmt, what)
     if fmt_name in ("int-quantized", "naive-quantized") and kind == "int" and bits == 8 and key in tensors:
         if strategy != "channel" or not sym:
             raise ValueError(f"{key}: {what} is not read (int8 is read per channel, symmetric)")
         acts, extras, said = _ct_activations(scheme, ckpt, key, "int8")
-        inner = (("qdata", Same("{key}", torch.int8)), scale_same)
-        return StoredLayout(Int8Rowwise(scale_dtype=s_dtype, **acts), what + said, inner, extras)
+        return _ct_declared(Int8Rowwise(scale_dtype=s_dtype, **acts), what + said, extras)
     if fmt_name in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8 and key in tensors:
         if strategy in ("channel", "tensor"):
             acts, extras, said = _ct_activations(scheme, ckpt, key, "fp8")
-            if strategy == "channel":
-                inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), scale_same)
-                return StoredLayout(Float8Rowwise(scale_dtype=s_dtype, **acts), what + said, inner, extras)
-            inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale", Flat("{key}_scale", s_dtype)))
-            return StoredLayout(Float8Tensorwise(scale_dtype=s_dtype, **acts), what + said, inner, extras)
+            cls = Float8Rowwise if strategy == "channel" else Float8Tensorwise
+            return _ct_declared(cls(scale_dtype=s_dtype, **acts), what + said, extras)
         block = args.field("block_structure", list_of(POSITIVE, 2), tensor=key)
         if strategy == "block" and block and block[0] == block[1]:
             what = f"compressed-tensors {fmt_name} (fp8, {block[0]}x{block[1]} blocks)"
-            inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale", s_dtype)))
-            return StoredLayout(Float8Blockwise(block[0], scale_dtype=s_dtype), what, inner)
+            return _ct_declared(Float8Blockwise(block[0], scale_dtype=s_dtype), what)
         raise ValueError(f"{key}: {what} is not read (fp8 is read per channel, per tensor or in square blocks)")
     if fmt_name == "mxfp4-pack-quantized" and kind == "float" and bits == 4 and packed in tensors:
-        inner = (("qdata", Same("{key}_packed", torch.uint8)), ("scale", Same("{key}_scale", torch.uint8)))
-        return StoredLayout(MXFP4(), what, inner)
+        return _ct_declared(MXFP4(), what)
     raise ValueError(f"{key}: {what} has no format here that holds it as stored")
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._core.producers import StoredAs
 from ..state_dict import CheckpointFormatError
 from .fields import NUMBER, REQUIRED, Fields, parse
 from .safetensors_io import Checkpoint
@@ -374,6 +375,14 @@ class Extra:
 
     def key(self, key: str) -> str:
         return _key(self.template, key)
+
+
+_MAPS = {"same": Same, "flat": Flat, "words": Words, "fill": Fill, "packed_codes": PackedCodes}
+
+
+def from_spec(spec: StoredAs) -> Stored:
+    """The map a format's declaration (:class:`~dtensor_quant._core.producers.StoredAs`, plain data) names."""
+    return _MAPS[spec.kind](spec.template, spec.dtype, **dict(spec.options))
 
 
 def byte_count(shape, dtype) -> int:
