@@ -93,7 +93,7 @@ def refusals():
         ),
         "redistribute Partial -> Shard(0)": lambda: DTensor.from_local(q, m, [Partial()]).redistribute(m, [Shard(0)]),
         "redistribute Partial(avg) -> Replicate": lambda: DTensor.from_local(q, m, [Partial("avg")]).full_tensor(),
-        "state_dict of a Partial weight": lambda: _state_dict_of(DTensor.from_local(q, m, [Partial()])),
+        "checkpoint entries of a Partial weight": lambda: _entries_of(DTensor.from_local(q, m, [Partial()])),
     }
     out = {}
     for name, fn in cases.items():
@@ -105,10 +105,12 @@ def refusals():
     return out
 
 
-def _state_dict_of(param):
+def _entries_of(param):
+    """What a checkpoint save makes of the weight (dq.checkpoint.save, its SavePlanner): the entry form, which has
+    no way to store a pending sum. (``state_dict()`` holds the weight itself, Partial as it is, like a dense one.)"""
     lin = nn.Linear(64, 4, bias=False)
     lin.weight = nn.Parameter(param, requires_grad=False)
-    return dq.checkpoint.register(lin).state_dict()
+    return dq.checkpoint.entries_from_state(dq.checkpoint.register(lin).state_dict())
 
 
 def test_partial_refused_with_one_error_everywhere(ranks):
