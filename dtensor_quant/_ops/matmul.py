@@ -12,7 +12,13 @@ runs the same kernel on the folded activation.
 ``mm(x, w.t())`` is ``x @ W.T`` on the canonical weight: the format's
 ``linear`` kernel. Any other orientation (the input gradient's ``grad @ W``)
 dequantizes -- a matmul, not a silent format change: the result is dense by
-definition.
+definition. A format that quantizes its activations (``fmt.activation_scheme``)
+is the exception in the forward: dequantizing it there would run weight-only
+arithmetic in place of the declared one, so every forward path that would
+(``W @ x``, a weight stored ``[in, out]`` used as ``x @ W``, a shard or view the
+kernel cannot read) raises :class:`UnsupportedOpError` instead
+(:func:`refuse_weight_only`); inside the backward (``grad @ W``) it
+dequantizes as for any weight: the gradient is dense by design.
 
 Kernels often want the weight in a layout of their own (torch's CPU int4 mm
 repacks it, which costs more than the matmul). ``QuantFormat.prepare`` builds that once per
@@ -125,6 +131,7 @@ def kernel_linear_impl(
         _record(fmt, "kernel" if out is not None else "dequantize")
     if out is not None:
         return out
+    refuse_weight_only(fmt, "this weight's kernel cannot run on it (a view or shard it cannot read)")
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
@@ -153,6 +160,24 @@ def record_paths():
 def _record(fmt: QuantFormat, path: str) -> None:
     for counts in _RECORDING:
         counts[(str(fmt), path)] += 1
+
+
+def refuse_weight_only(fmt: QuantFormat, path: str) -> None:
+    """Raise if ``fmt`` quantizes its activations and this is a forward: dequantize + mm would be weight-only.
+
+    The backward's ``grad @ W`` (run inside an autograd node) dequantizes as for any weight: the input
+    gradient is computed densely by design, whatever the format's forward arithmetic.
+    """
+    scheme = fmt.activation_scheme
+    if scheme is None or torch._C._current_autograd_node() is not None:
+        return
+    raise UnsupportedOpError(
+        f"dtensor_quant: {path}: a {fmt} weight would be dequantized and multiplied with the activation "
+        f"unquantized (weight-only arithmetic), not with its declared activation scheme {scheme.spelling!r}. "
+        "The scheme runs in F.linear(x, W) / nn.Linear (also x @ W.t(), torch.matmul(x, W.t())) with the weight "
+        "quantized as [out_features, in_features]; quantize a weight stored [in, out] as its transpose, or call "
+        "W.dequantize() to multiply densely on purpose"
+    )
 
 
 @functools.cache
@@ -227,6 +252,11 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
     source, blocks, canonical = plan_linear(w_t)
     if blocks is None or not is_transposed(w_t):
+        refuse_weight_only(
+            w_t.fmt,
+            f"x @ W with W {describe(w_t)} not the transpose of a quantized [out, in] weight (a weight stored "
+            "[in, out], or a view the kernel cannot read)",
+        )
         if _RECORDING:
             _record(w_t.fmt, "dequantize")
         out = x @ dequantize(w_t, x.dtype)
@@ -245,6 +275,9 @@ def _mm(func, a, b):
     if isinstance(b, QuantizedTensor) and not isinstance(a, QuantizedTensor):
         return linear(a, b)
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+        refuse_weight_only(a.fmt, f"W @ x with the quantized weight on the left ({describe(a)})")
+        if _RECORDING:
+            _record(a.fmt, "dequantize")
         return dequantize(a, b.dtype) @ b
     raise UnsupportedOpError(
         f"dtensor_quant: mm of two quantized tensors ({describe(a)}, {describe(b)}): a quantized weight multiplies "
@@ -295,6 +328,9 @@ def _batched(func, a, b):
     if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and is_broadcast_batch(b):
         return linear(a, unbroadcast(b))
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and is_broadcast_batch(a):
+        refuse_weight_only(a.fmt, f"{func} of a broadcast quantized weight on the left ({describe(a)}) and x")
+        if _RECORDING:
+            _record(a.fmt, "dequantize")
         return dequantize(unbroadcast(a), b.dtype) @ b
     if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and matrix_dims(b) == 1:
         # One matrix per batch entry (transformers' batched_mm experts: ``bmm(x, w[ids])``).
