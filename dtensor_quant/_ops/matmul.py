@@ -32,7 +32,11 @@ outside (a checkpoint load) rebuilds it. Inference tensors (made under
 ``torch.inference_mode``) have no version counter: their weights are
 prepared on every call.
 Under ``torch.compile`` the kernel call is one opaque custom op,
-``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
+``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors
+(and, for a per-token activation scheme whose statistic a row-parallel matmul
+reduces, the reduced token maxima: computed and all-reduced in the traced
+graph, since the op's body runs later, outside the DTensor handler that asks
+for the reduction; :mod:`dtensor_quant._parallel.activation_stats`):
 at run time it finds the same record through them
 (:func:`dtensor_quant._core.notes.bytes_of`) instead of repacking the weight
 on every call, and inductor never lowers the kernel itself.
@@ -53,6 +57,7 @@ import logging
 
 import torch
 
+from .._core import activations
 from .._core.bits import is_tracing
 from .._core.dispatch import UnsupportedOpError, implements
 from .._core.format import QuantFormat
@@ -201,15 +206,31 @@ def kernel_linear(
     out_features: int,
     bias: torch.Tensor | None,
     blocks: list[int],
+    token_absmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order)."""
+    """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order).
+
+    ``token_absmax``: the activation's per-token maxima already reduced over the mesh (see the module
+    docstring), used in place of the local ones."""
     fmt = format_from_id(fmt_id)
-    return kernel_linear_impl(x, fmt, dict(zip(fmt.inner_names, inner)), out_features, bias, blocks)
+    inner_d = dict(zip(fmt.inner_names, inner))
+    if token_absmax is None:
+        return kernel_linear_impl(x, fmt, inner_d, out_features, bias, blocks)
+    with activations.token_stat_reduction(lambda _local: token_absmax):
+        return kernel_linear_impl(x, fmt, inner_d, out_features, bias, blocks)
 
 
 @kernel_linear.register_fake
-def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks):
+def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks, token_absmax=None):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _traced_token_absmax(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor | None:
+    """Inside a trace: the reduced per-token maxima the kernel op must use, or None (no reduction asked)."""
+    scheme = fmt.activation_scheme
+    if scheme is None or not scheme.dynamic or scheme.per_rank or not activations.reducing():
+        return None
+    return activations.token_absmax(x, scheme)
 
 
 def plan_linear(w_t: QuantizedTensor):
@@ -264,7 +285,8 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
     inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
     x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (F.linear's mm is 2-D: no reshape to pay for)
     if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
-        out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
+        amax = _traced_token_absmax(x2, w_t.fmt)
+        out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks, amax)
     else:
         out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks, source.notes.bytes)
     return out if x2 is x else out.reshape(*x.shape[:-1], out.shape[-1])
