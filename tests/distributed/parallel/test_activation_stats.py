@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant._core import activations
+from dtensor_quant._parallel import custom_ops
 from dtensor_quant.testing import assert_within, mesh, weight
 
 FORMATS = {
@@ -118,3 +119,26 @@ def column_parallel_case():
 
 def test_column_parallel_is_one_process(ranks):
     ranks(2).run(column_parallel_case)
+
+
+def custom_op_row_parallel_case():
+    """``dtensor_quant::linear``'s own row-parallel strategy (weight ``Shard(1)``) reduces the statistic too."""
+    fmt, m, world, rank = FORMATS["int8-token"], mesh(2), dist.get_world_size(), dist.get_rank()
+    w, x = weight((16, 128), seed=5).float(), weight((4, 128), seed=6).float()
+    x[0, 100:] *= 40
+    q = dq.quantize(w, fmt)
+    xd = DTensor.from_local(x.chunk(world, -1)[rank], m, [Shard(1)])
+    with wire.record() as log:
+        out = custom_ops.linear(xd, distribute_tensor(q, m, [Shard(1)]))
+    assert out.placements[0].is_partial(), out.placements
+    assert [t for t in log.transfers if "all_reduce" in t.op and t.nbytes == 4 * 4], log.transfers
+    global_amax = x.float().abs().amax(-1, keepdim=True)
+    with activations.token_stat_reduction(lambda amax: global_amax):
+        expected = activations.reference_linear(
+            x.chunk(world, -1)[rank], q.qdata.chunk(world, -1)[rank], q.scale, fmt.activation_scheme
+        )
+    assert torch.equal(out.to_local(), expected), "the custom op's partial output is not the reduced reference"
+
+
+def test_custom_op_row_parallel_reduces(ranks):
+    ranks(2).run(custom_op_row_parallel_case)
