@@ -164,6 +164,11 @@ def token_stat_reduction(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Iter
         stack.pop()
 
 
+def reducing() -> bool:
+    """Whether a :func:`token_stat_reduction` block is open in this thread (a row-parallel matmul's)."""
+    return bool(getattr(_LOCAL, "stack", None))
+
+
 def token_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
     """Each row's ``max |x|`` as fp32 ``[tokens, 1]`` (NaN if the row has one), reduced as the scheme says."""
     if not x.shape[-1]:

@@ -12,7 +12,13 @@ runs the same kernel on the folded activation.
 ``mm(x, w.t())`` is ``x @ W.T`` on the canonical weight: the format's
 ``linear`` kernel. Any other orientation (the input gradient's ``grad @ W``)
 dequantizes -- a matmul, not a silent format change: the result is dense by
-definition.
+definition. A format that quantizes its activations (``fmt.activation_scheme``)
+is the exception in the forward: dequantizing it there would run weight-only
+arithmetic in place of the declared one, so every forward path that would
+(``W @ x``, a weight stored ``[in, out]`` used as ``x @ W``, a shard or view the
+kernel cannot read) raises :class:`UnsupportedOpError` instead
+(:func:`refuse_weight_only`); inside the backward (``grad @ W``) it
+dequantizes as for any weight: the gradient is dense by design.
 
 Kernels often want the weight in a layout of their own (torch's CPU int4 mm
 repacks it, which costs more than the matmul). ``QuantFormat.prepare`` builds that once per
@@ -26,7 +32,11 @@ outside (a checkpoint load) rebuilds it. Inference tensors (made under
 ``torch.inference_mode``) have no version counter: their weights are
 prepared on every call.
 Under ``torch.compile`` the kernel call is one opaque custom op,
-``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors:
+``dtensor_quant::kernel_linear``, whose inputs are the weight's inner tensors
+(and, for a per-token activation scheme whose statistic a row-parallel matmul
+reduces, the reduced token maxima: computed and all-reduced in the traced
+graph, since the op's body runs later, outside the DTensor handler that asks
+for the reduction; :mod:`dtensor_quant._parallel.activation_stats`):
 at run time it finds the same record through them
 (:func:`dtensor_quant._core.notes.bytes_of`) instead of repacking the weight
 on every call, and inductor never lowers the kernel itself.
@@ -47,6 +57,7 @@ import logging
 
 import torch
 
+from .._core import activations
 from .._core.bits import is_tracing
 from .._core.dispatch import UnsupportedOpError, implements
 from .._core.format import QuantFormat
@@ -125,6 +136,7 @@ def kernel_linear_impl(
         _record(fmt, "kernel" if out is not None else "dequantize")
     if out is not None:
         return out
+    refuse_weight_only(fmt, "this weight's kernel cannot run on it (a view or shard it cannot read)")
     w = None if is_tracing(x) else unpack.dense_inner(fmt, inner, blocks, shape, x.dtype)
     out = x @ (w if w is not None else fmt.dequantize(broadcastable(inner, blocks, shape), x.dtype)).t()
     return out + bias if bias is not None else out
@@ -155,6 +167,24 @@ def _record(fmt: QuantFormat, path: str) -> None:
         counts[(str(fmt), path)] += 1
 
 
+def refuse_weight_only(fmt: QuantFormat, path: str) -> None:
+    """Raise if ``fmt`` quantizes its activations and this is a forward: dequantize + mm would be weight-only.
+
+    The backward's ``grad @ W`` (run inside an autograd node) dequantizes as for any weight: the input
+    gradient is computed densely by design, whatever the format's forward arithmetic.
+    """
+    scheme = fmt.activation_scheme
+    if scheme is None or torch._C._current_autograd_node() is not None:
+        return
+    raise UnsupportedOpError(
+        f"dtensor_quant: {path}: a {fmt} weight would be dequantized and multiplied with the activation "
+        f"unquantized (weight-only arithmetic), not with its declared activation scheme {scheme.spelling!r}. "
+        "The scheme runs in F.linear(x, W) / nn.Linear (also x @ W.t(), torch.matmul(x, W.t())) with the weight "
+        "quantized as [out_features, in_features]; quantize a weight stored [in, out] as its transpose, or call "
+        "W.dequantize() to multiply densely on purpose"
+    )
+
+
 @functools.cache
 def _say_no_kernel(fmt: QuantFormat, shape: tuple[int, int]) -> None:
     """Once per format and shape: this weight's kernel cannot run on it, so every call dequantizes."""
@@ -176,15 +206,31 @@ def kernel_linear(
     out_features: int,
     bias: torch.Tensor | None,
     blocks: list[int],
+    token_absmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order)."""
+    """The compiled graph's view of :func:`kernel_linear_impl` (inner tensors in the format's order).
+
+    ``token_absmax``: the activation's per-token maxima already reduced over the mesh (see the module
+    docstring), used in place of the local ones."""
     fmt = format_from_id(fmt_id)
-    return kernel_linear_impl(x, fmt, dict(zip(fmt.inner_names, inner)), out_features, bias, blocks)
+    inner_d = dict(zip(fmt.inner_names, inner))
+    if token_absmax is None:
+        return kernel_linear_impl(x, fmt, inner_d, out_features, bias, blocks)
+    with activations.token_stat_reduction(lambda _local: token_absmax):
+        return kernel_linear_impl(x, fmt, inner_d, out_features, bias, blocks)
 
 
 @kernel_linear.register_fake
-def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks):
+def _kernel_linear_fake(x, inner, fmt_id, out_features, bias, blocks, token_absmax=None):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _traced_token_absmax(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor | None:
+    """Inside a trace: the reduced per-token maxima the kernel op must use, or None (no reduction asked)."""
+    scheme = fmt.activation_scheme
+    if scheme is None or not scheme.dynamic or scheme.per_rank or not activations.reducing():
+        return None
+    return activations.token_absmax(x, scheme)
 
 
 def plan_linear(w_t: QuantizedTensor):
@@ -227,6 +273,11 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
     """``x @ w_t (+ bias)`` for a logical ``[in, out]`` quantized ``w_t`` (a transposed weight)."""
     source, blocks, canonical = plan_linear(w_t)
     if blocks is None or not is_transposed(w_t):
+        refuse_weight_only(
+            w_t.fmt,
+            f"x @ W with W {describe(w_t)} not the transpose of a quantized [out, in] weight (a weight stored "
+            "[in, out], or a view the kernel cannot read)",
+        )
         if _RECORDING:
             _record(w_t.fmt, "dequantize")
         out = x @ dequantize(w_t, x.dtype)
@@ -234,7 +285,8 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
     inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
     x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (F.linear's mm is 2-D: no reshape to pay for)
     if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
-        out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks)
+        amax = _traced_token_absmax(x2, w_t.fmt)
+        out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks, amax)
     else:
         out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks, source.notes.bytes)
     return out if x2 is x else out.reshape(*x.shape[:-1], out.shape[-1])
@@ -245,6 +297,9 @@ def _mm(func, a, b):
     if isinstance(b, QuantizedTensor) and not isinstance(a, QuantizedTensor):
         return linear(a, b)
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+        refuse_weight_only(a.fmt, f"W @ x with the quantized weight on the left ({describe(a)})")
+        if _RECORDING:
+            _record(a.fmt, "dequantize")
         return dequantize(a, b.dtype) @ b
     raise UnsupportedOpError(
         f"dtensor_quant: mm of two quantized tensors ({describe(a)}, {describe(b)}): a quantized weight multiplies "
@@ -295,6 +350,9 @@ def _batched(func, a, b):
     if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and is_broadcast_batch(b):
         return linear(a, unbroadcast(b))
     if isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and is_broadcast_batch(a):
+        refuse_weight_only(a.fmt, f"{func} of a broadcast quantized weight on the left ({describe(a)}) and x")
+        if _RECORDING:
+            _record(a.fmt, "dequantize")
         return dequantize(unbroadcast(a), b.dtype) @ b
     if not isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and matrix_dims(b) == 1:
         # One matrix per batch entry (transformers' batched_mm experts: ``bmm(x, w[ids])``).

@@ -11,7 +11,9 @@ input dim before any rank quantizes, so every element gets the code it gets on
 one process: the integer partial sums add up to the one-process sum exactly,
 and the only difference left is the float sum of the ranks' partial outputs.
 
-How: DTensor issues ``aten.mm``/``aten.addmm`` for ``F.linear``; the handler
+How: DTensor issues ``aten.mm``/``aten.addmm`` for ``F.linear`` (and the
+library's ``dtensor_quant::linear`` custom op has a row-parallel strategy of
+its own: the same handler covers it, its weight ``[out, in]``); the handler
 installed here in DTensor's table of op handlers
 (``DTensor._op_dispatcher._custom_op_handlers``, which torch's own loss
 parallelism uses too) sees the weight's placements, and when it is a quantized
@@ -41,10 +43,18 @@ from torch.distributed.tensor import DTensor
 from .._core import activations
 from .._core.reductions import reduce_nan_aware
 from .._core.tensor import QuantizedTensor
-from . import wire
+from . import custom_ops, wire
 from .placements import shard_like
 
-_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+#: op -> (the argument holding the weight, the weight's input dim, the argument holding the activation):
+#: ``mm``/``addmm`` take the activation then the transposed weight ``[in, out]`` last, ``dtensor_quant::linear``
+#: the activation first and the weight ``[out, in]`` second.
+_WEIGHT = {
+    torch.ops.aten.mm.default: (-1, 0, -2),
+    torch.ops.aten.addmm.default: (-1, 0, -2),
+    custom_ops.linear_op(): (1, 1, 0),
+}
+_OPS = tuple(_WEIGHT)
 _LOCK = threading.RLock()
 
 
@@ -62,16 +72,29 @@ def installed() -> bool:
     return all(handlers.get(op) is _handle for op in _OPS)
 
 
-def cut_groups(w_t) -> list[str]:
-    """The process groups of the mesh dims whose shards of ``w_t`` (a transposed weight ``[in, out]``) cut ``in``,
-    when its local tensor is quantized with a dynamic, reduced activation scheme; else none."""
+def cut_groups(w_t, in_dim: int = 0, x=None) -> list[str]:
+    """The process groups of the mesh dims whose shards of ``w_t`` (a transposed weight ``[in, out]``; or
+    ``[out, in]`` with ``in_dim`` 1) or of the activation ``x`` cut ``in``, when the weight's local tensor is
+    quantized with a dynamic, reduced activation scheme; else none.
+
+    The activation counts too: a replicated weight times an activation sharded on its features is computed
+    row-parallel (DTensor slices the weight locally, at no cost) -- or by gathering the activation, where
+    the reduction of identical maxima is only an extra collective. Which one DTensor picks is decided after
+    this handler, so it reduces in both."""
     if not isinstance(w_t, DTensor) or not isinstance(w_t._local_tensor, QuantizedTensor):
         return []
     scheme = w_t._local_tensor.fmt.activation_scheme
     if scheme is None or not scheme.dynamic or scheme.per_rank or w_t.ndim != 2:
         return []
     mesh = w_t.device_mesh
-    return [mesh.get_group(m).group_name for m, p in enumerate(w_t.placements) if shard_like(p) and p.dim % 2 == 0]
+    x_cut = [False] * mesh.ndim
+    if isinstance(x, DTensor) and x.device_mesh == mesh:
+        x_cut = [shard_like(p) and p.dim % x.ndim == x.ndim - 1 for p in x.placements]
+    return [
+        mesh.get_group(m).group_name
+        for m, p in enumerate(w_t.placements)
+        if (shard_like(p) and p.dim % 2 == in_dim) or x_cut[m]
+    ]
 
 
 def _reduce_max(groups: list[str], amax: torch.Tensor) -> torch.Tensor:
@@ -100,7 +123,8 @@ def _torch_dispatch(op):
 
 
 def _handle(op, args, kwargs):
-    groups = cut_groups(args[-1])
+    where, in_dim, x_at = _WEIGHT[op]
+    groups = cut_groups(args[where], in_dim, args[x_at])
     with _torch_dispatch(op):
         if not groups:
             return op(*args, **kwargs)

@@ -249,6 +249,11 @@ def _holds(weight, fmt: QuantFormat, placement) -> bool:
     return True
 
 
+def linear_op():
+    """The ``dtensor_quant::linear`` op overload (for the activation-statistics handler's table)."""
+    return torch.ops.dtensor_quant.linear.default
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``dtensor_quant::linear``: ``x @ weight.T + bias`` for a quantized weight (or a DTensor of one)."""
     local = weight._local_tensor if isinstance(weight, DTensor) else weight

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_quant as dq
 from dtensor_quant import wire
 from dtensor_quant._core import activations
+from dtensor_quant._parallel import custom_ops
 from dtensor_quant.testing import assert_within, mesh, weight
 
 FORMATS = {
@@ -118,3 +119,52 @@ def column_parallel_case():
 
 def test_column_parallel_is_one_process(ranks):
     ranks(2).run(column_parallel_case)
+
+
+def custom_op_row_parallel_case():
+    """``dtensor_quant::linear``'s own row-parallel strategy (weight ``Shard(1)``) reduces the statistic too."""
+    fmt, m, world, rank = FORMATS["int8-token"], mesh(2), dist.get_world_size(), dist.get_rank()
+    w, x = weight((16, 128), seed=5).float(), weight((4, 128), seed=6).float()
+    x[0, 100:] *= 40
+    q = dq.quantize(w, fmt)
+    xd = DTensor.from_local(x.chunk(world, -1)[rank], m, [Shard(1)])
+    with wire.record() as log:
+        out = custom_ops.linear(xd, distribute_tensor(q, m, [Shard(1)]))
+    assert out.placements[0].is_partial(), out.placements
+    assert [t for t in log.transfers if "all_reduce" in t.op and t.nbytes == 4 * 4], log.transfers
+    global_amax = x.float().abs().amax(-1, keepdim=True)
+    with activations.token_stat_reduction(lambda amax: global_amax):
+        expected = activations.reference_linear(
+            x.chunk(world, -1)[rank], q.qdata.chunk(world, -1)[rank], q.scale, fmt.activation_scheme
+        )
+    assert torch.equal(out.to_local(), expected), "the custom op's partial output is not the reduced reference"
+
+
+def test_custom_op_row_parallel_reduces(ranks):
+    ranks(2).run(custom_op_row_parallel_case)
+
+
+def replicated_weight_case():
+    """A replicated weight times a feature-sharded activation: DTensor computes it row-parallel (slicing the
+    weight locally), so the statistic is reduced there too; each partial is the reduced integer reference."""
+    fmt, m, world, rank = FORMATS["int8-token"], mesh(2), dist.get_world_size(), dist.get_rank()
+    w, x = weight((16, 128), seed=5).float(), weight((4, 128), seed=6).float()
+    x[0, 100:] *= 40
+    q = dq.quantize(w, fmt)
+    xd = DTensor.from_local(x.chunk(world, -1)[rank], m, [Shard(1)])
+    wd = distribute_tensor(q, m, [Replicate()])
+    with wire.record() as log:
+        out = F.linear(xd, wd)
+    assert [t for t in log.transfers if "all_reduce" in t.op and t.nbytes == 4 * 4], log.transfers
+    if not out.placements[0].is_partial():  # DTensor gathered the activation instead: one process's product
+        return torch.equal(out.full_tensor(), F.linear(x, q))
+    global_amax = x.float().abs().amax(-1, keepdim=True)
+    with activations.token_stat_reduction(lambda amax: global_amax):
+        expected = activations.reference_linear(
+            x.chunk(world, -1)[rank], q.qdata.chunk(world, -1)[rank], q.scale, fmt.activation_scheme
+        )
+    return torch.equal(out.to_local(), expected)
+
+
+def test_replicated_weight_with_sharded_features_reduces(ranks):
+    assert all(ranks(2).run(replicated_weight_case))
