@@ -30,6 +30,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..atomic import fsync_dir
 from ..state_dict import CheckpointFormatError
 
 STAGING = ".dq_hf_save.partial"  # inside the export directory: the new files until every rank has written
@@ -39,7 +40,7 @@ JOURNAL = ".dq_hf_save.commit"
 def commit(path: Path, moves: list[str], removals: list[str]) -> None:
     """Move ``moves`` from the staging directory into ``path`` and delete ``removals`` there, all or nothing."""
     staging = path / STAGING
-    _fsync(staging)
+    fsync_dir(staging)
     text = json.dumps({"moves": moves, "removals": removals})
     tmp = path / (JOURNAL + ".tmp")
     with open(tmp, "w") as f:
@@ -47,7 +48,7 @@ def commit(path: Path, moves: list[str], removals: list[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / JOURNAL)  # the commit point
-    _fsync(path)
+    fsync_dir(path)
     finish(path)
 
 
@@ -75,7 +76,7 @@ def finish(path) -> bool:
                     ) from None
         for name in removals:
             (path / name).unlink(missing_ok=True)
-        _fsync(path)
+        fsync_dir(path)
         journal.unlink(missing_ok=True)
     except OSError as e:
         raise OSError(
@@ -99,16 +100,3 @@ def _parse(journal: Path, text: str) -> tuple[list[str], list[str]]:
     if not isinstance(moves, list) or not isinstance(removals, list) or bad:
         raise CheckpointFormatError(f"{journal}: not a list of file names of the directory ({bad[:3]})")
     return moves, removals
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
