@@ -14,7 +14,7 @@ implementation. Importing the package registers the op handlers with the
 library's own tensor class and replaces nothing in torch.
 """
 
-from . import _ops, _parallel, checkpoint, config, fsdp, hf, interop, lora, optim, planner, training, wire  # noqa: F401  (the op handlers and collectives register themselves)
+from . import _ops, _parallel, checkpoint, config, fsdp, hf, interop, lora, ops, optim, planner, training, wire  # noqa: F401  (the op handlers and collectives register themselves)
 from ._core.dispatch import UnsupportedOpError
 from ._core.format import QuantFormat, Reducer, check_shape, check_weight, weight_layout
 from ._core.layout import (
@@ -109,6 +109,7 @@ __all__ = [
     "legal_mesh_sizes",
     "lora",
     "lost_ranks",
+    "ops",
     "optim",
     "pad_for_tp",
     "pad_vocab_for_tp",

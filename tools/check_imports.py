@@ -39,7 +39,20 @@ OUTSIDE = ("tests", "bench", "examples")
 # and the benches look inside; the examples use only the public front, as users do.
 INSIDE_VIEW = ("tests", "bench")
 #: The public front besides the root module: packages (``__init__`` files over private modules) and modules.
-PUBLIC = ("fsdp", "checkpoint", "hf", "optim", "lora", "planner", "training", "torchtitan", "config", "wire", "interop")
+PUBLIC = (
+    "fsdp",
+    "checkpoint",
+    "hf",
+    "optim",
+    "lora",
+    "planner",
+    "training",
+    "torchtitan",
+    "config",
+    "wire",
+    "interop",
+    "ops",
+)
 
 #: The layers, bottom first: (folder or root module of the package, what it holds). A module imports only
 #: modules of its own layer or of lower ones. The package root (``__init__``, ``__main__``, ``_compat``) is
