@@ -1,4 +1,4 @@
-// What every kernel source of dtensor_quant includes (dtensor_quant/core/native.py inlines it when it builds one):
+// What every kernel source of dtensor_quant includes (dtensor_quant/_core/native.py inlines it when it builds one):
 // bf16 helpers that round as c10::BFloat16 does, and run-time checks of the CPU's vector ISA.
 #pragma once
 #include <immintrin.h>

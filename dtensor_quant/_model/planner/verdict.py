@@ -122,7 +122,8 @@ def _classify(p, cells, dp: int, tp: int, nearest: bool) -> Verdict:
         label, c = no[0]
         why = heads or f"{label}: {c.why}"
         if not heads and len(no) > 1:
-            why += f" (and {len(no) - 1} more rows)"
+            more = len(no) - 1
+            why += f" (and {more} more {'row' if more == 1 else 'rows'})"
         near = _nearest_running(p, dp, tp) if nearest else (None, None)
         return Verdict(dp, tp, NO, why=why, nearest=near)
     padded = tuple((fn, _padding_bytes(p, kind, pads[kind])) for kind, fn in _PAD_FUNCTIONS if kind in pads)
