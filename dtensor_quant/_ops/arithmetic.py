@@ -14,7 +14,7 @@ them, whatever the op and the format:
   format's statistics -- reduced over the shards that share them, as
   ``dtensor_quant.quantize`` of a DTensor does -- and stochastic rounding keyed
   by the weight's seed, its requantization count and each element's global
-  index (:mod:`dtensor_quant._model.trainable`, :mod:`dtensor_quant._core.stochastic`);
+  index (:mod:`dtensor_quant._training.trainable`, :mod:`dtensor_quant._core.stochastic`);
 * read as an operand, it is its dense values in its logical dtype: the
   result is a dense tensor, as it would be for a dense parameter.
 
@@ -26,7 +26,7 @@ arguments alone, so no rank requantizes (and reduces statistics) alone.
 
 Which weights are trainable is known above this layer: the slot
 ``"trainable"`` (:mod:`dtensor_quant._core.registry`), which
-:mod:`dtensor_quant._model.trainable` provides on import, answers with the
+:mod:`dtensor_quant._training.trainable` provides on import, answers with the
 weight's link (with ``dense(q)``, its float32 values, and
 ``requantize_(q, values)``) or None; without it no weight is trainable.
 """

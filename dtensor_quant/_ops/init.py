@@ -29,7 +29,7 @@ Where a local tensor sits in its weight (the global shape and the mesh
 reducer) is known above this layer: the slot ``"quantize_like"``
 (:mod:`dtensor_quant._core.registry`) is provided by
 :mod:`dtensor_quant._model.placed` on import, as ``"trainable"`` is by
-:mod:`dtensor_quant._model.trainable`.
+:mod:`dtensor_quant._training.trainable`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtensor_quant as dq
-from dtensor_quant._model.trainable import resolve
+from dtensor_quant._training.trainable import resolve
 from dtensor_quant.testing import assert_same_bits
 
 
