@@ -62,7 +62,7 @@ LAYERS = [
     ("_formats", "the built-in formats: each one's layout, math and kernel"),
     ("_ops", "local ops derived from the layout: slicing, views, copies and writes, matmul, dense values"),
     ("_parallel", "across ranks: placements, collectives on stored bytes, sharded quantize, custom ops"),
-    ("_training", "trainable quantized weights: seed and step, where a shard sits, the stochastic requantization"),
+    ("_training", "trainable quantized weights: the link (seed, step, shard), pointwise and fused optimizer rules"),
     ("_fsdp", "FSDP2: all-gather hooks, fully_shard checks, GatherQuantized, the post-forward reshard"),
     ("_checkpoint", "DCP entries and save/load; Hugging Face directories"),
     ("_model", "whole models: quantize_, LoRA, TP plans and padding, the mesh planner (planner/)"),

@@ -1,4 +1,4 @@
-"""ops/arithmetic: torch.optim's fused steps (``fused=True``: transformers' and torchtitan's default) on
+"""_training/fused: torch.optim's fused steps (``fused=True``: transformers' and torchtitan's default) on
 trainable quantized weights follow the one rule of in-place updates; frozen weights are refused by name."""
 
 from __future__ import annotations
