@@ -2,8 +2,8 @@
 
 A layer never imports the layers above it (``tools/check_imports.py``). Some
 code of a low layer still needs an answer only a higher one knows: the
-pointwise handlers of ``_ops`` ask which weights are trainable (the owning
-module's state, kept in ``_model``), the in-place initialisation asks how a
+factories of ``_ops`` ask which weights are trainable (the owning module's
+state, kept in ``_training``), the in-place initialisation asks how a
 local shard is quantized as its weight (its mesh and placements), and the
 tensor's own methods (``dequantize``, FSDP2's and DCP's hooks) run code of
 ``_ops``, ``_fsdp`` and ``_checkpoint``. As in DTensor's ``_ops/``, where a

@@ -59,8 +59,8 @@ from .._checkpoint.state_dict import entries_from_state
 from .._core.dispatch import implements
 from .._model.format_spec import parse_format
 from .._model.quantize_model import quantize_
-from .._model.trainable import supports_training
 from .._optim.adamw import AdamW4bit, AdamW8bit
+from .._training.trainable import supports_training
 
 __all__ = ["CheckpointManager", "OptimizersContainer", "QuantizedLinearConverter", "quantized_linear_class"]
 

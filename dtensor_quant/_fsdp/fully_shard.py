@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor, Shard
 from .._core.format import weight_layout
 from .._core.layout import MAX_LISTED_MESH_SIZE, LayoutError, dim_factor, legal_chunk, legal_chunk_counts
 from .._core.tensor import QuantizedTensor
-from .._ops.arithmetic import trainable
 from .._parallel.placements import shard_like
+from .._training.trainable import resolve
 from .gather_quantized import GatherQuantized
 from .reshard_after_forward import install_fsdp_post_forward_reshard
 
@@ -95,7 +95,7 @@ def check_fully_shard(module, mesh, reshard_after_forward, shard_placement_fn, k
                 )
         if not local.is_contiguous():
             raise ValueError(f"{where}: FSDP2 needs contiguous parameters; this is a transposed view")
-        if param.requires_grad and isinstance(local, QuantizedTensor) and trainable(local) is None:
+        if param.requires_grad and isinstance(local, QuantizedTensor) and resolve(local) is None:
             raise ValueError(
                 f"{where} has requires_grad=True: FSDP2 would compute and reduce a dense gradient that no "
                 "optimizer can apply to quantized bytes. Freeze it (requires_grad_(False)) and train adapters "

@@ -69,8 +69,8 @@ from .._checkpoint.state_dict import (
 from .._core.format import QuantFormat
 from .._core.tensor import contiguous_strides
 from .._parallel.quantize import quantize
+from .._training import trainable as trainable_weights
 from . import placed
-from . import trainable as trainable_weights
 from .format_spec import parse_format
 from .quantize_model import adopt_quantized, is_matmul_weight
 

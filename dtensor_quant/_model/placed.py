@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from .._core.format import Reducer
 from .._core.registry import provides
 from .._core.tensor import QuantizedTensor
-from .._ops import arithmetic
 from .._parallel.shard_quant import MeshReducer, quantize_local
+from .._training.trainable import resolve
 
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
 
@@ -62,7 +62,7 @@ def owner(q: QuantizedTensor) -> torch.Tensor | None:
 @provides("quantize_like")  # asked by _ops/init.py
 def quantize_like(q: QuantizedTensor, dense: torch.Tensor) -> QuantizedTensor:
     """``dense`` (``q``'s local shape) quantized as ``q``'s weight is: global shape, mesh statistics."""
-    link = arithmetic.trainable(q)
+    link = resolve(q)
     if link is not None:
         return quantize_local(q.fmt, dense, link.reducer, link.global_shape)
     p = owner(q)

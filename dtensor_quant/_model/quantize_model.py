@@ -17,8 +17,8 @@ from .._core.format import QuantFormat, check_format
 from .._core.tensor import QuantizedTensor
 from .._fsdp.all_gather import dequantized_from
 from .._parallel.quantize import quantize
+from .._training import trainable as _trainable_weights
 from . import placed
-from . import trainable as _trainable_weights
 
 
 def is_matmul_weight(module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -68,7 +68,7 @@ def quantize_(
     quantized, get dense gradients, and that any ``torch.optim`` optimizer
     updates in place, requantizing with stochastic rounding keyed by
     ``seed``, each weight's name and its update count
-    (:mod:`dtensor_quant._model.trainable`; docs/training.md).
+    (:mod:`dtensor_quant._training.trainable`; docs/training.md).
 
     ``transposed(name)``: True for a parameter the model holds as ``[..., in,
     out]`` and multiplies as ``x @ W`` (gpt-oss's fused experts in

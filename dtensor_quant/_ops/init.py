@@ -20,7 +20,9 @@ derived from the layout the same way:
   them and quantize again (``trunc_normal_``'s narrow branch runs ``sub_``,
   ``div_``, ``pow_``, ``log_`` on scratch tensors made with ``empty_like``).
   So any ``nn.init`` function -- whatever pointwise sequence it runs --
-  equals the dense init quantized. Any other op on a quantized tensor (a
+  equals the dense init quantized (the pointwise ops reach :func:`continue_open`
+  and :func:`initial_values` through the one pointwise handler,
+  :mod:`dtensor_quant._training.pointwise`). Any other op on a quantized tensor (a
   matmul, a view, a collective: :data:`dtensor_quant._core.dispatch.EPOCH`)
   closes every open initialisation, and at most :data:`OPEN_LIMIT` stay open
   (the memory of a few dense weights, never of the model).
@@ -28,8 +30,8 @@ derived from the layout the same way:
 Where a local tensor sits in its weight (the global shape and the mesh
 reducer) is known above this layer: the slot ``"quantize_like"``
 (:mod:`dtensor_quant._core.registry`) is provided by
-:mod:`dtensor_quant._model.placed` on import, as ``"trainable"`` is by
-:mod:`dtensor_quant._model.trainable`.
+:mod:`dtensor_quant._model.placed` on import, as ``"trainable"``
+(``_ops/factories.py``) is by :mod:`dtensor_quant._training.trainable`.
 """
 
 from __future__ import annotations

@@ -50,13 +50,13 @@ from .._core.reductions import canonical_nans
 from .._core.stochastic import Noise
 from .._core.tensor import QuantizedTensor
 from .._formats.block_states import BlockFloat8, BlockLog4
-from .._model import trainable
 from .._ops import writes
 from .._ops.dequant import dequantize
 from .._ops.layout_ops import block_sizes
 from .._ops.unpack import dense_inner
 from .._parallel.placements import check_placements, first_bad_cut
 from .._parallel.shard_quant import MeshReducer, quantize_local
+from .._training import trainable
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -7,6 +7,6 @@ tells where a local shard of a trainable weight sits and its requantization
 count; ``supports_training`` which formats can be trained.
 """
 
-from .._model.trainable import SR_STEP, resolve, supports_training, trainable_names
+from .._training.trainable import SR_STEP, resolve, supports_training, trainable_names
 
 __all__ = ["SR_STEP", "resolve", "supports_training", "trainable_names"]

@@ -6,7 +6,6 @@ import torch
 import dtensor_quant as dq
 from dtensor_quant._core import registry
 from dtensor_quant._core.dispatch import METHODS
-from dtensor_quant._ops.arithmetic import trainable
 
 
 def test_every_declared_slot_is_provided_by_a_module_above_after_import():
@@ -25,6 +24,7 @@ def test_the_trainable_slot_answers_for_frozen_and_trainable_weights():
     live = torch.nn.Sequential(torch.nn.Linear(64, 32))
     dq.quantize_(frozen, dq.Int8Rowwise())
     dq.quantize_(live, dq.Int8Rowwise(), trainable=True)
+    trainable = registry.slot("trainable")
     assert trainable(frozen[0].weight) is None
     assert trainable(live[0].weight) is not None
 

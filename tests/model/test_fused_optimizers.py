@@ -1,4 +1,4 @@
-"""ops/arithmetic: torch.optim's fused steps (``fused=True``: transformers' and torchtitan's default) on
+"""_training/fused: torch.optim's fused steps (``fused=True``: transformers' and torchtitan's default) on
 trainable quantized weights follow the one rule of in-place updates; frozen weights are refused by name."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtensor_quant as dq
-from dtensor_quant._model.trainable import resolve
+from dtensor_quant._training.trainable import resolve
 from dtensor_quant.testing import assert_same_bits
 
 

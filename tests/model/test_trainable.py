@@ -1,4 +1,4 @@
-"""model/trainable on one process: stochastic rounding, in-place updates, optimizers.
+"""_training/trainable on one process: stochastic rounding, in-place updates, optimizers.
 
 The distributed side (FSDP2, TP, 2-D, DCP) is tests/distributed/model/test_trainable.py;
 it compares against exactly these single-process runs.
@@ -14,7 +14,7 @@ from torch import nn
 import dtensor_quant as dq
 from dtensor_quant._core.format import Reducer
 from dtensor_quant._core.stochastic import Noise
-from dtensor_quant._model import trainable
+from dtensor_quant._training import trainable
 
 SR_FORMATS = {"int8": dq.Int8Rowwise(), "float8": dq.Float8Rowwise(), "float8t": dq.Float8Tensorwise()}
 

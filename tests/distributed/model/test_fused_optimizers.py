@@ -1,4 +1,4 @@
-"""ops/arithmetic on live ranks: a fused AdamW step (fused=True) on trainable quantized weights under FSDP2 and
+"""_training/fused on live ranks: a fused AdamW step (fused=True) on trainable quantized weights under FSDP2 and
 tensor parallelism gives the bytes of one process (gradients injected, as in test_trainable)."""
 
 import pytest

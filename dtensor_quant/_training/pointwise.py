@@ -14,7 +14,7 @@ them, whatever the op and the format:
   format's statistics -- reduced over the shards that share them, as
   ``dtensor_quant.quantize`` of a DTensor does -- and stochastic rounding keyed
   by the weight's seed, its requantization count and each element's global
-  index (:mod:`dtensor_quant._model.trainable`, :mod:`dtensor_quant._core.stochastic`);
+  index (:mod:`dtensor_quant._training.trainable`, :mod:`dtensor_quant._core.stochastic`);
 * read as an operand, it is its dense values in its logical dtype: the
   result is a dense tensor, as it would be for a dense parameter.
 
@@ -24,39 +24,31 @@ An in-place op whose scalar arguments make it the identity (``mul_(1)``,
 states) leaves the bytes as they are: every rank decides that from the
 arguments alone, so no rank requantizes (and reduces statistics) alone.
 
-Which weights are trainable is known above this layer: the slot
-``"trainable"`` (:mod:`dtensor_quant._core.registry`), which
-:mod:`dtensor_quant._model.trainable` provides on import, answers with the
-weight's link (with ``dense(q)``, its float32 values, and
-``requantize_(q, values)``) or None; without it no weight is trainable.
+This is the one handler of every pointwise op on a quantized tensor,
+registered in the op table by kind (``fallback``) on import, as DTensor's
+``_ops`` register their rules. So it also serves an in-place
+initialisation while it is open (:mod:`dtensor_quant._ops.init`: ``nn.init``'s
+pointwise sequence runs on the dense values of the initialisation, frozen
+weight or trainable), and hands those ops to that module first. Which weights
+are trainable it asks :func:`dtensor_quant._training.trainable.resolve`
+directly (the link: ``dense(q)``, its float32 values, and
+``requantize_(q, values)``); the layers below ask the slot ``"trainable"``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._core.dispatch import KEEPS_INITIAL, fallback, implements, refusal
-from .._core.registry import declare
+from .._core.dispatch import KEEPS_INITIAL, fallback, flat_args, refusal
 from .._core.tensor import QuantizedTensor
-from .dequant import dequantize
-from .init import continue_open, initial_values
-
-_TRAINABLE = declare(
-    "trainable",
-    "(q) -> the link of the trainable weight whose local tensor is q (dense(q), requantize_(q, x)), or None",
-    unprovided=lambda q: None,
-)
+from .._ops.dequant import dequantize
+from .._ops.init import continue_open, initial_values
+from .trainable import resolve
 
 _HINT = (
     " A weight trained in place is made with dtensor_quant.quantize_(model, fmt, trainable=True): "
     "its optimizer updates requantize it with stochastic rounding."
 )
-
-
-def trainable(q: QuantizedTensor):
-    """The link of a trainable weight's (local) tensor ``q``, or None for a frozen one."""
-    fn = _TRAINABLE.fn
-    return fn(q) if fn is not None else None
 
 
 def _is_pointwise(func) -> bool:
@@ -86,7 +78,7 @@ KEEPS_INITIAL.add(_pointwise)
 
 
 def _link(func, q, args, kwargs):
-    link = trainable(q)
+    link = resolve(q)
     if link is None:
         raise refusal(func, args, kwargs, _HINT)
     return link
@@ -95,20 +87,12 @@ def _link(func, q, args, kwargs):
 def _check_readable(func, args, kwargs) -> None:
     """Quantized operands must be trainable weights; a written one must be the op's ``self``."""
     written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    for a in _flat(args, kwargs):
+    for a in flat_args(args, kwargs):
         if isinstance(a, QuantizedTensor) and initial_values(a) is None:
             _link(func, a, args, kwargs)
     for name in written:
         if isinstance(kwargs.get(name), QuantizedTensor):
             raise refusal(func, args, kwargs, " Only a trainable weight that is the op's own tensor updates in place.")
-
-
-def _flat(args, kwargs):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 def _read(obj, dtype: torch.dtype | None = None):
@@ -133,7 +117,7 @@ def _update(func, args, kwargs):
     """``func`` in place on trainable ``q = args[0]``: on its float32 values, then requantized into it."""
     q = args[0]
     link = _link(func, q, args, kwargs)
-    for a in _flat(args[1:], kwargs):
+    for a in flat_args(args[1:], kwargs):
         if isinstance(a, QuantizedTensor):
             _link(func, a, args, kwargs)
     if _identity(func, args, kwargs):
@@ -242,88 +226,12 @@ def _foreach(func, args, kwargs):
         q = a[0][0]
         if _identity(func, a, k):
             continue
-        for t in _flat(a[1:], k):
+        for t in flat_args(a[1:], k):
             if isinstance(t, QuantizedTensor):
                 _link(func, t, a, k)
-        link = trainable(q)
+        link = resolve(q)
         with torch.no_grad():
             dense = link.dense(q)
             func([dense], *_read(a[1:], torch.float32), **_read(k, torch.float32))
             link.requantize_(q, dense)
     return None
-
-
-# -- fused optimizer steps: torch.optim's fused=True (the default of transformers' Trainer, torchtitan) ----------
-
-_FUSED_FROZEN = (
-    " A fused optimizer step ({op}) reached a frozen quantized weight: it has no optimizer update. Give the "
-    "optimizer only the parameters that require grad, or make the weight trainable "
-    "(dtensor_quant.quantize_(model, fmt, trainable=True)): fused, foreach=True and for-loop steps all update those."
-)
-
-
-@implements("aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "aten::_fused_adagrad_")
-def _fused_step(func, *args, **kwargs):
-    """A fused optimizer step whose parameters include trainable quantized weights: the one rule, per weight.
-
-    The dense parameters take the fused kernel as they are. For the quantized
-    ones the kernel runs on their float32 values (and float32 copies of their
-    gradients and states, written back into the states afterwards: one
-    rounding to the states' dtype, as the kernel rounds its own), then each
-    weight is requantized with stochastic rounding -- the rule every other
-    in-place op on a trainable weight follows. A zero learning rate leaves
-    the weights' bytes as they are (the states still update).
-    """
-    params = args[0]
-    mine = [i for i, t in enumerate(params) if isinstance(t, QuantizedTensor)]
-    for i in mine:
-        if trainable(params[i]) is None:
-            raise refusal(func, args, kwargs, _FUSED_FROZEN.format(op=func._schema.name.removeprefix("aten::")))
-    n, schema = len(params), func._schema.arguments
-    listed = [isinstance(a.type, torch.ListType) for a in schema]
-
-    def pick(positions):
-        def take(value, j):
-            return [value[i] for i in positions] if listed[j] and isinstance(value, list) and len(value) == n else value
-
-        names = [a.name for a in schema]
-        return [take(v, j) for j, v in enumerate(args)], {k: take(v, names.index(k)) for k, v in kwargs.items()}
-
-    others = [i for i in range(n) if i not in set(mine)]
-    if others:
-        a, k = pick(others)
-        _refuse_quantized_states(func, a, k)
-        func(*a, **k)
-    a, k = pick(mine)
-    _refuse_quantized_states(func, [[], *a[1:]], k)
-    links = [trainable(q) for q in a[0]]
-    with torch.no_grad():
-        dense = [link.dense(q) for link, q in zip(links, a[0])]
-        writes = []  # (state, its float32 copy)
-
-        def f32(value, j):
-            if not (listed[j] and schema[j].alias_info is not None and schema[j].alias_info.is_write):
-                return value
-            out = []
-            for t in value:
-                c = t if t.dtype == torch.float32 else t.float()
-                writes.append((t, c))
-                out.append(c)
-            return out
-
-        names = [x.name for x in schema]
-        a32 = [dense, *(f32(v, j) for j, v in enumerate(a[1:], start=1))]
-        func(*a32, **{key: f32(v, names.index(key)) for key, v in k.items()})
-        for t, c in writes:
-            if c is not t:
-                t.copy_(c)
-        lr = kwargs.get("lr")
-        if not (isinstance(lr, (int, float)) and lr == 0):
-            for link, q, d in zip(links, a[0], dense):
-                link.requantize_(q, d)
-
-
-def _refuse_quantized_states(func, args, kwargs) -> None:
-    """Gradients and states are dense numbers; a quantized one (a weight passed as a state) is refused."""
-    if any(isinstance(t, QuantizedTensor) for t in _flat(args[1:], kwargs)):
-        raise refusal(func, args, kwargs, " Optimizer states and gradients of quantized weights are dense tensors.")

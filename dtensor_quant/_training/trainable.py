@@ -5,7 +5,8 @@ weight a quantized parameter with ``requires_grad=True``. The forward reads
 it like a frozen one (the format's kernel; under FSDP2 the stored bytes are
 all-gathered and dequantized once per gather), the backward gives it a
 dense gradient (``grad_out.T @ x`` does not depend on the weight), and the
-optimizer's in-place ops requantize it (:mod:`dtensor_quant._ops.arithmetic`).
+optimizer's in-place ops requantize it (:mod:`dtensor_quant._training.pointwise`,
+:mod:`dtensor_quant._training.fused`).
 
 A local tensor -- the parameter itself on one process, a DTensor's shard
 under FSDP2 or tensor parallelism -- does not know where it sits in its
@@ -55,7 +56,7 @@ from .._core.layout import LayoutError
 from .._core.reductions import canonical_nans
 from .._core.registry import provides
 from .._core.tensor import QuantizedTensor
-from .._ops import arithmetic, writes  # noqa: F401  (arithmetic declares the slot "trainable" provided here)
+from .._ops import factories, writes  # noqa: F401  (factories declares the slot "trainable" provided here)
 from .._ops.dequant import dequantize
 from .._ops.layout_ops import block_sizes, canonical_dims, describe
 from .._ops.unpack import dense_inner
@@ -151,7 +152,7 @@ class ShardLink:
         self.state.step += 1
 
 
-@provides("trainable")  # asked by the pointwise handlers and the factories (_ops/arithmetic.py)
+@provides("trainable")  # asked by the factories (_ops/factories.py); this room calls it directly
 def resolve(q: QuantizedTensor) -> ShardLink | None:
     """The link of ``q`` if it is (an alias of) a trainable weight or one of its shards, else None.
 
