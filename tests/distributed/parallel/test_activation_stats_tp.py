@@ -169,8 +169,9 @@ def test_sequence_parallel_equals_one_process(ranks, name):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_tp4_equals_one_process(ranks):
-    ranks(4).run(mlp_case, (4,), True)
+@pytest.mark.parametrize("name", REDUCED)
+def test_sequence_parallel_tp4_equals_one_process(ranks, name):
+    ranks(4).run(mlp_case, (4,), True, name)
 
 
 @pytest.mark.slow
