@@ -152,6 +152,8 @@ def group_of(group) -> tuple[str | None, tuple[int, ...] | None, str | None]:
         except (RuntimeError, ValueError, KeyError):  # a name this process does not know: keep the name
             return name, None, None
     else:
+        if isinstance(group, torch.ScriptObject):  # c10d's ops take the group boxed
+            group = dist.ProcessGroup.unbox(group)
         name = getattr(group, "group_name", None)
     try:
         ranks = tuple(dist.get_process_group_ranks(group))

@@ -1,9 +1,10 @@
 """``dq.wire.record()`` names the group each collective went over: mesh dim, ranks, process-group name.
 
-Three ways a collective reaches the record, each checked on a mesh whose
-groups are known: a quantized gather (reported by the library's collectives
-with the group they were given), a dense DTensor redistribute (seen by the
-recording mode, the group read from the op's arguments) and the weight
+The ways a collective reaches the record, each checked on a mesh whose
+groups are known: a quantized scatter and gather (reported by the library's
+collectives with the group they were given, boxed or by name), a dense
+DTensor redistribute and a ``torch.distributed`` call (seen by the recording
+mode, the group read from the op's arguments) and the weight
 statistic's all-reduce of ``dq.quantize`` on a DTensor (reported from inside
 the custom op). On a 2x2 mesh the dims' groups are described ``mesh_dp`` /
 ``mesh_tp`` by DeviceMesh; a 1-D mesh over the whole world reuses the default
@@ -27,8 +28,16 @@ def _ranks(m, dim: str) -> tuple[int, ...]:
 def two_d_case():
     m = mesh(2, 2)
     q = dq.quantize(weight((16, 64), seed=1), dq.Int8Rowwise())
+    # distribute_tensor's scatter of the quantized bytes (c10d's op, the group boxed) over dp only.
+    with wire.record() as log:
+        dt = distribute_tensor(q, m, [Shard(0), Replicate()])
+    scatters = [t for t in log.transfers if "scatter" in t.op]
+    assert scatters and {(t.mesh_dim, t.ranks) for t in scatters} == {("dp", _ranks(m, "dp"))}, log.transfers
+    # A c10d collective of torch.distributed's own API on a dim's group (as FSDP2 issues them).
+    with wire.record() as log:
+        dist.all_reduce(torch.ones(3), group=m.get_group("dp"))
+    assert log.groups() == {("dp", _ranks(m, "dp"))}, log.transfers
     # A quantized gather over dp only: the tensor is sharded on dp and replicated on tp.
-    dt = distribute_tensor(q, m, [Shard(0), Replicate()])
     with wire.record() as log:
         dt.redistribute(m, [Replicate(), Replicate()])
     gathers = log.all_gathers().transfers
