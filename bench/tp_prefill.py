@@ -1,7 +1,7 @@
 """Prefill of a LLaMA-shaped model at TP 2 with quantized activations (W8A8 int8, FP8) against bf16, one run.
 
     python bench/tp_prefill.py                       # TinyLlama widths (2048 / 5632), 2 blocks, 32/128/512 tokens
-    python bench/tp_prefill.py --quick               # 1 block, 32/128 tokens, 3 rounds: under a minute
+    python bench/tp_prefill.py --quick               # 1 block, 32/128 tokens, 3 rounds: 17-61 s here (load 2-7)
     python bench/tp_prefill.py --layers 4 --tokens 128 512 --rounds 9 --pin
 
 The model is the examples' (dtensor_quant/testing/tiny_llama.py: RMSNorm,
