@@ -27,7 +27,8 @@ DTensor ``mm`` at that instant would take torch's path (DTensor ops from
 several threads of one process are not supported here).
 
 The all-reduce is recorded by :func:`dtensor_quant.wire.record` as a dense
-``all_reduce`` of ``tokens x 4`` bytes per rank.
+``all_reduce`` of ``tokens x 4`` bytes per rank, naming the mesh dim and the
+ranks it went over (``Transfer.mesh_dim``, ``Transfer.ranks``).
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ def installed() -> bool:
     return all(handlers.get(op) is _handle for op in _OPS)
 
 
-def cut_groups(w_t, in_dim: int = 0, x=None) -> list[str]:
-    """The process groups of the mesh dims whose shards of ``w_t`` (a transposed weight ``[in, out]``; or
-    ``[out, in]`` with ``in_dim`` 1) or of the activation ``x`` cut ``in``, when the weight's local tensor is
-    quantized with a dynamic, reduced activation scheme; else none.
+def cut_groups(w_t, in_dim: int = 0, x=None) -> list[tuple[str, str | None]]:
+    """(group name, mesh dim name or None) of the mesh dims whose shards of ``w_t`` (a transposed weight
+    ``[in, out]``; or ``[out, in]`` with ``in_dim`` 1) or of the activation ``x`` cut ``in``, when the weight's
+    local tensor is quantized with a dynamic, reduced activation scheme; else none.
 
     The activation counts too: a replicated weight times an activation sharded on its features is computed
     row-parallel (DTensor slices the weight locally, at no cost) -- or by gathering the activation, where
@@ -90,22 +91,24 @@ def cut_groups(w_t, in_dim: int = 0, x=None) -> list[str]:
     x_cut = [False] * mesh.ndim
     if isinstance(x, DTensor) and x.device_mesh == mesh:
         x_cut = [shard_like(p) and p.dim % x.ndim == x.ndim - 1 for p in x.placements]
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
     return [
-        mesh.get_group(m).group_name
+        (mesh.get_group(m).group_name, names[m])
         for m, p in enumerate(w_t.placements)
         if (shard_like(p) and p.dim % 2 == in_dim) or x_cut[m]
     ]
 
 
-def _reduce_max(groups: list[str], amax: torch.Tensor) -> torch.Tensor:
-    for group in groups:
-        amax = reduce_nan_aware(amax, "max", functools.partial(_all_reduce, group=group))
+def _reduce_max(groups: list[tuple[str, str | None]], amax: torch.Tensor) -> torch.Tensor:
+    for group, dim in groups:
+        amax = reduce_nan_aware(amax, "max", functools.partial(_all_reduce, group=group, mesh_dim=dim))
     return amax
 
 
-def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
-    out = funcol.all_reduce(t.contiguous(), op, group)
-    wire.note_hidden("_c10d_functional::all_reduce", out)
+def _all_reduce(t: torch.Tensor, op: str, group: str, mesh_dim: str | None = None) -> torch.Tensor:
+    with wire.on_mesh_dim(mesh_dim):  # the record names the dim whichever path records it
+        out = funcol.all_reduce(t.contiguous(), op, group)
+    wire.note_hidden("_c10d_functional::all_reduce", out, group=group, mesh_dim=mesh_dim)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 

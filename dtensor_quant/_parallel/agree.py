@@ -95,7 +95,7 @@ def check_same(
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(sample.device)
     group = _resolve_process_group(group_name)
     # Recorded once, as what it is (not as one of the data all-gathers a wire log selects).
-    wire.note("dtensor_quant::agree", mine, quantized=False)
+    wire.note("dtensor_quant::agree", mine, quantized=False, group=group)
     c10d = torch.ops._c10d_functional
     with _disable_current_modes():
         got = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size(), group_name))
@@ -155,7 +155,7 @@ def check_digests(group_name: str, named: dict[str, torch.Tensor], what: str) ->
     )
     mine = torch.frombuffer(bytearray(digests), dtype=torch.uint8).to(tensors[0].device)
     group = _resolve_process_group(group_name)
-    wire.note("dtensor_quant::agree", mine, quantized=False)
+    wire.note("dtensor_quant::agree", mine, quantized=False, group=group)
     c10d = torch.ops._c10d_functional
     with _disable_current_modes():
         got = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size(), group_name))

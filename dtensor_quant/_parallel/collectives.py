@@ -136,7 +136,7 @@ def _all_gather_bytes(func, sent: list[torch.Tensor], kept: list[torch.Tensor], 
     different paths here (a padded last shard is a layout of its own), and they must issue the same collective.
     """
     send = [_as_bytes(t) for t in sent] + [_as_bytes(t.reshape(-1)) for t in kept]
-    wire.note(func._schema.name, send)
+    wire.note(func._schema.name, send, group=group_name)
     got = functional.all_gather_into_tensor_coalesced(send, group_size, group_name)
     return [functional.wait_tensor(g) for g in got]
 
@@ -254,7 +254,7 @@ def scatter_(func, outputs, inputs, process_group, root_rank, async_op=True, tim
     like = [getattr(out, n) for n in names]
     out_buf = torch.empty(packed_size(like), dtype=torch.uint8, device=out.device)
     in_bufs = [[pack([getattr(p, n) for n in names]) for p in row] for row in inputs]
-    wire.note(func._schema.name, out_buf)
+    wire.note(func._schema.name, out_buf, group=process_group)
     _, work = func([out_buf], in_bufs, process_group, root_rank, async_op, timeout)
     work.wait()
     writes.write_inner(out, zip(like, unpack(out_buf, like)))
@@ -268,7 +268,7 @@ def broadcast_(func, tensors, process_group, root_rank, root_tensor, async_op=Tr
     agree_layout(q, process_group, "distribute_tensor (broadcast)")
     like = list(q.inner.values())
     buf = pack(like)
-    wire.note(func._schema.name, buf)
+    wire.note(func._schema.name, buf, group=process_group)
     _, work = func([buf], process_group, root_rank, root_tensor, async_op, timeout)
     work.wait()
     writes.write_inner(q, zip(like, unpack(buf, like)))
@@ -280,7 +280,7 @@ def broadcast(func, q, src, group_name):
     agree_layout(q, group_name, "broadcast")
     like = list(q.inner.values())
     buf = pack(like)
-    wire.note(func._schema.name, buf)
+    wire.note(func._schema.name, buf, group=group_name)
     out = functional.wait_tensor(func(buf, src, group_name))
     inner = dict(zip(q.fmt.inner_names, (t.clone() for t in unpack(out, like))))
     return rebuild(q, inner, q.shape)
@@ -304,7 +304,7 @@ def shard_dim_alltoall(func, q, gather_dim, shard_dim, group_name):
     if len(sizes) != 1:
         raise ValueError(f"{describe(q)}: all-to-all needs equal pieces along dim {shard_dim}")
     buf = pack([t for s in send for t in s])  # each tensor is padded on its own: rank k's bytes are piece k's
-    wire.note(func._schema.name, buf)
+    wire.note(func._schema.name, buf, group=group_name)
     split = [sizes.pop()] * n
     out = functional.wait_tensor(functional.all_to_all_single(buf, split, split, group_name))
     mine = pieces[me]

@@ -117,7 +117,7 @@ class MeshReducer(Reducer):
 
 def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
     out = funcol.all_reduce(t.contiguous(), op, group)
-    wire.note_hidden("_c10d_functional::all_reduce", out)
+    wire.note_hidden("_c10d_functional::all_reduce", out, group=group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 

@@ -14,16 +14,30 @@ the process in bf16 or fp32::
 FSDP2's collectives go through the dispatcher as ``c10d::_allgather_base_``
 and ``c10d::_reduce_scatter_base_`` on flat buffers and are recorded the same
 way; ``log.all_gathers()`` selects the all-gathers of either API.
+
+Each transfer names the group it went over: ``group`` (the process group's
+name), ``ranks`` (its global ranks, in group order) and ``mesh_dim`` (the
+device-mesh dim's name, where known: the library's own collectives say it, and
+torch's DeviceMesh describes every group it makes for a dim as ``mesh_<name>``;
+a 1-D mesh over the whole world reuses the default group, which names no dim,
+so there only ``ranks`` tell). ``log.over("tp")`` keeps what went over one dim::
+
+    with wire.record() as log:
+        out = model(x)
+    assert {t.mesh_dim for t in log.transfers if "all_reduce" in t.op} == {"tp"}
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.tensor import QuantizedTensor
@@ -32,14 +46,21 @@ _NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_", "check_for_nan"}
 # Which argument holds what this rank sends, by schema argument name.
 _SENT_ARGS = ("input", "inputs", "input_tensor", "input_tensors", "input_list", "tensors", "tensor")
+# Which argument names the group: functional collectives take its name, c10d's the ProcessGroup.
+_GROUP_ARGS = ("group_name", "process_group", "group")
 
 
 @dataclass(frozen=True)
 class Transfer:
+    """One collective's contribution from this rank, and the group it went over (None where unknown)."""
+
     op: str
     dtype: torch.dtype
     nbytes: int
     quantized: bool = False
+    group: str | None = None  # the process group's name (c10d's ``group_name``)
+    ranks: tuple[int, ...] | None = None  # the group's global ranks
+    mesh_dim: str | None = None  # the mesh dim the group belongs to, where known
 
 
 @dataclass
@@ -63,23 +84,87 @@ class WireLog:
         """Only the all-gathers (DTensor's ``all_gather_into_tensor``, FSDP2's ``_allgather_base_``, ...)."""
         return WireLog([t for t in self.transfers if "allgather" in t.op or "all_gather" in t.op])
 
+    def over(self, mesh_dim: str | None = None, ranks=None) -> WireLog:
+        """Only what went over the mesh dim named ``mesh_dim`` and/or the group of exactly ``ranks``."""
+        if mesh_dim is None and ranks is None:
+            raise ValueError("WireLog.over needs a mesh_dim name, ranks, or both")
+        want = None if ranks is None else tuple(ranks)
+        return WireLog(
+            [
+                t
+                for t in self.transfers
+                if (mesh_dim is None or t.mesh_dim == mesh_dim) and (want is None or t.ranks == want)
+            ]
+        )
+
+    def groups(self) -> set[tuple[str | None, tuple[int, ...] | None]]:
+        """The (mesh dim, ranks) pairs that the recorded collectives went over."""
+        return {(t.mesh_dim, t.ranks) for t in self.transfers}
+
     def __len__(self) -> int:
         return len(self.transfers)
 
 
 _logs: list[WireLog] = []
+_dims = threading.local()  # .stack: the mesh dims named by ``on_mesh_dim`` blocks, innermost last
 
 
-def note(op: str, tensors, quantized: bool = True) -> None:
-    """Record a collective that dtensor_quant issues on a quantized tensor's bytes."""
+@contextlib.contextmanager
+def on_mesh_dim(mesh_dim: str | None) -> Iterator[None]:
+    """The collectives issued in the block go over the mesh dim ``mesh_dim``: a caller that knows the mesh says
+    so, where the group cannot (a 1-D mesh over the whole world uses the default group, which names no dim)."""
+    stack = _dims.__dict__.setdefault("stack", [])
+    stack.append(mesh_dim)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def note(op: str, tensors, quantized: bool = True, group=None, mesh_dim: str | None = None) -> None:
+    """Record a collective that dtensor_quant issues on a quantized tensor's bytes.
+
+    ``group``: the process group it goes over (a ``ProcessGroup`` or its name); ``mesh_dim``: the name of
+    the mesh dim it belongs to, where the caller knows it (else read from the group's description).
+    """
     if not _logs:
         return
+    name, ranks, described = group_of(group)
+    named = getattr(_dims, "stack", None)
+    mesh_dim = mesh_dim or (named[-1] if named else None) or described
     for t in _tensors(tensors):
         for log in _logs:
-            log.transfers.append(Transfer(op, t.dtype, t.numel() * t.element_size(), quantized))
+            log.transfers.append(Transfer(op, t.dtype, t.numel() * t.element_size(), quantized, name, ranks, mesh_dim))
 
 
-def note_hidden(op: str, tensors) -> None:
+def group_of(group) -> tuple[str | None, tuple[int, ...] | None, str | None]:
+    """(name, global ranks, mesh dim name) of a ``ProcessGroup`` or group name; Nones where not known.
+
+    Only called while recording: resolving a name costs a lookup. DeviceMesh names the groups it makes for a
+    dim ``mesh_<dim name>`` (``group_desc``); the default group (``default_pg``) names no dim.
+    """
+    if group is None:
+        return None, None, None
+    if isinstance(group, str):
+        name = group
+        try:
+            group = _resolve_process_group(name)
+        except (RuntimeError, ValueError, KeyError):  # a name this process does not know: keep the name
+            return name, None, None
+    else:
+        if isinstance(group, torch.ScriptObject):  # c10d's ops take the group boxed
+            group = dist.ProcessGroup.unbox(group)
+        name = getattr(group, "group_name", None)
+    try:
+        ranks = tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, KeyError):
+        ranks = None
+    desc = getattr(group, "group_desc", "") or ""
+    dim = desc[len("mesh_") :] if desc.startswith("mesh_") and desc != "mesh_default" else None
+    return name, ranks, dim
+
+
+def note_hidden(op: str, tensors, group=None, mesh_dim: str | None = None) -> None:
     """Record a dense collective issued inside a custom op, where the recording mode cannot see it.
 
     A dispatch mode sees a custom op (``dtensor_quant::quantize``) but not the
@@ -89,7 +174,7 @@ def note_hidden(op: str, tensors) -> None:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     if not any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack()):
-        note(op, tensors, quantized=False)
+        note(op, tensors, quantized=False, group=group, mesh_dim=mesh_dim)
 
 
 @contextlib.contextmanager
@@ -121,12 +206,17 @@ class _Recorder(TorchDispatchMode):
         if ns in _NAMESPACES and name not in _NOT_COLLECTIVES:
             flat = list(_tensors(list(args) + list(kwargs.values())))
             if not any(isinstance(t, QuantizedTensor) for t in flat):
-                note(func._schema.name, _sent(func, args, kwargs, name), quantized=False)
+                values = _values(func, args, kwargs)
+                group = next((values[k] for k in _GROUP_ARGS if values.get(k) is not None), None)
+                note(func._schema.name, _sent(values, name), quantized=False, group=group)
         return func(*args, **kwargs)
 
 
-def _sent(func, args, kwargs, name):
-    values = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+def _values(func, args, kwargs) -> dict:
+    return {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+
+
+def _sent(values, name):
     if name.startswith("scatter"):
         return values.get("output_tensors", [])
     for key in _SENT_ARGS:

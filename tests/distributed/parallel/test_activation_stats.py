@@ -27,6 +27,8 @@ FORMATS = {
     "int8-token": dq.Int8Rowwise(activations="int8-token"),
     "int8-token-per-rank": dq.Int8Rowwise(activations="int8-token-per-rank"),
     "fp8-token": dq.Float8Rowwise(activations="fp8-token"),
+    "fp8-token-per-rank": dq.Float8Rowwise(activations="fp8-token-per-rank"),
+    "fp8-tensorwise": dq.Float8Tensorwise(activations="fp8-token"),
     "int8-bf16-scale": dq.Int8Rowwise(torch.bfloat16, activations="int8-token"),
 }
 
@@ -71,14 +73,15 @@ def row_parallel_case(name: str, dtype_name: str, tokens: int):
     return 0.0
 
 
-@pytest.mark.parametrize("name", ["int8-token", "fp8-token", "int8-bf16-scale"])
+@pytest.mark.parametrize("name", ["int8-token", "fp8-token", "fp8-tensorwise", "int8-bf16-scale"])
 @pytest.mark.parametrize("dtype_name,tokens", [("bfloat16", 5), ("float32", 3)])
 def test_row_parallel_equals_one_process(ranks, name, dtype_name, tokens):
     ranks(2).run(row_parallel_case, name, dtype_name, tokens)
 
 
-def test_per_rank_scales_differ_from_one_process(ranks):
-    diffs = ranks(2).run(row_parallel_case, "int8-token-per-rank", "float32", 3)
+@pytest.mark.parametrize("name", ["int8-token-per-rank", "fp8-token-per-rank"])
+def test_per_rank_scales_differ_from_one_process(ranks, name):
+    diffs = ranks(2).run(row_parallel_case, name, "float32", 3)
     assert all(d > 0 for d in diffs), diffs
 
 
