@@ -273,6 +273,42 @@ def train_bf16(path, out) -> dict:
     }
 
 
+def _nf4_lora(path):
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=dq.hf.QuantConfig("nf4")
+    )
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(base, config)
+
+
+def qlora_resume(path, out, state_dict_type: str) -> dict:
+    """QLoRA: four steps with a Trainer checkpoint at 2, against two steps resumed from it (every rank's bytes)."""
+    kwargs = dict(state_dict_type=state_dict_type, learning_rate=5e-3)
+    a = make_trainer(
+        path, os.path.join(out, "a"), 4, model=_nf4_lora(path), save_strategy="steps", save_steps=2, **kwargs
+    )
+    with parameters_by_identity():
+        a.train()
+    continuous = local_bytes(a.model)
+    torch.distributed.barrier()
+    b = make_trainer(path, os.path.join(out, "b"), 4, model=_nf4_lora(path), save_strategy="no", **kwargs)
+    start = full_bytes(b.model)  # whole tensors: comparable before and after FSDP2 shards them
+    with parameters_by_identity():
+        b.train(resume_from_checkpoint=os.path.join(out, "a", "checkpoint-2"))
+    resumed = local_bytes(b.model)
+    return {
+        "differ": differing(continuous, resumed),
+        "changed": differing(start, full_bytes(b.model)),
+        "adapters": sorted(n for n, _ in b.model.named_parameters() if "lora_" in n),
+        "losses": [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (a, b)],
+        "checkpoint": sorted(os.listdir(os.path.join(out, "a", "checkpoint-2"))),
+    }
+
+
 def qlora(path, out) -> dict:
     """QLoRA through Trainer + FSDP2: PEFT LoRA adapters on a frozen NF4 base loaded by ``QuantConfig("nf4")``.
 

@@ -94,3 +94,15 @@ def test_trainer_fsdp2_qlora_on_an_nf4_base(ranks, checkpoints, tmp_path):
         assert r["losses"] == results[0]["losses"]
     losses = results[0]["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_trainer_qlora_resume_is_byte_identical(ranks, checkpoints, tmp_path, state_dict_type):
+    pytest.importorskip("peft")
+    results = ranks(2).run(tc.qlora_resume, checkpoints["llama", False], str(tmp_path), state_dict_type, timeout=300)
+    for r in results:
+        assert r["differ"] == [], r["differ"]
+        assert sorted(r["changed"]) == r["adapters"], r["changed"]  # the adapters moved, the NF4 base did not
+        continuous, resumed = r["losses"]
+        assert resumed[-2:] == continuous[-2:], r["losses"]
