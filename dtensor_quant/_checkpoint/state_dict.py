@@ -521,6 +521,7 @@ def quantize_like(dense: torch.Tensor, like, key: str = "weight") -> torch.Tenso
     layout needs, so the scales are those of the full tensor, never per chunk.
     """
     q = _quantized_local(like)
+    dense = dense.detach()  # a value to load (a parameter of another model, say), never a graph to extend
     if q.dims != canonical_dims(q.ndim):
         raise CheckpointFormatError(f"{key}: cannot quantize a dense checkpoint into a transposed quantized view")
     if tuple(dense.shape) != tuple(like.shape):

@@ -52,6 +52,21 @@ def _first_quantized_tensor() -> None:
         _FIRST_USE.pop(0)()
 
 
+class _NoBytesStorage(torch.UntypedStorage):
+    """The placeholder storage of a :class:`QuantizedTensor`: ``data_ptr()`` raises, saying why (see its
+    ``untyped_storage``)."""
+
+    def data_ptr(self) -> int:
+        raise RuntimeError(
+            "a QuantizedTensor has no storage of its own, so no data pointer: its stored bytes are its inner tensors "
+            "(q.inner: qdata, scale, ...), each with its own storage; compare those. torchtitan's CheckpointManager "
+            "compares state-dict storages this way (its ModelWrapper), then hands the tensors to DCP's default "
+            "planners, which cannot write a quantized weight: with quantized weights use "
+            "dtensor_quant.torchtitan.CheckpointManager (config.checkpoint = "
+            "dtensor_quant.torchtitan.CheckpointManager.Config(...); docs/frameworks.md)."
+        )
+
+
 # Per logical dim, the canonical dims of the format's weight it holds:
 # ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
 Dims = tuple[tuple[int, ...], ...]
@@ -200,6 +215,25 @@ class QuantizedTensor(torch.Tensor):
             inner,
         )
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+    # -- storage: a quantized tensor has none of its own ------------------------
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """torch's storage object of the wrapper (sizes as torch reports them), whose ``data_ptr()`` says why not.
+
+        A wrapper subclass has no bytes of its own: its storage is a
+        placeholder whose ``data_ptr()`` raises torch's "invalid python
+        storage". Code that compares storages by pointer (torchtitan's
+        ``ModelWrapper``, deduplicating savers) reaches that first; the same
+        RuntimeError now says where the bytes are and, for torchtitan, which
+        checkpoint manager takes quantized weights. Nothing else changes.
+        """
+        storage = super().untyped_storage()
+        if type(storage) is torch.UntypedStorage:
+            try:
+                storage.data_ptr()
+            except RuntimeError:
+                storage.__class__ = _NoBytesStorage
+        return storage
 
     # -- torch.save / torch.load (weights_only=True) --------------------------
     def __reduce_ex__(self, protocol):

@@ -33,7 +33,10 @@ for it, without patching torchtitan:
   on-disk format and read it back in place, any layout into any other.
   torchtitan's own manager passes the model's state dict (tensors, as torch's
   contract says) to DCP's default planners, which refuse a quantized tensor
-  (docs/checkpoint.md says why no tensor extension point can avoid that).
+  (docs/checkpoint.md says why no tensor extension point can avoid that), and
+  it takes no planner and no other ``ModelWrapper`` from its config; kept, it
+  stops in its ``ModelWrapper`` on a quantized weight's storage, whose
+  ``data_ptr()`` error names this class (docs/frameworks.md).
 
 ``spmd_types::replicate_to_varying`` (torchtitan's default ``spmd_types``
 backend converts weights with it) is registered for quantized tensors here:

@@ -34,6 +34,16 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     or, for a DTensor, a DTensor with the same mesh and placements whose local
     tensors are quantized. Raises :class:`~dtensor_quant.LayoutError` on every
     rank, before any collective, when a placement cuts a pack or a group.
+
+    The result has no gradient (quantizing is not differentiable): a leaf
+    with ``requires_grad=True`` (an ``nn.Parameter``) is quantized as a frozen
+    weight, as :func:`~dtensor_quant.quantize_` freezes the weights it
+    quantizes. A tensor that is part of an autograd graph (one with a
+    ``grad_fn``, while gradients are enabled) is refused with a
+    ``ValueError``: its graph would be cut without a word, and whatever it was
+    computed from would get no gradient through the quantized copy. Pass
+    ``weight.detach()`` to quantize its values; quantize a model's weights
+    trainable with ``quantize_(model, fmt, trainable=True)``.
     """
     check_format(fmt)
     if not isinstance(weight, torch.Tensor):
@@ -42,6 +52,13 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         isinstance(weight, DTensor) and isinstance(weight._local_tensor, QuantizedTensor)
     ):
         raise ValueError(f"the tensor is already quantized; dequantize() it before quantizing into {fmt}")
+    if weight.grad_fn is not None and torch.is_grad_enabled():
+        raise ValueError(
+            f"quantize: the tensor is part of an autograd graph (grad_fn={type(weight.grad_fn).__name__}); "
+            f"quantizing into {fmt} has no gradient, so the graph would be cut without a word. Pass "
+            "weight.detach() to quantize its values (or quantize under torch.no_grad()); to train quantized "
+            "weights, quantize the model's weights with dtensor_quant.quantize_(model, fmt, trainable=True)"
+        )
     if isinstance(weight, DTensor):
         return _quantize_dtensor(weight, fmt)
     return quantize_local(fmt, weight, Reducer(weight.shape), weight.shape)

@@ -58,6 +58,15 @@ def test_load_state_dict_copies_the_bytes():
     assert same_params(src, dst)
 
 
+def test_load_state_dict_of_a_dense_parameter_of_another_dtype_quantizes_its_values():
+    """A dense value that requires grad (another model's parameter, in bfloat16) is a value to load: quantized
+    (after the cast to the model's dtype), never refused as a graph."""
+    dst = model(1)
+    source = nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
+    dst.load_state_dict({"1.weight": source}, strict=False)
+    dq.testing.assert_same_bits(dst[1].weight, dq.quantize(source.detach().float(), FMT), "loaded")
+
+
 def test_load_state_dict_of_another_format_is_refused():
     dst = model(1)
     with pytest.raises(CheckpointFormatError, match="Int8Rowwise"):

@@ -65,3 +65,15 @@ def test_dequantize_takes_a_floating_point_dtype():
         with pytest.raises(ValueError, match=r"floating-point torch\.dtype"):
             q.dequantize(bad)
     assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_the_storage_has_no_data_pointer_and_says_where_the_bytes_are():
+    """A wrapper subclass has no bytes of its own: torch's placeholder storage keeps its sizes; ``data_ptr()``
+    raises as before (a RuntimeError), now naming the inner tensors and torchtitan's way out."""
+    q = dq.quantize(torch.randn(8, 64), dq.Int8Rowwise())
+    storage = q.untyped_storage()
+    assert isinstance(storage, torch.UntypedStorage) and storage.nbytes() == q.numel() * q.element_size()
+    with pytest.raises(RuntimeError, match=r"inner tensors.*dtensor_quant\.torchtitan\.CheckpointManager"):
+        storage.data_ptr()
+    assert q.qdata.untyped_storage().data_ptr() == q.qdata.data_ptr()  # the inner tensors' storages are real
+    assert type(torch.randn(3).untyped_storage()) is torch.UntypedStorage  # plain tensors untouched

@@ -66,3 +66,18 @@ def test_spmd_types_replicate_to_varying_cuts_a_quantized_weight_by_its_layout()
     groups = dq.quantize(weight, dq.Int4Groupwise(64))
     with pytest.raises((dq.LayoutError, dq.UnsupportedOpError)):
         torch.ops.spmd_types.replicate_to_varying(groups, 4, 1, 1, False)  # 32 columns: half a group
+
+
+def test_torchtitans_own_model_wrapper_takes_neither_form_of_a_quantized_state_dict():
+    """Why torchtitan's stock CheckpointManager cannot be kept (docs/frameworks.md): its ModelWrapper compares
+    storage pointers of tensor values (refused, naming the library's manager) and reads ``.shape`` of entry
+    dicts."""
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    model = dq.quantize_(torch.nn.Sequential(torch.nn.Linear(128, 64)), dq.Int8Rowwise())
+    stock = ModelWrapper(model)
+    with pytest.raises(RuntimeError, match=r"dtensor_quant\.torchtitan\.CheckpointManager"):
+        stock.state_dict()
+    dq.checkpoint.tensor_state_dicts(model, enabled=False)
+    with pytest.raises(AttributeError, match="shape"):
+        ModelWrapper(model).state_dict()

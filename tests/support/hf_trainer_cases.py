@@ -46,7 +46,8 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def cpu_fsdp(trainer) -> None:
-    """accelerate's FSDP on CPU ranks: set the state it sets on GPUs (``FSDP``, the plugin of the Trainer's args).
+    """accelerate's FSDP on CPU ranks: set the state it sets on GPUs (``FSDP``, the plugin of the Trainer's args,
+    its mixed precision under ``bf16=True``).
 
     Both shared states are set: a later ``AcceleratorState()`` copies ``PartialState``'s ``distributed_type``.
     """
@@ -57,6 +58,8 @@ def cpu_fsdp(trainer) -> None:
     if state.distributed_type == DistributedType.MULTI_CPU and trainer.args.fsdp_plugin_args is not None:
         state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
         state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+        if state.mixed_precision != "no":  # bf16=True: FSDP2's MixedPrecisionPolicy, as accelerate's state sets it
+            state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
         trainer.is_fsdp_enabled = True
 
 
@@ -77,25 +80,34 @@ def parameters_by_identity():
         acc._get_parameter_id = by_pointer
 
 
-def make_trainer(path, out, steps: int, tensors: bool = False, state_dict_type: str = "FULL_STATE_DICT", **kwargs):
+def make_trainer(
+    path,
+    out,
+    steps: int,
+    tensors: bool = False,
+    state_dict_type: str = "FULL_STATE_DICT",
+    model=None,
+    **kwargs,
+):
     """The model loaded with trainable int8 weights, a Trainer with FSDP2 over every decoder layer; defaults else.
 
     ``tensors``: the model's state dicts hold each quantized weight as a tensor (``tensor_state_dicts``), not as
     the entries a model loaded with ``QuantConfig(trainable=True)`` keeps. ``state_dict_type``: how accelerate
     writes Trainer's checkpoints (``FULL_STATE_DICT``: one file from rank 0; ``SHARDED_STATE_DICT``: DCP);
-    ``save_model`` writes only under ``FULL_STATE_DICT``."""
+    ``save_model`` writes only under ``FULL_STATE_DICT``. ``model``: one made by the caller (a PEFT model)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=dq.hf.QuantConfig("int8", trainable=True, seed=0)
-    )
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, quantization_config=dq.hf.QuantConfig("int8", trainable=True, seed=0)
+        )
     if tensors:
         dq.checkpoint.tensor_state_dicts(model)
     args = transformers.TrainingArguments(
         out,
         max_steps=steps,
         per_device_train_batch_size=2,
-        learning_rate=1e-2,
+        learning_rate=kwargs.pop("learning_rate", 1e-2),
         fsdp=True,
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER], "state_dict_type": state_dict_type},
         report_to=[],
@@ -226,3 +238,116 @@ def unfixed_refused(path, out) -> str:
         assert differing(start, full_bytes(trainer.model)) == [], "a weight changed before the refusal"
         return str(e)
     raise AssertionError("accelerate's FSDP2 preparation mapped every quantized weight to one; not refused")
+
+
+def train_bf16(path, out) -> dict:
+    """Trainer's ``bf16=True`` (accelerate's mixed precision) on the trainable int8 weights: train, save_model,
+    reload (on every rank)."""
+    import transformers
+
+    trainer = make_trainer(path, out, steps=6, save_strategy="no", bf16=True)
+    start = full_bytes(trainer.model)
+    with parameters_by_identity():
+        trainer.train()
+    trained = full_bytes(trainer.model)
+    weights = [p for p in trainer.model.parameters() if isinstance(p._local_tensor, dq.QuantizedTensor)]
+    optimizer = trainer.optimizer.optimizer
+    final = os.path.join(out, "final")
+    trainer.save_model(final)
+    torch.distributed.barrier()
+    again = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    from torch.distributed.fsdp import FSDPModule
+
+    policies = {m._get_fsdp_state()._mp_policy for m in trainer.model.modules() if isinstance(m, FSDPModule)}
+    return {
+        "mixed_precision": trainer.accelerator.mixed_precision,
+        "fsdp_param_dtypes": sorted(str(p.param_dtype) for p in policies),
+        "quantized": len(weights),
+        "formats": sorted({str(p._local_tensor.fmt) for p in weights}),
+        "dtypes": sorted({str(p.dtype) for p in weights}),
+        "trainable": all(p.requires_grad for p in weights),
+        "sr_steps": sorted({optimizer.state[p].get("sr_step") for p in weights}, key=str),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "changed": differing(start, trained),
+        "reloaded_differs": differing(trained, full_bytes(again)),
+    }
+
+
+def _nf4_lora(path):
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=dq.hf.QuantConfig("nf4")
+    )
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(base, config)
+
+
+def qlora_resume(path, out, state_dict_type: str) -> dict:
+    """QLoRA: four steps with a Trainer checkpoint at 2, against two steps resumed from it (every rank's bytes)."""
+    kwargs = dict(state_dict_type=state_dict_type, learning_rate=5e-3)
+    a = make_trainer(
+        path, os.path.join(out, "a"), 4, model=_nf4_lora(path), save_strategy="steps", save_steps=2, **kwargs
+    )
+    with parameters_by_identity():
+        a.train()
+    continuous = local_bytes(a.model)
+    torch.distributed.barrier()
+    b = make_trainer(path, os.path.join(out, "b"), 4, model=_nf4_lora(path), save_strategy="no", **kwargs)
+    start = full_bytes(b.model)  # whole tensors: comparable before and after FSDP2 shards them
+    with parameters_by_identity():
+        b.train(resume_from_checkpoint=os.path.join(out, "a", "checkpoint-2"))
+    resumed = local_bytes(b.model)
+    return {
+        "differ": differing(continuous, resumed),
+        "changed": differing(start, full_bytes(b.model)),
+        "adapters": sorted(n for n, _ in b.model.named_parameters() if "lora_" in n),
+        "losses": [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (a, b)],
+        "checkpoint": sorted(os.listdir(os.path.join(out, "a", "checkpoint-2"))),
+    }
+
+
+def qlora(path, out) -> dict:
+    """QLoRA through Trainer + FSDP2: PEFT LoRA adapters on a frozen NF4 base loaded by ``QuantConfig("nf4")``.
+
+    Trains with Trainer's defaults, saves the adapter with ``save_model``, loads it onto a fresh NF4 base with
+    PEFT's ``PeftModel.from_pretrained`` (on every rank)."""
+    import peft
+    import transformers
+
+    def base():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, quantization_config=dq.hf.QuantConfig("nf4")
+        )
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base(), config)
+    trainer = make_trainer(path, out, steps=6, save_strategy="no", model=model, learning_rate=5e-3)
+    start = full_bytes(trainer.model)
+    trainer.train()  # no parameters_by_identity: the optimizer holds only the adapters, plain tensors
+    trained = full_bytes(trainer.model)
+    changed = differing(start, trained)
+    frozen = [n for n, p in trainer.model.named_parameters() if isinstance(p._local_tensor, dq.QuantizedTensor)]
+    adapter_names = [n for n, p in trainer.model.named_parameters() if "lora_" in n]
+    final = os.path.join(out, "adapter")
+    trainer.save_model(final)
+    torch.distributed.barrier()
+    again = peft.PeftModel.from_pretrained(base(), final)
+    reloaded = {n: p.detach() for n, p in again.named_parameters() if "lora_" in n}
+    return {
+        "optimizer": (type(trainer.optimizer.optimizer).__name__, trainer.optimizer.optimizer.defaults.get("fused")),
+        "base_formats": sorted({str(p._local_tensor.fmt) for n, p in trainer.model.named_parameters() if n in frozen}),
+        "base_frozen": not any(p.requires_grad for n, p in trainer.model.named_parameters() if n in frozen),
+        "base_changed": [n for n in changed if n in frozen],
+        "adapters": len(adapter_names),
+        "adapters_changed": sorted(n for n in changed if n in adapter_names) == sorted(adapter_names),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "saved": sorted(os.listdir(final)),
+        "reloaded_differs": differing(
+            {n.replace(".default", ""): trained[n] for n in adapter_names},
+            {n.replace(".default", ""): v for n, v in reloaded.items()},
+        ),
+    }

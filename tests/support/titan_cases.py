@@ -86,10 +86,15 @@ def optimizer(model, name: str = "AdamW8bit"):
     return config.build(model_parts=[model])
 
 
-def checkpointer(model, optimizers, folder: str):
+def checkpointer(model, optimizers, folder: str, stock: bool = False):
+    """The library's checkpoint manager, or torchtitan's own (``stock``)."""
     import dtensor_quant.torchtitan as dqt
 
-    config = dqt.CheckpointManager.Config(enable=True, folder="checkpoint", interval=1)
+    if stock:
+        from torchtitan.components.checkpointer.dcp import CheckpointManager as Manager
+    else:
+        Manager = dqt.CheckpointManager
+    config = Manager.Config(enable=True, folder="checkpoint", interval=1)
     return config.build(
         dataloader=None,
         model_parts=[model],
@@ -178,4 +183,37 @@ def train(dp: int, tp: int, folder: str, steps: int, save_at: int | None = None,
             out["saved"] = stored(model, opts)
     out["end"] = stored(model, opts)
     ckpt.close()
+    return out
+
+
+def stock_manager(dp: int, tp: int, folder: str) -> dict:
+    """torchtitan's own CheckpointManager on the quantized model: its save, then its load of a checkpoint the
+    library's manager wrote. Returns each attempt's error (type, message) and the files under the folder after the
+    refused save."""
+    import os
+
+    model, dims = build(dp, tp)
+    opts = optimizer(model)
+    step(model, opts, dims, 0)
+    out = {}
+    stock = checkpointer(model, opts, folder, stock=True)
+    try:
+        stock.save(curr_step=1)
+        out["save"] = None
+    except Exception as e:  # the test checks what it is
+        out["save"] = (type(e).__name__, str(e))
+    dist.barrier()
+    root = os.path.join(folder, "checkpoint")
+    out["files"] = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(root) for f in fs)
+    dist.barrier()
+    ours = checkpointer(model, opts, folder)
+    ours.save(curr_step=1)
+    try:
+        stock.load(step=1)
+        out["load"] = None
+    except Exception as e:
+        out["load"] = (type(e).__name__, str(e))
+    dist.barrier()
+    stock.close()
+    ours.close()
     return out

@@ -64,6 +64,18 @@ def test_a_checkpoint_loads_on_another_world_size(ranks, tmp_path):
         assert not same(saved, loaded), (dp, tp)
 
 
+def test_torchtitans_own_manager_is_refused_on_every_rank_naming_the_librarys(ranks, tmp_path):
+    """torchtitan's stock CheckpointManager cannot take quantized weights (docs/frameworks.md says why): its save
+    and its load raise on every rank, before DCP starts (no file written), naming dq.torchtitan.CheckpointManager."""
+    results = ranks(2).run(tc.stock_manager, 2, 1, str(tmp_path), timeout=600)
+    for rank, out in enumerate(results):
+        for what in ("save", "load"):
+            assert out[what] is not None, (rank, what)
+            kind, message = out[what]
+            assert kind == "RuntimeError" and "dtensor_quant.torchtitan.CheckpointManager" in message, (rank, out)
+        assert out["files"] == [], (rank, out["files"])
+
+
 @pytest.mark.slow  # 4 ranks on 2 cores
 def test_fsdp2_x_tp2_resumes_byte_identically(ranks, tmp_path):
     straight, resumed = resume_case(ranks, 2, 2, str(tmp_path), timeout=900)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+import dtensor_quant as dq
 from tests.support import hf_trainer_cases as tc
 from tests.support.hf_cases import CONFIG
 
@@ -59,3 +60,49 @@ def test_accelerate_parameter_mapping_is_refused_not_trained(ranks, checkpoints,
     """accelerate's data_ptr-keyed FSDP2 remap points every quantized weight's optimizer slot at one weight."""
     for message in ranks(2).run(tc.unfixed_refused, checkpoints["llama", False], str(tmp_path)):
         assert "data_ptr()" in message and "docs/frameworks.md" in message, message
+
+
+# bf16=True: accelerate's mixed precision (autocast, and FSDP2's MixedPrecisionPolicy in bfloat16)
+@pytest.mark.slow
+def test_trainer_fsdp2_bf16_trains_int8_weights_and_save_model_reloads(ranks, checkpoints, tmp_path):
+    results = ranks(2).run(tc.train_bf16, checkpoints["llama", False], str(tmp_path))
+    for r in results:
+        assert r["mixed_precision"] == "bf16" and r["fsdp_param_dtypes"] == ["torch.bfloat16"], r
+        assert r["quantized"] == LINEARS and r["trainable"] and r["formats"] == ["Int8Rowwise()"], r
+        assert r["dtypes"] == ["torch.float32"], r  # the weights keep their logical dtype; bf16 is the compute's
+        assert len(r["changed"]) > LINEARS, r["changed"]
+        assert r["sr_steps"] and min(r["sr_steps"]) > 0, r["sr_steps"]
+        assert r["reloaded_differs"] == [], r
+        assert r["losses"] == results[0]["losses"]
+    losses = results[0]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+# QLoRA: PEFT LoRA adapters on a frozen NF4 base, Trainer's defaults, FSDP2 (the base sharded as NF4 DTensors,
+# all-gathered as their stored bytes)
+@pytest.mark.slow
+def test_trainer_fsdp2_qlora_on_an_nf4_base(ranks, checkpoints, tmp_path):
+    pytest.importorskip("peft")
+    results = ranks(2).run(tc.qlora, checkpoints["llama", False], str(tmp_path))
+    layers = CONFIG["num_hidden_layers"]
+    for r in results:
+        assert r["optimizer"] == ("AdamW", True), r["optimizer"]
+        assert r["base_formats"] == [str(dq.parse_format("nf4"))] and r["base_frozen"] and r["base_changed"] == [], r
+        assert r["adapters"] == 2 * 2 * layers and r["adapters_changed"], r  # A and B of q_proj, v_proj a layer
+        assert "adapter_model.safetensors" in r["saved"], r["saved"]
+        assert r["reloaded_differs"] == [], r
+        assert r["losses"] == results[0]["losses"]
+    losses = results[0]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_trainer_qlora_resume_is_byte_identical(ranks, checkpoints, tmp_path, state_dict_type):
+    pytest.importorskip("peft")
+    results = ranks(2).run(tc.qlora_resume, checkpoints["llama", False], str(tmp_path), state_dict_type, timeout=300)
+    for r in results:
+        assert r["differ"] == [], r["differ"]
+        assert sorted(r["changed"]) == r["adapters"], r["changed"]  # the adapters moved, the NF4 base did not
+        continuous, resumed = r["losses"]
+        assert resumed[-2:] == continuous[-2:], r["losses"]
