@@ -216,13 +216,13 @@ def resume(path, out, tensors: bool, state_dict_type: str = "FULL_STATE_DICT") -
     b = make_trainer(
         path, os.path.join(out, "b"), steps=4, tensors=tensors, state_dict_type=state_dict_type, save_strategy="no"
     )
-    start = local_bytes(b.model)
+    start = full_bytes(b.model)  # whole weights: Trainer shards the model only inside train()
     with parameters_by_identity():
         b.train(resume_from_checkpoint=os.path.join(out, "a", "checkpoint-2"))
     resumed = local_bytes(b.model)
     return {
         "differ": differing(continuous, resumed),
-        "changed": differing(start, resumed),
+        "changed": differing(start, full_bytes(b.model)),
         "losses": [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (a, b)],
         "checkpoint": sorted(os.listdir(os.path.join(out, "a", "checkpoint-2"))),
     }
