@@ -84,34 +84,26 @@ static inline bool w8_reciprocal_ok(float s) { return std::fabs(s) >= 0x1p-125f 
 // reciprocal r = RN(1 / s) is normal, v = RN(x * r) is |x / s| * (1 + e) with |e| < 2^-22.4, and so is the
 // correctly rounded quotient q = RN(x / s): for |v| < 256 they lie within 2^-14.4 of each other, so where v is
 // farther than 2^-14 from a half-integer q rounds to the same integer as v; for |v| >= 256 both clamp alike.
-// The lanes of a step with a v closer than that (about 1 step in 500) divide, as the reference does.
+// The lanes of a step with a v closer than that (about 1 step in 500; |v| >= 256 is counted close too, rare and
+// still right) divide, as the reference does.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void w8_codes_512(const void* x, bool f32, int64_t K, float s, int8_t* dst) {
     const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
     const bool fast = w8_reciprocal_ok(s);
-    const __m512 vr = _mm512_set1_ps(1.0f / s), half = _mm512_set1_ps(0.5f), near = _mm512_set1_ps(0x1p-14f);
-    const __m512 big = _mm512_set1_ps(256.0f);
+    const __m512 vr = _mm512_set1_ps(1.0f / s), near = _mm512_set1_ps(0.5f - 0x1p-14f);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = w8_mask(K - k);
         const __m512 xv = w8_load_512(x, f32, k, m);
-        __m512 v, r;
-        if (fast) {
-            v = _mm512_mul_ps(xv, vr);
-            r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512 d = _mm512_abs_ps(_mm512_sub_ps(_mm512_abs_ps(_mm512_sub_ps(v, r)), half));
-            const __mmask16 close = _mm512_cmp_ps_mask(d, near, _CMP_LT_OQ) &
-                                    _mm512_cmp_ps_mask(_mm512_abs_ps(v), big, _CMP_LT_OQ);
-            if (close) {
-                v = _mm512_div_ps(xv, vs);
-                r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            }
-        } else {
+        __m512 v = _mm512_mul_ps(xv, vr);
+        __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        // |v - r| <= 1/2 where finite: close to a half-integer, or NaN (unordered: divide, and get the same NaN)
+        if (!fast || _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, r)), near, _CMP_NLE_UQ)) {
             v = _mm512_div_ps(xv, vs);
             r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         }
-        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_setzero_ps());
-        _mm512_mask_cvtepi32_storeu_epi8(dst + k, m, _mm512_cvtps_epi32(r));
+        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);  // NaN lanes: zeroed by the conversion's mask
+        const __m512i c = _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), r);
+        _mm512_mask_cvtepi32_storeu_epi8(dst + k, m, c);
     }
 }
 
@@ -299,7 +291,7 @@ static void w8_amx_block(const int8_t* w, int64_t K, const int32_t* x0, const in
 // successive tokens lie N apart, often 4 KiB, and two half-line stores had their line evicted in between).
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const float* xscale, const float* ws,
-                         bool f32, void* out, int64_t N, int64_t n0, int64_t m0) {
+                         bool f32, void* out, int64_t N, int64_t n0, int64_t m0, bool stream) {
     __m512i r[16], lo[16], hi[16];
     const __mmask16 k0 = w8_mask(rows), k1 = w8_mask(rows - 16);
     const __m512 w0 = _mm512_maskz_loadu_ps(k0, ws + n0), w1 = _mm512_maskz_loadu_ps(k1, ws + n0 + 16);
@@ -321,8 +313,12 @@ static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const f
             } else {
                 const __m256i ha = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(a)), 16));
                 const __m256i hb = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(b)), 16));
-                _mm512_mask_storeu_epi16(static_cast<uint16_t*>(out) + m * N + n0, k32,
-                                         _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1));
+                uint16_t* o = static_cast<uint16_t*>(out) + m * N + n0;
+                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1);
+                if (stream)
+                    _mm512_stream_si512(reinterpret_cast<__m512i*>(o), v);
+                else
+                    _mm512_mask_storeu_epi16(o, k32, v);
             }
         }
     }
@@ -347,6 +343,7 @@ static void w8_amx(const void* x, bool f32, const float* stat, int64_t flags, fl
         std::memset(wt, 0, 32 * K);
         std::memcpy(wt, w + tail * K, (N - tail) * K);
     }
+    const bool stream = !f32 && M * N * 2 >= (512 << 10) && reinterpret_cast<uintptr_t>(out) % 64 == 0 && N % 32 == 0;
     for (int64_t m0 = 0; m0 < M; m0 += W8_MB) {
         const int64_t ms = M - m0 < W8_MB ? M - m0 : W8_MB, G = (ms + 15) / 16, pairs = (G + 1) / 2;
         for (int64_t g = 0; g < G; ++g) {  // quantized 16 tokens at a time, into their group of the operand
@@ -375,11 +372,12 @@ static void w8_amx(const void* x, bool f32, const float* stat, int64_t flags, fl
                     else
                         w8_amx_block<false>(w0, K, x0, x0, C, next, from, to);
                     const int64_t tokens = ms - 16 * g < 32 ? ms - 16 * g : 32;
-                    w8_store_amx(C, rows, tokens, xscale, ws, f32, out, N, n0, m0 + 16 * g);
+                    w8_store_amx(C, rows, tokens, xscale, ws, f32, out, N, n0, m0 + 16 * g, stream && rows == 32);
                 }
             }
         }
     }
+    if (stream) _mm_sfence();
     std::free(wt);
 }
 #endif  // DQ_AMX
