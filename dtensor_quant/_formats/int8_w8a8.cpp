@@ -19,6 +19,7 @@
 // parallelism); 4: static scheme, stat[0] the input scale.
 #include "native_prelude.h"
 #include "native_tiles.h"
+#include "act_rows.h"
 
 static inline bool w8_amx_int8() {
 #if DQ_AMX
@@ -30,10 +31,6 @@ static inline bool w8_amx_int8() {
 #else
     return false;
 #endif
-}
-
-static inline float w8_x(const void* x, bool f32, int64_t i) {
-    return f32 ? static_cast<const float*>(x)[i] : dq_bf16_float(static_cast<const uint16_t*>(x)[i]);
 }
 
 // The reference's code of one value.
@@ -48,32 +45,6 @@ static inline int8_t w8_code(float x, float s) {
 static inline float w8_scale(float amax, bool stat_static, float input_scale) {
     if (stat_static) return std::isfinite(amax) ? input_scale : NAN;
     return amax == 0.0f ? 1.0f : amax / 127.0f;
-}
-
-// 16 values of x at element i (bf16 widened exactly, or fp32), lanes of mask k (others 0).
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 w8_load_512(const void* x, bool f32, int64_t i, __mmask16 k) {
-    if (f32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(x) + i);
-    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(x) + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// The first min(left, 16) lanes (none for left <= 0).
-static inline __mmask16 w8_mask(int64_t left) {
-    return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// max |x| of a row: NaN if it holds one, Inf if an Inf (torch's amax / amin propagate NaN).
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static float w8_absmax_512(const void* x, bool f32, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t k = 0; k < K; k += 16) {
-        const __m512 a = _mm512_abs_ps(w8_load_512(x, f32, k, w8_mask(K - k)));
-        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-        acc = _mm512_max_ps(acc, a);
-    }
-    return nan ? NAN : _mm512_reduce_max_ps(acc);
 }
 
 // A row's scale s for which x * (1 / s) stands in for x / s (w8_codes_512): 1 / s is a normal fp32 within half an
@@ -92,8 +63,8 @@ static void w8_codes_512(const void* x, bool f32, int64_t K, float s, int8_t* ds
     const bool fast = w8_reciprocal_ok(s);
     const __m512 vr = _mm512_set1_ps(1.0f / s), near = _mm512_set1_ps(0.5f - 0x1p-14f);
     for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = w8_mask(K - k);
-        const __m512 xv = w8_load_512(x, f32, k, m);
+        const __mmask16 m = act_mask(K - k);
+        const __m512 xv = act_load_512(x, f32, k, m);
         __m512 v = _mm512_mul_ps(xv, vr);
         __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         // |v - r| <= 1/2 where finite: close to a half-integer, or NaN (unordered: divide, and get the same NaN)
@@ -108,41 +79,11 @@ static void w8_codes_512(const void* x, bool f32, int64_t K, float s, int8_t* ds
 }
 
 __attribute__((target("avx2,fma")))
-static inline __m256 w8_load_256(const void* x, bool f32, int64_t i) {
-    if (f32) return _mm256_loadu_ps(static_cast<const float*>(x) + i);
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx2,fma")))
-static float w8_absmax_256(const void* x, bool f32, int64_t K) {
-    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 acc = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        const __m256 a = _mm256_and_ps(w8_load_256(x, f32, k), mask);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-        acc = _mm256_max_ps(acc, a);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    float m = 0.0f;
-    for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
-    bool any_nan = _mm256_movemask_ps(nan) != 0;
-    for (; k < K; ++k) {
-        const float a = std::fabs(w8_x(x, f32, k));
-        if (a != a) any_nan = true;
-        else if (a > m) m = a;
-    }
-    return any_nan ? NAN : m;
-}
-
-__attribute__((target("avx2,fma")))
 static void w8_codes_256(const void* x, bool f32, int64_t K, float s, int8_t* dst) {
     const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        const __m256 v = _mm256_div_ps(w8_load_256(x, f32, k), vs);
+        const __m256 v = _mm256_div_ps(act_load_256(x, f32, k), vs);
         __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
         r = _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -150,7 +91,7 @@ static void w8_codes_256(const void* x, bool f32, int64_t K, float s, int8_t* ds
         const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + k), _mm_packs_epi16(w, w));
     }
-    for (; k < K; ++k) dst[k] = w8_code(w8_x(x, f32, k), s);
+    for (; k < K; ++k) dst[k] = w8_code(act_x(x, f32, k), s);
 }
 
 // Stage 1: codes [M, K] and xscale [M] of x [M, K].
@@ -161,7 +102,7 @@ static void w8_quantize(const void* x, bool f32, const float* stat, int64_t flag
     for (int64_t m = 0; m < M; ++m) {
         const void* row = f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)
                               : static_cast<const void*>(static_cast<const uint16_t*>(x) + m * K);
-        const float amax = given ? stat[m] : level >= 2 ? w8_absmax_512(row, f32, K) : w8_absmax_256(row, f32, K);
+        const float amax = given ? stat[m] : level >= 2 ? act_absmax_512(row, f32, K) : act_absmax_256(row, f32, K);
         const float s = w8_scale(amax, stat_static, stat_static ? stat[0] : 0.0f);
         xscale[m] = s;
         if (level >= 2)
@@ -188,7 +129,7 @@ static void w8_epilogue_512(const int32_t* acc, const float* xscale, const float
                             int64_t N) {
     for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; n += 16) {
-            const __mmask16 k = w8_mask(N - n);
+            const __mmask16 k = act_mask(N - n);
             w8_out_512(_mm512_maskz_loadu_epi32(k, acc + m * N + n), xscale[m], ws + n, k, f32, out, m * N + n);
         }
 }
@@ -293,7 +234,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const float* xscale, const float* ws,
                          bool f32, void* out, int64_t N, int64_t n0, int64_t m0, bool stream) {
     __m512i r[16], lo[16], hi[16];
-    const __mmask16 k0 = w8_mask(rows), k1 = w8_mask(rows - 16);
+    const __mmask16 k0 = act_mask(rows), k1 = act_mask(rows - 16);
     const __m512 w0 = _mm512_maskz_loadu_ps(k0, ws + n0), w1 = _mm512_maskz_loadu_ps(k1, ws + n0 + 16);
     const __mmask32 k32 = rows >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << rows) - 1);
     for (int64_t j0 = 0; j0 < tokens; j0 += 16) {
