@@ -265,16 +265,19 @@ static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const f
     }
 }
 
-// Stage 3. Tokens a chunk of W8_MB at a time (their codes stay in L2), each group of 16 quantized and laid out as
+// Stage 3. Tokens a chunk at a time (W8_CHUNK bytes of codes, 32 to 1024 tokens: every tile of weight rows reads
+// all of them, so they must stay in L2; at 5632 columns 512 tokens' codes did not, 0.85x bf16), each group of 16 quantized and laid out as
 // the tiles' operand; then 32 weight rows a tile (threads over tiles), read as stored (a copy packed for the tiles
 // measured slower: it costs a pass, and the strided tile loads did not), times two groups of tokens at a time over
 // all of K, the sums stored and scaled right away.
-constexpr int64_t W8_MB = 1024;
+constexpr int64_t W8_CHUNK = 512 << 10;
 
 static void w8_amx(const void* x, bool f32, const float* stat, int64_t flags, float* xscale, const int8_t* w,
                    const float* ws, void* out, int64_t M, int64_t N, int64_t K, int64_t threads) {
     const bool given = flags & 2;
-    const int64_t mb = M < W8_MB ? M : W8_MB;
+    int64_t chunk = W8_CHUNK / K / 32 * 32;
+    chunk = chunk < 32 ? 32 : chunk > 1024 ? 1024 : chunk;
+    const int64_t mb = M < chunk ? M : chunk;
     int32_t* xv = static_cast<int32_t*>(w8_buffer(0, (mb + 15) / 16 * 16 * K));
     int8_t* codes = static_cast<int8_t*>(w8_buffer(1, 16 * K));
     // the last tile's rows, past N zero (a tile reads 32 rows)
@@ -285,8 +288,8 @@ static void w8_amx(const void* x, bool f32, const float* stat, int64_t flags, fl
         std::memcpy(wt, w + tail * K, (N - tail) * K);
     }
     const bool stream = !f32 && M * N * 2 >= (512 << 10) && reinterpret_cast<uintptr_t>(out) % 64 == 0 && N % 32 == 0;
-    for (int64_t m0 = 0; m0 < M; m0 += W8_MB) {
-        const int64_t ms = M - m0 < W8_MB ? M - m0 : W8_MB, G = (ms + 15) / 16, pairs = (G + 1) / 2;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t ms = M - m0 < chunk ? M - m0 : chunk, G = (ms + 15) / 16, pairs = (G + 1) / 2;
         for (int64_t g = 0; g < G; ++g) {  // quantized 16 tokens at a time, into their group of the operand
             const int64_t rows = ms - 16 * g < 16 ? ms - 16 * g : 16, m = m0 + 16 * g;
             const void* xg = f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(int8.w8a8_kernel() is None, reason="no W8A8 kern
 LEVELS = [lvl for lvl in (1, 2, 4) if lvl <= int8.w8a8_kernel()[1]] if int8.w8a8_kernel() else []
 SCHEMES = [("int8-token", None), ("int8-token-per-rank", None), ("int8-tensor", 0.03)]
 # tokens, out, in: AMX's 16-token groups and 32-row tiles cut short, in % 64 != 0 (no AMX), a long row
-SHAPES = [(1, 64, 128), (7, 40, 64), (33, 24, 256), (130, 70, 192), (17, 33, 96), (5, 48, 2112)]
+# 300 x 2048: the AMX kernel's tokens in two chunks (512 KiB of codes each)
+SHAPES = [(1, 64, 128), (7, 40, 64), (33, 24, 256), (130, 70, 192), (17, 33, 96), (5, 48, 2112), (300, 40, 2048)]
 
 
 def same(got, expected):
@@ -85,7 +86,8 @@ def test_given_token_maxima_are_used(level):
 
 
 def test_large_batches_and_threads():
-    """More tokens than one pass of the AMX kernel holds (1024), and several threads over the weight's tiles."""
+    """More tokens than one chunk of the AMX kernel holds (at most 1024), and several threads over the weight's
+    tiles."""
     fmt = dq.Int8Rowwise(activations="int8-token")
     x = weight((1100, 64), seed=5).to(torch.bfloat16)
     q = dq.quantize(weight((96, 64), seed=6).to(torch.bfloat16), fmt)
