@@ -47,34 +47,48 @@ static inline float w8_scale(float amax, bool stat_static, float input_scale) {
     return amax == 0.0f ? 1.0f : amax / 127.0f;
 }
 
-// A row's scale s for which x * (1 / s) stands in for x / s (w8_codes_512): 1 / s is a normal fp32 within half an
+// A row's scale s for which x * (1 / s) stands in for x / s (w8_code16): 1 / s is a normal fp32 within half an
 // ulp of the real reciprocal. Other rows (s subnormal, huge, Inf or NaN: rare) divide.
 static inline bool w8_reciprocal_ok(float s) { return std::fabs(s) >= 0x1p-125f && std::fabs(s) <= 0x1p125f; }
 
-// The codes of a row, 16 a step. Dividing costs more than the rest of the row's work together, so where the
+// 16 codes of x[k..] (lanes of m), as int32; fast: s passed w8_reciprocal_ok, vr = 1 / s. Dividing costs more than the rest of the row's work together, so where the
 // reciprocal r = RN(1 / s) is normal, v = RN(x * r) is |x / s| * (1 + e) with |e| < 2^-22.4, and so is the
 // correctly rounded quotient q = RN(x / s): for |v| < 256 they lie within 2^-14.4 of each other, so where v is
 // farther than 2^-14 from a half-integer q rounds to the same integer as v; for |v| >= 256 both clamp alike.
 // The lanes of a step with a v closer than that (about 1 step in 500; |v| >= 256 is counted close too, rare and
 // still right) divide, as the reference does.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __m512i w8_code16(const void* x, bool f32, int64_t k, __mmask16 m, bool fast, __m512 vr, __m512 vs) {
+    const __m512 lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f), near = _mm512_set1_ps(0.5f - 0x1p-14f);
+    const __m512 xv = act_load_512(x, f32, k, m);
+    __m512 v = _mm512_mul_ps(xv, vr);
+    __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // |v - r| <= 1/2 where finite: close to a half-integer, or NaN (unordered: divide, and get the same NaN)
+    if (!fast || _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, r)), near, _CMP_NLE_UQ)) {
+        v = _mm512_div_ps(xv, vs);
+        r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);  // NaN lanes: zeroed by the conversion's mask
+    return _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), r);
+}
+
+// The codes of a row: 64 a step stored at once (four masked narrowing stores cost more than the step's math),
+// then 16 at a time.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
 static void w8_codes_512(const void* x, bool f32, int64_t K, float s, int8_t* dst) {
-    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
     const bool fast = w8_reciprocal_ok(s);
-    const __m512 vr = _mm512_set1_ps(1.0f / s), near = _mm512_set1_ps(0.5f - 0x1p-14f);
-    for (int64_t k = 0; k < K; k += 16) {
+    const __m512 vs = _mm512_set1_ps(s), vr = _mm512_set1_ps(1.0f / s);
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512i c = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(w8_code16(x, f32, k, 0xFFFF, fast, vr, vs)));
+        c = _mm512_inserti32x4(c, _mm512_cvtepi32_epi8(w8_code16(x, f32, k + 16, 0xFFFF, fast, vr, vs)), 1);
+        c = _mm512_inserti32x4(c, _mm512_cvtepi32_epi8(w8_code16(x, f32, k + 32, 0xFFFF, fast, vr, vs)), 2);
+        c = _mm512_inserti32x4(c, _mm512_cvtepi32_epi8(w8_code16(x, f32, k + 48, 0xFFFF, fast, vr, vs)), 3);
+        _mm512_storeu_si512(dst + k, c);
+    }
+    for (; k < K; k += 16) {
         const __mmask16 m = act_mask(K - k);
-        const __m512 xv = act_load_512(x, f32, k, m);
-        __m512 v = _mm512_mul_ps(xv, vr);
-        __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        // |v - r| <= 1/2 where finite: close to a half-integer, or NaN (unordered: divide, and get the same NaN)
-        if (!fast || _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, r)), near, _CMP_NLE_UQ)) {
-            v = _mm512_div_ps(xv, vs);
-            r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        }
-        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);  // NaN lanes: zeroed by the conversion's mask
-        const __m512i c = _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), r);
-        _mm512_mask_cvtepi32_storeu_epi8(dst + k, m, c);
+        _mm512_mask_cvtepi32_storeu_epi8(dst + k, m, w8_code16(x, f32, k, m, fast, vr, vs));
     }
 }
 
