@@ -27,6 +27,11 @@ activations: ``w8a8`` is ``Int8Rowwise(activations="int8-token")``, ``fp8a8``
 token on every call): W8A8 at most 0.8 / 0.6 / 0.55x bf16 at 32 / 128 / 512
 tokens, FP8 dynamic at most 1.0x at 128. Their "dequantize + mm" column is the
 weight-only arithmetic's plain path (another computation, for scale).
+``torchao-w8a8`` (``--formats ... torchao-w8a8``) is torchao's
+``Int8DynamicActivationInt8WeightConfig`` on an ``nn.Linear`` with the same
+weight, side by side (no "dequantize + mm" of its own); where torchao is
+missing or its config does not run here, a line says so and the column is left
+out.
 
 Writes docs/prefill.csv and (with matplotlib) docs/prefill.png.
 """
@@ -55,11 +60,29 @@ GOAL_32, GOAL_128 = 1.0, 1.3
 #: Short names of the quantized-activation formats (issue 35), and their targets: tokens -> at most x bf16.
 SHORT = {"w8a8": "Int8Rowwise(activations='int8-token')", "fp8a8": "Float8Rowwise(activations='fp8-token')"}
 ACT_GOALS = {"w8a8": {32: 0.8, 128: 0.6, 512: 0.55}, "fp8a8": {128: 1.0}}
+#: torchao's W8A8 (Int8DynamicActivationInt8WeightConfig) on an nn.Linear, measured beside the library's.
+TORCHAO = "torchao-w8a8"
+
+
+def torchao_linear(w: torch.Tensor):
+    """``(an nn.Linear holding w quantized by torchao's Int8DynamicActivationInt8WeightConfig, None)``, or
+    ``(None, why it cannot run here)``."""
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            quantize_(lin, Int8DynamicActivationInt8WeightConfig())
+            lin(torch.zeros((2, w.shape[1]), dtype=w.dtype))
+        return lin, None
+    except Exception as e:  # not installed, or its kernels refuse this CPU / dtype
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def parse_spec(spec: str):
-    """A format spec (dtensor_quant._model.format_spec), or one of :data:`SHORT`."""
-    return parse_format(SHORT.get(spec, spec))
+    """A format spec (dtensor_quant._model.format_spec), or one of :data:`SHORT`; None for :data:`TORCHAO`."""
+    return None if spec == TORCHAO else parse_format(SHORT.get(spec, spec))
 
 
 def variants(shape, tokens, specs, dtype):
@@ -70,10 +93,19 @@ def variants(shape, tokens, specs, dtype):
     wd = w.to(dtype)
     out = {"bf16": (lambda: F.linear(x, wd), None, None)}
     for spec in specs:
+        if spec == TORCHAO:
+            lin, _ = torchao_linear(wd)
+            out[spec] = (lambda lin=lin: _no_grad(lin, x), spec, None)
+            continue
         q = dq.quantize(w, parse_spec(spec))
         out[spec] = (lambda q=q: F.linear(x, q), spec, q)
         out[f"{spec} dequantize + mm"] = (lambda q=q: x @ dense(q, dtype).t(), spec, None)
     return out
+
+
+def _no_grad(module, x):
+    with torch.no_grad():
+        return module(x)
 
 
 def measure(shape, tokens, specs, dtype, rounds, clock):
@@ -94,18 +126,19 @@ def measure(shape, tokens, specs, dtype, rounds, clock):
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     rows = []
     for fmt in specs:
+        deq = ms.get(f"{fmt} dequantize + mm", float("nan"))
         rows.append(
             {
                 "shape": f"{shape[0]}x{shape[1]}",
                 "tokens": tokens,
                 "format": fmt,
-                "format_full": str(parse_spec(fmt)),
+                "format_full": str(parse_spec(fmt)) if fmt != TORCHAO else "Int8DynamicActivationInt8WeightConfig",
                 "ms": ms[fmt],
                 "ratio_vs_bf16": ms[fmt] / ms["bf16"],
-                "ratio_vs_dequantize_mm": ms[fmt] / ms[f"{fmt} dequantize + mm"],
-                "path": paths[fmt],
+                "ratio_vs_dequantize_mm": ms[fmt] / deq,
+                "path": paths.get(fmt, "torchao"),
                 "bf16_ms": ms["bf16"],
-                "dequantize_mm_ms": ms[f"{fmt} dequantize + mm"],
+                "dequantize_mm_ms": deq,
             }
         )
     return rows
@@ -137,6 +170,7 @@ def plot(rows, path: Path) -> bool:
 def goals(rows) -> list[str]:
     """One line per target: met or missed, with the worst cell."""
     four = [r for r in rows if isinstance(parse_spec(r["format"]), FOUR_BIT) and r["format"] not in SHORT]
+    rows = [r for r in rows if r["format"] != TORCHAO]  # measured beside the library, no target of its own
     lines = []
     for label, cells, goal in (
         ("4-bit formats <= 1.0x bf16 up to 32 tokens", [r for r in four if r["tokens"] <= 32], GOAL_32),
@@ -180,6 +214,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.thread_time
     dtype = getattr(torch, args.dtype)
+    if TORCHAO in args.formats:
+        shape = tuple(int(n) for n in args.shapes[0].split("x"))
+        _, why = torchao_linear(torch.zeros(shape, dtype=dtype))
+        if why is not None:
+            print(f"{TORCHAO}: torchao's Int8DynamicActivationInt8WeightConfig cannot run here ({why}); not measured")
+            args.formats = [f for f in args.formats if f != TORCHAO]
     rows = []
     for spec in args.shapes:
         shape = tuple(int(n) for n in spec.split("x"))

@@ -196,10 +196,9 @@ def quantize_activation(x: torch.Tensor, scheme: ActivationScheme, input_scale) 
             scale = torch.where(bad, float("nan"), scale.expand(x.shape[0], 1))
     v = torch.div(x, scale)  # fp32: x promoted exactly, then divided
     if scheme.codes == "int8":
-        v = v.round_().clamp_(scheme.qmin, scheme.qmax)
-        if bool(scale.isnan().any()):
-            v = v.nan_to_num_(0.0)  # int8 has no NaN code: the row's NaN scale carries it
-        codes = v.to(torch.int8)
+        # int8 has no NaN code: a NaN quotient (a NaN or Inf scale, or 0 / 0 under a scale that underflowed) is
+        # code 0, its row's non-finite scale carrying the NaN to the output
+        codes = v.round_().clamp_(scheme.qmin, scheme.qmax).nan_to_num_(0.0).to(torch.int8)
     else:
         codes = v.clamp_(scheme.qmin, scheme.qmax).to(torch.float8_e4m3fn)
     return codes, scale

@@ -224,29 +224,35 @@ def kernel_linear(x, prepared, bias, scale_dtype: torch.dtype | None = None):
 def fp8_matmul(codes: torch.Tensor, prepared, dtype: torch.dtype) -> torch.Tensor:
     """``float(codes) @ float(W codes).T`` for e4m3fn ``[tokens, in]`` codes: each product exact, summed in fp32.
 
-    The tiled float8 kernel with unit scales (each weight dequantized in the tile): for bf16 activations
-    (``dtype``) the code values go in as bf16 (exact) and the sum comes out rounded once to bf16, the tiles'
-    output (AVX-512 BF16 / AMX speed); for fp32 the sum stays fp32. Where the tiles cannot run: an fp32 matmul
-    of the code values.
+    The codes' values go to :func:`values_matmul`, in bf16 for bf16 activations (``dtype``; exact), else fp32.
     """
-    w_codes, unit = prepared
     wide = dtype if dtype == torch.bfloat16 else torch.float32
     values = torch.empty(codes.shape, dtype=wide, device=codes.device)
     if table_fits(values):
         codes_into(codes, values)
     else:
         values.copy_(codes)
+    return values_matmul(values, prepared)
+
+
+def values_matmul(values: torch.Tensor, prepared) -> torch.Tensor:
+    """``values @ float(W codes).T`` for activation code values (bf16 or fp32, each an e4m3 value).
+
+    The tiled float8 kernel with unit scales (each weight dequantized in the tile): for bf16 ``values`` the sum
+    comes out rounded once to bf16, the tiles' output (AVX-512 BF16 / AMX speed); for fp32 it stays fp32. Where
+    the tiles cannot run: an fp32 matmul of the code values.
+    """
+    w_codes, unit = prepared
     inputs = native.inputs_for(values, unit)
-    out = _matmul(values, inputs, True, None, wide == torch.bfloat16) if inputs is not None else None
+    out = _matmul(values, inputs, True, None, values.dtype == torch.bfloat16) if inputs is not None else None
     if out is not None:
         return out
-    values = values.float()
     w = torch.empty(w_codes.shape, dtype=torch.float32, device=w_codes.device)
     if table_fits(w):
         codes_into(w_codes, w)
     else:
         w.copy_(w_codes)
-    return values @ w.t()
+    return values.float() @ w.t()
 
 
 def _prepare_activations(inner):
@@ -256,12 +262,68 @@ def _prepare_activations(inner):
     return q, native.Lazy(lambda: kernel_prepare(q, unit, q.shape[-1]))
 
 
+# The passes around the product for fp8 activations (float8_a8.cpp): each token quantized to e4m3 and written as
+# the values the tiles multiply, in one pass; the scales applied to the tiles' sums in one pass.
+A8_KERNEL = native.declare(
+    "float8_a8", Path(__file__).with_name("float8_a8.cpp"), {"max_level": native.BEST_LEVEL, "threads": 1}
+)
+_A8_QUANTIZE, _A8_EPILOGUE = 1, 2  # its stages
+_A8_GIVEN, _A8_STATIC = 2, 4  # its flags besides native.F32: the per-token maxima given (reduced), a static scale
+_EMPTY = torch.empty(0)
+
+
+def a8_kernel():
+    """``(the fp8-activation kernel, its best level here)``, built on first use; None where it cannot run.
+    Levels: 1 plain C++, 2 AVX-512."""
+    return native.load(A8_KERNEL)
+
+
+def fp8_native(x, matmul_inputs, w_scale, scheme, input_scale, loaded=None, max_level: int | None = None):
+    """:func:`fp8_linear` without the bias through the fp8-activation kernel ``loaded`` (default:
+    :func:`a8_kernel`) around :func:`values_matmul`, or None where it cannot run (no kernel, activations not
+    bf16/fp32 on the CPU). ``w_scale``: the weight's scales as fp32 ``[out]``."""
+    if loaded is None:
+        loaded = a8_kernel()
+    if loaded is None or x.dtype not in native.TILE_DTYPES or x.device.type != "cpu" or not x.shape[1]:
+        return None
+    run, best = loaded
+    level = min(best, native.cap() if max_level is None else max_level)
+    x = x.contiguous()
+    (tokens, k), n = x.shape, w_scale.shape[0]
+    flags = native.F32 if x.dtype == torch.float32 else 0
+    if not scheme.dynamic:
+        stat, flags = torch.full((1,), float(input_scale), dtype=torch.float32), flags | _A8_STATIC
+    elif not scheme.per_rank and activations.reducing():  # tensor parallelism: the maxima of the whole row
+        stat, flags = activations.token_absmax(x, scheme).reshape(-1).contiguous(), flags | _A8_GIVEN
+    else:
+        stat = _EMPTY
+    values = torch.empty((tokens, k), dtype=x.dtype)
+    x_scale = torch.empty((tokens, 1), dtype=torch.float32)
+    ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)
+    threads = torch.get_num_threads()
+    run(x, stat, w_scale, values, x_scale, _EMPTY, _EMPTY, tokens, n, k, _A8_QUANTIZE, flags, level, threads, ran)
+    if not ran.item():
+        return None
+    acc = values_matmul(values, matmul_inputs)
+    if acc.dtype != x.dtype:  # the fp32 matmul where the tiles could not run, for bf16 activations
+        return activations.scale_output(acc, x_scale, w_scale, x.dtype)
+    out = torch.empty((tokens, n), dtype=x.dtype)
+    run(x, stat, w_scale, values, x_scale, acc, out, tokens, n, k, _A8_EPILOGUE, flags, level, threads, ran)
+    return out
+
+
 def fp8_linear(fmt, x, prepared, bias):
     """``x @ W.T + bias`` with ``x`` quantized to e4m3 as ``fmt`` declares (the reference arithmetic of
-    :func:`dtensor_quant._core.activations.reference_linear`, the sum through :func:`fp8_matmul`)."""
-    scale, matmul_inputs = prepared
-    codes, x_scale = activations.quantize_activation(x, fmt.activation_scheme, fmt.input_scale)
-    out = activations.scale_output(fp8_matmul(codes, matmul_inputs, x.dtype), x_scale, scale, x.dtype)
+    :func:`dtensor_quant._core.activations.reference_linear`, the sum through :func:`values_matmul`): through
+    :func:`fp8_native` where it runs, else in torch."""
+    scale, matmul_inputs, native_inputs = prepared
+    scheme = fmt.activation_scheme
+    out = None
+    if native_inputs is not None and native_inputs[1] is not None:
+        out = fp8_native(x, matmul_inputs, native_inputs[0], scheme, fmt.input_scale, native_inputs[1])
+    if out is None:
+        codes, x_scale = activations.quantize_activation(x, scheme, fmt.input_scale)
+        out = activations.scale_output(fp8_matmul(codes, matmul_inputs, x.dtype), x_scale, scale, x.dtype)
     return out + bias if bias is not None else out
 
 
@@ -279,7 +341,10 @@ class _Activations:
 
     def prepare(self, inner):
         if self.activations is not None:
-            return inner["scale"], _prepare_activations(inner)
+            scale = inner["scale"]
+            loaded = a8_kernel() if scale.device.type == "cpu" else None
+            w_scale = scale.float().reshape(-1).expand(inner["qdata"].shape[0]).contiguous()
+            return scale, _prepare_activations(inner), (w_scale, loaded)
         return _prepare(inner)
 
     def linear(self, x, prepared, bias):

@@ -127,11 +127,76 @@ def int_matmul(codes: torch.Tensor, w_codes: torch.Tensor) -> torch.Tensor:
 _INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # |code products| <= 128 * 128: an int32 sum of this many never overflows
 
 
-def w8a8_linear(x, q, scale, scheme, input_scale, bias):
+# The W8A8 kernel (int8_w8a8.cpp): the activation quantized per token in one pass, the epilogue in one pass, and
+# on AMX-INT8 the whole linear with the products in tiles; each step the bits of the reference arithmetic.
+W8A8_KERNEL = native.declare(
+    "int8_w8a8", Path(__file__).with_name("int8_w8a8.cpp"), {"max_level": native.BEST_LEVEL, "threads": 1}
+)
+_QUANTIZE, _EPILOGUE, _WHOLE = 1, 2, 3  # its stages
+_GIVEN, _STATIC = 2, 4  # its flags besides native.F32: the per-token maxima given (reduced), a static scale
+
+
+def w8a8_kernel():
+    """``(the W8A8 kernel, its best level here)``, built on first use; None where it cannot run. Levels: 1 AVX2,
+    2 AVX-512 (quantize and epilogue, torch's ``_int_mm`` between them), 4 AMX-INT8 (the whole linear)."""
+    return native.load(W8A8_KERNEL)
+
+
+def w8a8_native(x, q, w_scale, scheme, input_scale, loaded=None, max_level: int | None = None):
+    """:func:`w8a8_linear` without the bias through the W8A8 kernel ``loaded`` (default: :func:`w8a8_kernel`), or
+    None where it cannot run (no kernel, an activation dtype other than bf16/fp32, ``in`` past int32's exact
+    reach). ``w_scale``: the weight's scales as fp32 ``[out]``; ``max_level`` caps the vector level (default:
+    ``DTENSOR_QUANT_MAX_LEVEL``). The kernel's buffers are made here, once per call: this runs for every token
+    batch of a prefill, so it stays lean."""
+    if loaded is None:
+        loaded = w8a8_kernel()
+    k = x.shape[1]
+    if loaded is None or x.dtype not in native.TILE_DTYPES or x.device.type != "cpu" or not 0 < k <= _INT32_SAFE_K:
+        return None
+    run, best = loaded
+    level = min(best, native.cap() if max_level is None else max_level)
+    x = x.contiguous()
+    tokens, n = x.shape[0], q.shape[0]
+    flags = native.F32 if x.dtype == torch.float32 else 0
+    if not scheme.dynamic:
+        stat, flags = torch.full((1,), float(input_scale), dtype=torch.float32), flags | _STATIC
+    elif not scheme.per_rank and activations.reducing():  # tensor parallelism: the maxima of the whole row
+        stat, flags = activations.token_absmax(x, scheme).reshape(-1).contiguous(), flags | _GIVEN
+    else:
+        stat = _EMPTY
+    x_scale = torch.empty((tokens, 1), dtype=torch.float32)
+    out = torch.empty((tokens, n), dtype=x.dtype)
+    ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)
+    threads = torch.get_num_threads()
+    if level >= 4 and not k % 64:
+        run(x, stat, q, w_scale, _EMPTY, x_scale, _EMPTY, out, tokens, n, k, _WHOLE, flags, level, threads, ran)
+        if ran.item():
+            return out
+    codes = torch.empty((tokens, k), dtype=torch.int8)
+    run(x, stat, q, w_scale, codes, x_scale, _EMPTY, out, tokens, n, k, _QUANTIZE, flags, level, threads, ran)
+    if not ran.item():
+        return None
+    acc = int_matmul(codes, q)
+    if acc.dtype != torch.int32:  # torch's int8 mm refused: the float64 sum, scaled by the reference's epilogue
+        return activations.scale_output(acc, x_scale, w_scale, x.dtype)
+    run(x, stat, q, w_scale, codes, x_scale, acc, out, tokens, n, k, _EPILOGUE, flags, level, threads, ran)
+    return out
+
+
+_EMPTY = torch.empty(0)
+
+
+def w8a8_linear(x, q, scale, scheme, input_scale, bias, native_inputs=None):
     """``x @ W.T + bias`` with ``x`` quantized to int8 as ``scheme`` says: the reference arithmetic of
-    :func:`dtensor_quant._core.activations.reference_linear`, the integer sum through :func:`int_matmul`."""
-    codes, x_scale = activations.quantize_activation(x, scheme, input_scale)
-    out = activations.scale_output(int_matmul(codes, q), x_scale, scale, x.dtype)
+    :func:`dtensor_quant._core.activations.reference_linear`, through the W8A8 kernel (:func:`w8a8_native`;
+    ``native_inputs`` the weight's fp32 scales and the loaded kernel, from ``prepare``) where it runs, else in
+    torch with the integer sum through :func:`int_matmul`."""
+    out = None
+    if native_inputs is not None and native_inputs[1] is not None:
+        out = w8a8_native(x, q, native_inputs[0], scheme, input_scale, native_inputs[1])
+    if out is None:
+        codes, x_scale = activations.quantize_activation(x, scheme, input_scale)
+        out = activations.scale_output(int_matmul(codes, q), x_scale, scale, x.dtype)
     return out + bias if bias is not None else out
 
 
@@ -212,6 +277,9 @@ class Int8Rowwise(QuantFormat):
         """``(codes, scales)`` for torch's int8 mm, and a :class:`~dtensor_quant._core.native.Lazy` of the tiled
         kernel's inputs (int8.cpp), built by the first call that runs it."""
         q, scale = inner["qdata"].contiguous(), inner["scale"].reshape(-1).contiguous()
+        if self.activations is not None:  # the W8A8 kernel's inputs in place of the tiles'
+            loaded = w8a8_kernel() if q.device.type == "cpu" else None
+            return q, scale, (scale.float().contiguous(), loaded)
         return q, scale, native.Lazy(functools.partial(_tile_inputs, q, scale))
 
     def linear(self, x, prepared, bias):
@@ -221,7 +289,7 @@ class Int8Rowwise(QuantFormat):
         (int8.cpp); else None (dequantize + mm)."""
         q, scale, tile_inputs = prepared
         if self.activations is not None:
-            return w8a8_linear(x, q, scale, self.activation_scheme, self.input_scale, bias)
+            return w8a8_linear(x, q, scale, self.activation_scheme, self.input_scale, bias, tile_inputs)
         tokens = x.shape[0]
         # The CPU kernel reads past the row end (segfaults on torch 2.13) unless in % 8 == 0.
         if (

@@ -1,0 +1,157 @@
+// FP8 activations (Float8Rowwise / Float8Tensorwise with an fp8 activation scheme): the two passes around the
+// product of the codes, each the bits of dtensor_quant/_core/activations.py's reference arithmetic
+// (dtensor_quant/_formats/float8.py loads it through dtensor_quant/_core/native.py; the product itself is the
+// float8 tiles' with unit scales, float8.cpp).
+//
+// stage 1 (quantize_activation): per token row m, amax = max |x| (NaN if the row has one, Inf if an Inf),
+// s = amax == 0 ? 1 : amax / 448 (a true division); a static scheme: s = input_scale, NaN for a row holding a NaN
+// or an Inf. The code of x is clamp(x / s, -448, 448) (correctly rounded, NaN kept) rounded to e4m3fn, to nearest
+// even (normal: 3 mantissa bits; below 2^-6, multiples of 2^-9); written as its value, exactly, in x's dtype (bf16
+// or fp32): what the tiles multiply. xscale[m] = s.
+// stage 2 (scale_output): out = round_to_out_dtype((float(acc) * s_m) * ws_n) from the tiles' sums acc [M, N]
+// (x's dtype).
+// flags: 1: x, vals, acc and out are fp32 (else bf16); 2: amax[m] given in stat (tensor parallelism's reduced
+// statistic); 4: static scheme, stat[0] the input scale. Level 2: AVX-512; 1: plain C++ (an AVX2 CPU).
+#include "native_prelude.h"
+#include "native_tiles.h"
+#include "act_rows.h"
+
+// The e4m3fn value nearest v (|v| <= 448 or NaN), ties to even.
+static inline float f8_round(float v) {
+    if (v != v) return v;
+    const float a = std::fabs(v);
+    float r;
+    if (a < 0x1p-6f) {
+        r = std::nearbyint(a * 512.0f) / 512.0f;
+    } else {
+        uint32_t u;
+        std::memcpy(&u, &a, 4);
+        u = (u + 0x7FFFFu + ((u >> 20) & 1u)) & 0xFFF00000u;
+        std::memcpy(&r, &u, 4);
+    }
+    return std::copysign(r, v);
+}
+
+static inline float f8_scale(float amax, bool stat_static, float input_scale) {
+    if (stat_static) return std::isfinite(amax) ? input_scale : NAN;
+    return amax == 0.0f ? 1.0f : amax / 448.0f;
+}
+
+static inline void f8_put(void* dst, bool f32, int64_t i, float v) {
+    if (f32) {
+        static_cast<float*>(dst)[i] = v;
+    } else {
+        uint32_t u;
+        std::memcpy(&u, &v, 4);
+        static_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(u >> 16);  // exact: an e4m3 value is a bf16 value
+    }
+}
+
+// 16 values at a time: f8_round on AVX-512.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst) {
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
+    const __m512 small = _mm512_set1_ps(0x1p-6f), up = _mm512_set1_ps(512.0f), down = _mm512_set1_ps(0x1p-9f);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = act_mask(K - k);
+        // max(lo, v), min(hi, .): the second operand comes back where one is NaN, so NaN stays NaN
+        const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(act_load_512(x, f32, k, m), vs)));
+        const __m512 a = _mm512_abs_ps(v);
+        const __m512i u = _mm512_castps_si512(a);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
+        const __m512i n = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFFF))),
+                                           _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+        const __m512 sub = _mm512_mul_ps(
+            _mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+        __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, small, _CMP_LT_OQ), _mm512_castsi512_ps(n), sub);
+        r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
+                                                _mm512_and_si512(_mm512_castps_si512(v), sign)));
+        if (f32)
+            _mm512_mask_storeu_ps(static_cast<float*>(dst) + k, m, r);
+        else
+            _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + k, m,
+                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
+    }
+}
+
+static void f8_quantize(const void* x, bool f32, const float* stat, int64_t flags, void* vals, float* xscale,
+                        int64_t M, int64_t K, int64_t level, int64_t threads) {
+    const bool given = flags & 2, stat_static = flags & 4;
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        const void* row = f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)
+                              : static_cast<const void*>(static_cast<const uint16_t*>(x) + m * K);
+        void* dst = f32 ? static_cast<void*>(static_cast<float*>(vals) + m * K)
+                        : static_cast<void*>(static_cast<uint16_t*>(vals) + m * K);
+        float amax;
+        if (given) {
+            amax = stat[m];
+        } else if (level >= 2) {
+            amax = act_absmax_512(row, f32, K);
+        } else {
+            amax = 0.0f;
+            bool nan = false;
+            for (int64_t k = 0; k < K; ++k) {
+                const float a = std::fabs(act_x(row, f32, k));
+                if (a != a) nan = true;
+                else if (a > amax) amax = a;
+            }
+            amax = nan ? NAN : amax;
+        }
+        const float s = f8_scale(amax, stat_static, stat_static ? stat[0] : 0.0f);
+        xscale[m] = s;
+        if (level >= 2) {
+            f8_codes_512(row, f32, K, s, dst);
+        } else {
+            for (int64_t k = 0; k < K; ++k) {
+                float v = act_x(row, f32, k) / s;
+                v = v != v ? v : v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+                f8_put(dst, f32, k, f8_round(v));
+            }
+        }
+    }
+}
+
+static inline float f8_acc(const void* acc, bool f32, int64_t i) { return act_x(acc, f32, i); }
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void f8_epilogue_512(const void* acc, const float* xscale, const float* ws, bool f32, void* out, int64_t M,
+                            int64_t N) {
+    for (int64_t m = 0; m < M; ++m) {
+        const __m512 xs = _mm512_set1_ps(xscale[m]);
+        for (int64_t n = 0; n < N; n += 16) {
+            const __mmask16 k = act_mask(N - n);
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(act_load_512(acc, f32, m * N + n, k), xs),
+                                           _mm512_maskz_loadu_ps(k, ws + n));
+            if (f32)
+                _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n, k, v);
+            else
+                dq_store_bf16_512(static_cast<uint16_t*>(out) + m * N + n, k, v);
+        }
+    }
+}
+
+extern "C" void kernel(const void* x, const float* stat, const float* ws, void* vals, float* xscale, const void* acc,
+                       void* out, int64_t M, int64_t N, int64_t K, int64_t stage, int64_t flags, int64_t max_level,
+                       int64_t threads, int64_t* level) {
+    const int64_t best = dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+    const int64_t lvl = best < max_level ? best : max_level;
+    level[0] = lvl;
+    if (lvl <= 0 || M <= 0 || stage == 0) return;
+    const bool f32 = flags & 1;
+    if (stage == 1) {
+        f8_quantize(x, f32, stat, flags, vals, xscale, M, K, lvl, threads);
+    } else if (stage == 2 && lvl >= 2) {
+        f8_epilogue_512(acc, xscale, ws, f32, out, M, N);
+    } else if (stage == 2) {
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) {
+                const float v = f8_acc(acc, f32, m * N + n) * xscale[m] * ws[n];
+                if (f32)
+                    static_cast<float*>(out)[m * N + n] = v;
+                else
+                    static_cast<uint16_t*>(out)[m * N + n] = dq_bf16_rne(v);
+            }
+    }
+}

@@ -1,0 +1,94 @@
+"""_formats/float8_a8.cpp: the passes around the product of fp8 activations give the torch path's bits, at every
+level here.
+
+The torch path (what runs without the kernel) is ``quantize_activation`` (e4m3 codes per token), the codes' values
+through the float8 tiles with unit scales (:func:`float8.fp8_matmul`), then ``scale_output``. The kernel makes the
+same codes in one pass (its own e4m3 rounding) and scales the same sums in one pass, so its output must equal that
+path bit for bit (NaN as NaN); that path itself is checked against the exact sum within the summation bound in
+tests/core/test_activations.py. Levels: 1 plain C++, 2 AVX-512 (the tiles between them run at their own best
+level, ``DTENSOR_QUANT_MAX_LEVEL`` capping both).
+"""
+
+import pytest
+import torch
+
+import dtensor_quant as dq
+from dtensor_quant._core import activations
+from dtensor_quant._formats import float8
+from dtensor_quant.testing import weight
+
+pytestmark = pytest.mark.skipif(float8.a8_kernel() is None, reason="no fp8-activation kernel here (no C++ compiler)")
+
+LEVELS = [lvl for lvl in (1, 2) if float8.a8_kernel() and lvl <= float8.a8_kernel()[1]]
+FORMATS = [
+    dq.Float8Rowwise(activations="fp8-token"),
+    dq.Float8Rowwise(torch.bfloat16, activations="fp8-token-per-rank"),
+    dq.Float8Tensorwise(activations="fp8-tensor", input_scale=0.01),
+]
+SHAPES = [(1, 64, 96), (7, 40, 64), (33, 24, 256), (130, 48, 128), (5, 20, 2048)]  # tokens, out, in
+
+
+def same(got, expected):
+    return (
+        got.dtype == expected.dtype
+        and torch.equal(got.isnan(), expected.isnan())
+        and torch.equal(got.nan_to_num(0.0, 1.0, -1.0), expected.nan_to_num(0.0, 1.0, -1.0))
+    )
+
+
+def hostile(x):
+    """A NaN row, an Inf row, a zero row and a row of tiny values (e4m3's subnormal codes, fp32 underflow)."""
+    x = x.clone()
+    if x.shape[0] > 4:
+        x[0, 3], x[1, 1], x[2] = float("nan"), float("inf"), 0.0
+        x[3] = x[3] * (1e-30 if x.dtype == torch.float32 else 1e-3)
+    return x
+
+
+def torch_path(fmt, x, q, prepared):
+    codes, x_scale = activations.quantize_activation(x, fmt.activation_scheme, fmt.input_scale)
+    return activations.scale_output(float8.fp8_matmul(codes, prepared[1], x.dtype), x_scale, q.scale, x.dtype)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_is_the_torch_path(level, fmt, shape, dtype):
+    tokens, out, inp = shape
+    x = hostile((weight((tokens, inp), seed=tokens, dtype=torch.float32) * 3).to(dtype))
+    q = dq.quantize(weight((out, inp), seed=out).to(dtype), fmt)
+    prepared = fmt.prepare(q.inner)
+    got = float8.fp8_native(x, prepared[1], prepared[2][0], fmt.activation_scheme, fmt.input_scale, max_level=level)
+    assert got is not None and same(got, torch_path(fmt, x, q, prepared))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_codes_are_e4m3_round_to_nearest_even(level):
+    """An identity weight returns each code's value times the scales: every e4m3 value, the midpoints between
+    neighbours (ties to even) and points just beside them, at scale 1 (static), in fp32."""
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = table[table.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    row = torch.cat([values, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    row = row[: row.numel() // 64 * 64].reshape(-1, 64)
+    fmt = dq.Float8Tensorwise(activations="fp8-tensor", input_scale=1.0)
+    q = dq.quantize(torch.eye(64), fmt)
+    prepared = fmt.prepare(q.inner)
+    got = float8.fp8_native(row, prepared[1], prepared[2][0], fmt.activation_scheme, 1.0, max_level=level)
+    assert torch.equal(q.qdata.float(), torch.eye(64) * 448)  # each sum: one code times 448, exact in fp32
+    expected = row.to(torch.float8_e4m3fn).float() * 448 * 1.0 * q.scale.float().reshape(1, -1)
+    assert same(got, expected)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_given_token_maxima_are_used(level):
+    fmt = dq.Float8Rowwise(activations="fp8-token")
+    x = weight((19, 128), seed=3).to(torch.bfloat16)
+    q = dq.quantize(weight((40, 128), seed=4).to(torch.bfloat16), fmt)
+    prepared = fmt.prepare(q.inner)
+    wider = x.float().abs().amax(-1, keepdim=True) * 3
+    with activations.token_stat_reduction(lambda local: torch.maximum(local, wider)):
+        got = float8.fp8_native(x, prepared[1], prepared[2][0], fmt.activation_scheme, None, max_level=level)
+        expected = torch_path(fmt, x, q, prepared)
+    assert same(got, expected) and not same(got, torch_path(fmt, x, q, prepared))
