@@ -23,21 +23,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..._core.format import QuantFormat, weight_layout
-from ..._core.producers import COMPRESSED_TENSORS
+from ..._core.format import QuantFormat, format_holding, held_schemes, weight_layout
+from ..._core.producers import AWQ, BITSANDBYTES, COMPRESSED_TENSORS, FP8_BLOCKS, GPT_OSS_MXFP4, GPTQ
 from ..._core.tensor import contiguous_strides
-from ..._formats import (
-    MXFP4,
-    BnbNF4,
-    Float8Blockwise,
-    Float8Rowwise,
-    Float8Tensorwise,
-    Int4Groupwise,
-    Int4GroupwiseIntZero,
-    Int8Rowwise,
-    NF4BlockScales,
-)
-from ..._formats.bnb_nf4 import NF4_LEVELS_F32, dynamic_map
 from ..state_dict import (
     CheckpointFormatError,
     canonical_view,
@@ -49,20 +37,7 @@ from ..state_dict import (
 from . import fields
 from .fields import BOOL, INT, NUMBER, POSITIVE, REQUIRED, STRING, Fields, either, exactly, list_of
 from .safetensors_io import Checkpoint
-from .stored import (
-    Extra,
-    Fill,
-    Flat,
-    JsonField,
-    PackedCodes,
-    Reshaped,
-    Same,
-    Stored,
-    Transposed,
-    from_spec,
-    json_doc,
-    small,
-)
+from .stored import Extra, Fill, Same, Stored, from_spec, json_doc, small
 from .tensors import box, describe
 
 
@@ -130,6 +105,15 @@ def weight_shape_record() -> Extra:
 _RECORDS = {"weight_shape": weight_shape_record}
 
 
+def _constant(template: str, want: torch.Tensor) -> Extra:
+    """A tensor the producer keeps beside the weight holding a constant the format computes with: checked equal."""
+
+    def check(t, shape):
+        return None if torch.equal(t, want) else "not the values the model's format computes with"
+
+    return Extra(template, check, lambda shape: want)
+
+
 def declared_layout(fmt: QuantFormat, producer: str, dtype: torch.dtype, method: str = "") -> StoredLayout | str | None:
     """The :class:`StoredLayout` ``fmt`` declares for ``producer`` in a ``dtype`` model (``producer_layout``).
 
@@ -140,13 +124,23 @@ def declared_layout(fmt: QuantFormat, producer: str, dtype: torch.dtype, method:
     if declared is None or isinstance(declared, str):
         return declared
     inner = tuple((name, from_spec(spec)) for name, spec in declared.inner)
-    return StoredLayout(fmt, method, inner, tuple(_RECORDS[r]() for r in declared.records))
+    extras = (*(_RECORDS[r]() for r in declared.records), *(_constant(t, v) for t, v in declared.constants))
+    return StoredLayout(fmt, method, inner, extras)
 
 
-def _ct_declared(fmt: QuantFormat, what: str, extras: tuple[Extra, ...] = ()) -> StoredLayout:
-    """``fmt``'s declared compressed-tensors layout, read with the scales' dtype as stored, plus ``extras``."""
-    layout = declared_layout(fmt, COMPRESSED_TENSORS, getattr(fmt, "scale_dtype", None) or torch.float32, what)
-    assert isinstance(layout, StoredLayout), (fmt, layout)  # built with the file's scale dtype: it fits
+def held(producer: str, scheme: str, args: dict, what: str, extras: tuple[Extra, ...] = ()) -> StoredLayout:
+    """The format that declares it holds ``producer``'s ``scheme`` with ``args``, and its declared layout + ``extras``.
+
+    Found by the formats' declarations alone (``producer_holds``); raises ``ValueError`` saying ``what`` the
+    checkpoint holds and which schemes of the producer the formats hold, when none holds this one.
+    """
+    fmt = format_holding(producer, scheme, args)
+    if fmt is None:
+        schemes = "; ".join(held_schemes(producer)) or "none"
+        raise ValueError(f"{what} has no format here that holds it as stored (the formats hold {producer}: {schemes})")
+    # read with the scales' dtype as stored, so a declared "scales in the model's dtype" rule always fits
+    layout = declared_layout(fmt, producer, getattr(fmt, "scale_dtype", None) or torch.float32, what)
+    assert isinstance(layout, StoredLayout), (fmt, producer, layout)  # a format declares a layout for what it holds
     return dataclasses.replace(layout, extras=(*layout.extras, *extras))
 
 
@@ -171,7 +165,11 @@ def _ct_scheme(qc: Fields, module: str, key: str) -> Fields | None:
 
 
 def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
-    """compressed-tensors (llm-compressor's, vLLM's): ``{key}_packed`` or ``{key}``, with ``{key}_scale``."""
+    """compressed-tensors (llm-compressor's, vLLM's): ``{key}_packed`` or ``{key}``, with ``{key}_scale``.
+
+    The scheme's ``weights`` arguments (compressed-tensors' defaults for what it leaves out), the stored
+    scales' dtype and the activation scheme describe the weight; the format declaring it holds that is read.
+    """
     if not key.endswith(".weight") or len(shape) != 2:
         return None
     tensors = ckpt.tensors
@@ -187,58 +185,52 @@ def _compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredL
     bits, kind = args.field("num_bits", POSITIVE, 8, tensor=key), args.field("type", STRING, "int", tensor=key)
     strategy, group = args.field("strategy", STRING, tensor=key), args.field("group_size", POSITIVE, tensor=key)
     sym = args.field("symmetric", BOOL, True, tensor=key)
-    what = f"compressed-tensors {fmt_name} ({kind}{bits}, {strategy}{f' {group}' if group else ''}"
+    what = f"{key}: compressed-tensors {fmt_name} ({kind}{bits}, {strategy}{f' {group}' if group else ''}"
     what += f"{'' if sym else ', asymmetric'})"
-    s_dtype = tensors[scale].dtype
-    if fmt_name == "pack-quantized" and kind == "int" and bits == 4 and packed in tensors:
-        g = group if strategy == "group" else shape[1] if strategy == "channel" else None
-        if g is None:
-            raise ValueError(f"{key}: {what} is not read (int4 strategy {strategy!r}; group and channel are)")
-        # symmetric: stored q + 8, no zero point: (q - 8) * scale; asymmetric: zero points packed eight per int32
-        # down the rows, stored z + 8: the nibble is the zero of the codes
-        fmt = Int4Groupwise(g, scale_dtype=s_dtype) if sym else Int4GroupwiseIntZero(g, scale_dtype=s_dtype)
-        return _ct_declared(fmt, what)
-    if fmt_name in ("int-quantized", "naive-quantized") and kind == "int" and bits == 8 and key in tensors:
-        if strategy != "channel" or not sym:
-            raise ValueError(f"{key}: {what} is not read (int8 is read per channel, symmetric)")
-        acts, extras, said = _ct_activations(scheme, ckpt, key, "int8")
-        return _ct_declared(Int8Rowwise(scale_dtype=s_dtype, **acts), what + said, extras)
-    if fmt_name in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8 and key in tensors:
-        if strategy in ("channel", "tensor"):
-            acts, extras, said = _ct_activations(scheme, ckpt, key, "fp8")
-            cls = Float8Rowwise if strategy == "channel" else Float8Tensorwise
-            return _ct_declared(cls(scale_dtype=s_dtype, **acts), what + said, extras)
+    if (packed if "pack" in fmt_name else key) not in tensors:
+        raise ValueError(f"{what}: the checkpoint lacks {packed if 'pack' in fmt_name else key}")
+    described = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": sym,
+                 "scale_dtype": tensors[scale].dtype}  # fmt: skip
+    if group is not None:
+        described["group_size"] = group
+    if strategy == "channel" and bits == 4:  # one group per row: int4 groups as wide as the inputs
+        described |= {"strategy": "group", "group_size": shape[1]}
+    if strategy == "block":
         block = args.field("block_structure", list_of(POSITIVE, 2), tensor=key)
-        if strategy == "block" and block and block[0] == block[1]:
-            what = f"compressed-tensors {fmt_name} (fp8, {block[0]}x{block[1]} blocks)"
-            return _ct_declared(Float8Blockwise(block[0], scale_dtype=s_dtype), what)
-        raise ValueError(f"{key}: {what} is not read (fp8 is read per channel, per tensor or in square blocks)")
-    if fmt_name == "mxfp4-pack-quantized" and kind == "float" and bits == 4 and packed in tensors:
-        return _ct_declared(MXFP4(), what)
-    raise ValueError(f"{key}: {what} has no format here that holds it as stored")
+        if block and block[0] == block[1]:
+            described["block_size"] = block[0]
+            what = f"{key}: compressed-tensors {fmt_name} ({kind}{bits}, {block[0]}x{block[1]} blocks)"
+        else:
+            described["block_structure"] = block  # no format holds non-square blocks
+    # the input activations of 8-bit channel and tensor schemes (the others' are not read: their weights are)
+    acts, extras, said = (
+        _ct_activations(scheme, ckpt, key, kind) if bits == 8 and strategy in ("channel", "tensor") else ({}, (), "")
+    )
+    return held(COMPRESSED_TENSORS, fmt_name, described | acts, what + said, extras)
 
 
-def _ct_activations(scheme: Fields | None, ckpt: Checkpoint, key: str, codes: str) -> tuple[dict, tuple, str]:
+def _ct_activations(scheme: Fields | None, ckpt: Checkpoint, key: str, kind: str) -> tuple[dict, tuple, str]:
     """compressed-tensors' ``input_activations`` as the format's activation fields: ``(fields, extras, words)``.
 
-    Read: symmetric 8-bit ``int``/``float`` (``codes``) activations, dynamic per ``token`` (``int8-token``,
-    ``fp8-token``) or static per ``tensor`` with ``{base}.input_scale`` (``int8-tensor``/``fp8-tensor``, the
-    scale a format parameter: read here, checked again at load). None: weight-only. Anything else is refused
-    by name: serving it weight-only would compute another model than the producer's.
+    Read: symmetric 8-bit activations of the weights' ``kind`` (``int``: ``int8``, ``float``: ``fp8``), dynamic
+    per ``token`` (``int8-token``, ``fp8-token``) or static per ``tensor`` with ``{base}.input_scale``
+    (``int8-tensor``/``fp8-tensor``, the scale a format parameter: read here, checked again at load). None:
+    weight-only. Anything else is refused by name: serving it weight-only would compute another model than the
+    producer's; so is a scheme whose format holds no activations (the lookup finds none).
     """
     acts = scheme.sub("input_activations", None, tensor=key) if scheme is not None else None
     if acts is None:
         return {}, (), ""
-    kind, bits = acts.field("type", STRING, "int", tensor=key), acts.field("num_bits", POSITIVE, 8, tensor=key)
+    a_kind, bits = acts.field("type", STRING, "int", tensor=key), acts.field("num_bits", POSITIVE, 8, tensor=key)
     strategy = acts.field("strategy", STRING, tensor=key)
     dynamic = acts.field("dynamic", either(BOOL, STRING), False, tensor=key)
     sym = acts.field("symmetric", BOOL, True, tensor=key)
-    want = "int" if codes == "int8" else "float"
-    said = f"; input activations {kind}{bits} {strategy}{' dynamic' if dynamic is True else ''}"
+    codes = "int8" if kind == "int" else "fp8"
+    said = f"; input activations {a_kind}{bits} {strategy}{' dynamic' if dynamic is True else ''}"
     said += "" if sym else ", asymmetric"
-    if kind == want and bits == 8 and sym and strategy == "token" and dynamic is True:
+    if a_kind == kind and bits == 8 and sym and strategy == "token" and dynamic is True:
         return {"activations": f"{codes}-token"}, (), said
-    if kind == want and bits == 8 and sym and strategy == "tensor" and dynamic is False:
+    if a_kind == kind and bits == 8 and sym and strategy == "tensor" and dynamic is False:
         scale_key = key[: -len(".weight")] + ".input_scale"
         if scale_key not in ckpt.tensors:
             raise ValueError(f"{key}: static input activations need {scale_key}, which the checkpoint lacks")
@@ -249,7 +241,7 @@ def _ct_activations(scheme: Fields | None, ckpt: Checkpoint, key: str, codes: st
         return {"activations": f"{codes}-tensor", "input_scale": value}, (_input_scale(value, stored.dtype),), said
     raise ValueError(
         f"{key}: compressed-tensors input activations ({said[2:]}) are not read: this library computes symmetric "
-        f"8-bit {want} activations dynamic per token or static per tensor, with {codes} weights"
+        f"8-bit {kind} activations dynamic per token or static per tensor, with 8-bit {kind} weights"
     )
 
 
@@ -275,26 +267,20 @@ def _g_idx(group: int, desc_act) -> Extra:
     return Extra("{base}.g_idx", check, lambda shape: torch.arange(shape[-1], dtype=torch.int32) // group)
 
 
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
 def _gptq_awq(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
     """GPTQ v1 (auto-gptq, GPTQModel's ``gptq`` format) and AWQ GEMM (AutoAWQ): ``qweight``, ``qzeros``, ``scales``.
 
-    Both pack eight 4-bit codes per int32 and keep ``[in, out]`` orientation:
-    GPTQ's ``qweight`` ``[in/8, out]`` (along the inputs, code i at bits 4i),
-    AWQ's ``[in, out/8]`` (along the outputs, AWQ's interleaved order); zero
-    points ``[in/g, out/8]`` along the outputs (GPTQ stores z - 1); fp16
-    ``scales`` ``[in/g, out]``. Unpacked and transposed into
-    :class:`~dtensor_quant.Int4GroupwiseIntZero`'s ``[out, in]`` rows on the
-    read, losslessly.
+    Described by the bits, the group size (-1: one group per row), the
+    version (GPTQ's ``checkpoint_format``, AWQ's ``version``) and AWQ's
+    ``zero_point``; a GPTQ ``g_idx`` is checked to be plain groups (no
+    act-order).
     """
     if not key.endswith(".weight") or len(shape) != 2:
         return None
     base = key[: -len(".weight")]
     if base + ".qweight" not in ckpt.tensors:
         return None
-    gptq = _method(qc) == "gptq"
+    gptq = _method(qc) == GPTQ
     bits = qc.field("bits", INT, tensor=key) if "bits" in qc else qc.field("w_bit", INT, tensor=key)
     groups = either(POSITIVE, exactly(-1))
     group = (
@@ -309,68 +295,48 @@ def _gptq_awq(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | No
     else:
         version = qc.field("version", STRING, "gemm", tensor=key).lower()
     desc_act = qc.field("desc_act", BOOL, False, tensor=key)
-    what = f"{name} ({version}, int{bits}, group {group}{', desc_act' if desc_act else ''})"
-    if bits != 4:
-        raise ValueError(f"{key}: {what}: only 4-bit GPTQ/AWQ is read")
-    if version not in ("gptq", "gemm"):
-        raise ValueError(f"{key}: {what}: only GPTQ v1 ('gptq') and AWQ GEMM checkpoints are read")
-    if not gptq and qc.field("zero_point", BOOL, True, tensor=key) is False:
-        raise ValueError(f"{key}: {what}: AWQ without zero points is not read")
-    s_dtype = ckpt.tensors[base + ".scales"].dtype
-    order = (0, 1, 2, 3, 4, 5, 6, 7) if gptq else _AWQ_ORDER
-    codes = PackedCodes("{base}.qweight", torch.int32, along=0 if gptq else 1, transposed=True, order=order)
-    zero = PackedCodes("{base}.qzeros", torch.int32, along=1, transposed=True, order=order, add=1 if gptq else 0,
-                       unpacked=True)  # fmt: skip
-    inner = (("qdata", codes), ("scale", Transposed("{base}.scales", s_dtype)), ("zero", zero))
+    what = f"{key}: {name} ({version}, int{bits}, group {group}{', desc_act' if desc_act else ''})"
+    described = {"num_bits": bits, "group_size": group, "scale_dtype": ckpt.tensors[base + ".scales"].dtype}
+    if not gptq:
+        described["zero_point"] = qc.field("zero_point", BOOL, True, tensor=key)
     extras = (_g_idx(group, desc_act),) if gptq and base + ".g_idx" in ckpt.tensors else ()
-    return StoredLayout(Int4GroupwiseIntZero(group, scale_dtype=s_dtype), what, inner, extras)
+    return held(GPTQ if gptq else AWQ, version, described, what, extras)
 
 
 def _fp8_blocks(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
     """DeepSeek-V3 / Qwen3-FP8: ``weight`` e4m3 + ``weight_scale_inv`` per block (fp32 there).
 
-    ``weight_scale_inv`` is read in the dtype the file holds it in, as
-    :class:`~dtensor_quant.Float8Blockwise`'s ``scale_dtype``: ``dq.hf.save``
-    writes a ``Float8Blockwise(b, scale_dtype=torch.bfloat16)`` weight's
-    bf16 scales as they are, and reads them back as they are.
+    ``weight_scale_inv`` is read in the dtype the file holds it in, as the
+    format's ``scale_dtype``: ``dq.hf.save`` writes bf16 block scales as
+    they are, and reads them back as they are.
     """
     if key + "_scale_inv" not in ckpt.tensors or len(shape) != 2:
         return None
     b = (qc.field("weight_block_size", list_of(POSITIVE, 2), tensor=key) if qc is not None else None) or [128, 128]
-    if b[0] != b[1]:
-        raise ValueError(f"{key}: FP8 blocks {b} are not square; Float8Blockwise holds square blocks")
     s_dtype = ckpt.tensors[key + "_scale_inv"].dtype
-    if s_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{key}: FP8 block scales ({key}_scale_inv) are {s_dtype}; Float8Blockwise holds "
-                         "float32, bfloat16 or float16 ones")  # fmt: skip
-    fmt = Float8Blockwise(b[0], scale_dtype=s_dtype)
-    inner = (("qdata", Same("{key}", torch.float8_e4m3fn)), ("scale_inv", Same("{key}_scale_inv", s_dtype)))
-    return StoredLayout(fmt, f"fp8 ({b[0]}x{b[1]} block scales, {str(s_dtype).removeprefix('torch.')})", inner)
+    what = f"{key}: fp8 ({b[0]}x{b[1]} block scales, {str(s_dtype).removeprefix('torch.')})"
+    described = {"block_size": b[0], "scale_dtype": s_dtype} if b[0] == b[1] else {"block_structure": b}
+    return held(FP8_BLOCKS, "block", described, what)
 
 
 def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
-    """bitsandbytes NF4 as transformers saves it (unsloth's ``*-bnb-4bit`` models), double-quantized or not.
+    """bitsandbytes as transformers saves it (unsloth's ``*-bnb-4bit`` models): NF4, double-quantized or not.
 
-    ``weight`` uint8 ``[n/2, 1]`` (codes over the flat weight, first in the
-    high nibble) and ``.absmax``. Double quantization
-    (``bnb_4bit_use_double_quant=True``): ``.absmax`` uint8 (dynamic-map
-    codes, one per 64 values), ``.nested_absmax`` float32 (one per 256
-    blocks), the offset in the ``.quant_state.bitsandbytes__nf4`` JSON:
-    :class:`~dtensor_quant.BnbNF4`'s inner tensors. Without it: ``.absmax``
-    float32, one per 64 values: :class:`~dtensor_quant.NF4BlockScales`'.
-    Row-major, as they are. ``quant_map`` (and ``nested_quant_map``) must be
-    bitsandbytes' (they are checked, not stored).
+    Described by the quant type (``.quant_state.bitsandbytes__<type>``;
+    LLM.int8's ``.SCB``: ``int8``), the block sizes of the quant state and
+    whether ``.nested_absmax`` is stored (double quantization); the state's
+    ``quant_type``, ``shape`` and ``nested_dtype`` are checked on load.
     """
     if not key.endswith(".weight") or len(shape) != 2:
         return None
     if key + ".SCB" in ckpt.tensors:
-        raise ValueError(f"{key}: bitsandbytes 8-bit (LLM.int8, load_in_8bit) is not read as stored; only NF4 is")
+        return held(BITSANDBYTES, "int8", {}, f"{key}: bitsandbytes int8 (LLM.int8, load_in_8bit)")
     if key + ".absmax" not in ckpt.tensors:
         return None
     states = sorted(k for k in ckpt.tensors if k.startswith(key + ".quant_state."))
-    if states != [key + ".quant_state.bitsandbytes__nf4"]:
-        kind = states[0].rpartition("__")[2] if states else "no quant_state"
-        raise ValueError(f"{key}: bitsandbytes {kind}: only NF4 (bnb_4bit_quant_type='nf4') is read as stored")
+    if len(states) != 1:
+        raise ValueError(f"{key}: bitsandbytes with {len(states)} quant_state tensors ({states}); one is expected")
+    quant_type = states[0].rpartition("__")[2]
     state = json_doc(ckpt, states[0])
     blocksize = state.field("blocksize", POSITIVE, REQUIRED)
     nested_blocksize = state.field("nested_blocksize", POSITIVE)
@@ -378,34 +344,24 @@ def _bitsandbytes(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout 
     if nested != (nested_blocksize is not None):
         has = "a .nested_absmax tensor but no" if nested else "no .nested_absmax tensor but a"
         raise ValueError(
-            f"{key}: bitsandbytes NF4 with {has} nested_blocksize in its quant_state: neither double-quantized "
-            "(BnbNF4) nor plain (NF4BlockScales); the checkpoint is inconsistent"
+            f"{key}: bitsandbytes {quant_type} with {has} nested_blocksize in its quant_state: neither "
+            "double-quantized nor plain; the checkpoint is inconsistent"
         )
     if nested:
         state.field("nested_offset", NUMBER, REQUIRED)  # read by the loader: checked before anything is
-        fmt = BnbNF4(blocksize, nested_blocksize)
-        offset = JsonField("{key}.quant_state.bitsandbytes__nf4", torch.uint8, "nested_offset")
-        inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("absmax", Flat("{key}.absmax", torch.uint8)),
-                 ("nested_absmax", Flat("{key}.nested_absmax", torch.float32)), ("offset", offset))  # fmt: skip
-    else:
-        fmt = NF4BlockScales(blocksize, levels="bitsandbytes")
-        inner = (("qdata", Flat("{key}", torch.uint8, (1,))), ("scale", Flat("{key}.absmax", torch.float32)))
-
-    def same(want):
-        return lambda t, shape: None if torch.equal(t, want) else f"not bitsandbytes' map; {fmt} computes with that"
+    described = {"double_quant": nested, "block_size": blocksize}
+    if nested:
+        described["nested_block_size"] = nested_blocksize
 
     def state_fits(t, shape):
         js = json_doc(ckpt, states[0])
-        want = {"quant_type": "nf4", "shape": list(shape)} | ({"nested_dtype": "float32"} if nested else {})
+        want = {"quant_type": quant_type, "shape": list(shape)} | ({"nested_dtype": "float32"} if nested else {})
         bad = {k: js.get(k) for k, v in want.items() if js.get(k) != v}
         return f"{bad} (expected {want})" if bad else None
 
-    maps = [Extra("{key}.quant_map", same(torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)))]
-    if nested:
-        maps.append(Extra("{key}.nested_quant_map", same(dynamic_map())))
-    extras = (*maps, Extra("{key}.quant_state.bitsandbytes__nf4", state_fits))
     scheme = "double quantization" if nested else "no double quantization"
-    return StoredLayout(fmt, f"bitsandbytes nf4 ({scheme}, blocks {fmt.block_size})", inner, extras)
+    what = f"{key}: bitsandbytes {quant_type} ({scheme}, blocks {blocksize})"
+    return held(BITSANDBYTES, quant_type, described, what, (Extra(states[0].replace(key, "{key}", 1), state_fits),))
 
 
 def _mxfp4_experts(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout | None:
@@ -413,8 +369,8 @@ def _mxfp4_experts(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout
 
     transformers' model holds the experts as ``[E, in, out]`` (``x @ W[e]``);
     the file stores each expert ``[out, in]`` with its blocks along the
-    inputs: :class:`~dtensor_quant.MXFP4`'s codes and exponents as they are,
-    the model's parameter the transposed view.
+    inputs: the format's codes and exponents as they are, the model's
+    parameter the transposed view.
     """
     if len(shape) != 3 or key + "_blocks" not in ckpt.tensors:
         return None
@@ -423,8 +379,8 @@ def _mxfp4_experts(qc, ckpt: Checkpoint, key: str, shape, dtype) -> StoredLayout
     if tuple(blocks.shape) != (experts, n_out, n_in // 32, 16) or scales is None:
         raise ValueError(f"{key}: {key}_blocks is {list(blocks.shape)}, the model's experts {list(shape)} [E, in, out] "
                          f"need [{experts}, {n_out}, {n_in // 32}, 16] and {key}_scales")  # fmt: skip
-    inner = (("qdata", Reshaped("{key}_blocks", torch.uint8, 16)), ("scale", Same("{key}_scales", torch.uint8)))
-    return StoredLayout(MXFP4(), "mxfp4 (gpt-oss experts)", inner, transposed=True)
+    layout = held(GPT_OSS_MXFP4, "experts", {}, f"{key}: mxfp4 (gpt-oss experts)")
+    return dataclasses.replace(layout, method="mxfp4 (gpt-oss experts)", transposed=True)
 
 
 # -- this library's own form ----------------------------------------------------------------------

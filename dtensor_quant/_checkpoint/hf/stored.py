@@ -377,7 +377,8 @@ class Extra:
         return _key(self.template, key)
 
 
-_MAPS = {"same": Same, "flat": Flat, "words": Words, "fill": Fill, "packed_codes": PackedCodes}
+_MAPS = {"same": Same, "reshaped": Reshaped, "transposed": Transposed, "flat": Flat, "words": Words, "fill": Fill,
+         "packed_codes": PackedCodes, "json_field": JsonField}  # fmt: skip
 
 
 def from_spec(spec: StoredAs) -> Stored:
