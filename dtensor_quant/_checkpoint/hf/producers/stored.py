@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._core.producers import StoredAs
-from ..state_dict import CheckpointFormatError
-from .fields import NUMBER, REQUIRED, Fields, parse
-from .safetensors_io import Checkpoint
+from ...._core.producers import StoredAs
+from ...state_dict import CheckpointFormatError
+from ..io.fields import NUMBER, REQUIRED, Fields, parse
+from ..io.safetensors_io import Checkpoint
 
 _SMALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
