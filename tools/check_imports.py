@@ -269,8 +269,6 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: Modules outside ``_formats/`` that name format classes, each with its reason. The public front (the root and
 #: its facades) re-exports them and is not listed. Every other module asks a format what it declares.
 FORMAT_NAMING: dict[str, str] = {
-    "dtensor_quant._checkpoint.hf.prequantized": "the pre-quantized reader still picks the format that holds a "
-    "producer's layout by name; its declarations are not yet moved into the formats (issue 32)",
     "dtensor_quant._model.interop": "torchao interop: maps torchao's configs and tensors to the formats holding them",
     "dtensor_quant._optim": "re-exports AdamW8bit/AdamW4bit, whose moments' formats (BlockFloat8, BlockLog4) are "
     "the optimizers' own choice",

@@ -43,7 +43,7 @@ import torch
 
 from . import activations
 from .layout import Blocked, OneToOne, Relation
-from .producers import ProducerLayout
+from .producers import Holds, ProducerLayout
 from .stochastic import Noise
 
 
@@ -211,8 +211,14 @@ class QuantFormat:
     #: (``{"compressed-tensors": "Int4Groupwise with zero points 0"}``); :func:`writers` lists them.
     producer_notes: ClassVar[dict[str, str]] = {}
 
+    #: The producers' schemes this format class holds as stored (:class:`~dtensor_quant._core.producers.Holds`):
+    #: how a reader of a pre-quantized checkpoint finds the format of a stored weight (:func:`format_holding`).
+    #: Each one has a :meth:`producer_layout` for its producer.
+    producer_holds: ClassVar[tuple[Holds, ...]] = ()
+
     def producer_layout(self, producer: str, dtype: torch.dtype) -> ProducerLayout | str | None:
-        """How ``producer`` (``"compressed-tensors"``) stores a weight of this format in a ``dtype`` model.
+        """How ``producer`` (``"compressed-tensors"``, ``"gptq"``...) stores a weight of this format in a ``dtype``
+        model.
 
         A :class:`~dtensor_quant._core.producers.ProducerLayout` (plain data:
         the producer's scheme and, per inner tensor, how it is stored), a
@@ -346,14 +352,51 @@ def unpack_through(fmt: QuantFormat, inner: dict[str, torch.Tensor], out: torch.
 
 def writers(producer: str) -> list[str]:
     """The notes of every format class that declares it can be written as ``producer``, in definition order."""
-    out, todo = [], list(QuantFormat.__subclasses__())
-    while todo:
-        cls = todo.pop(0)
-        todo[:0] = cls.__subclasses__()
+    out = []
+    for cls in _format_classes():
         note = cls.__dict__.get("producer_notes", {}).get(producer)
         if note is not None and note not in out:
             out.append(note)
     return out
+
+
+def _format_classes() -> list[type]:
+    """Every format class of this process, in definition order (depth first)."""
+    out, todo = [], list(QuantFormat.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        todo[:0] = cls.__subclasses__()
+        if cls not in out:
+            out.append(cls)
+    return out
+
+
+def format_holding(producer: str, scheme: str, args: dict) -> QuantFormat | None:
+    """The format that holds a weight ``producer`` stored in ``scheme`` with ``args`` as stored, or None.
+
+    Looked up in the format classes' declarations (``producer_holds``) alone
+    and built with the fields they read from ``args``. Raises ``ValueError``
+    when two classes claim it, or when the fields do not build a format (a
+    scale dtype the format does not take): the message says why.
+    """
+    found = [(cls, h) for cls in _format_classes() for h in cls.__dict__.get("producer_holds", ())
+             if h.matches(producer, scheme, args)]  # fmt: skip
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(cls.__name__ for cls, _ in found)
+        raise ValueError(f"{producer} {scheme} {args}: more than one format declares it holds it ({names})")
+    cls, holds = found[0]
+    try:
+        return cls(**holds.fields(args))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{cls.__name__} holds {producer} {scheme}, but not with {args}: {e}") from None
+
+
+def held_schemes(producer: str) -> list[str]:
+    """What the format classes declare they hold of ``producer``, for messages: ``"gptq (num_bits=4, ...) as X"``."""
+    return [f"{h} as {cls.__name__}" for cls in _format_classes() for h in cls.__dict__.get("producer_holds", ())
+            if h.producer == producer]  # fmt: skip
 
 
 def weight_layout(fmt: QuantFormat, shape) -> dict[str, tuple[Relation, ...]]:

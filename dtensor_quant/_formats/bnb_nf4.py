@@ -65,6 +65,7 @@ import torch
 from .._core import native
 from .._core.format import FlatBlockedFormat, Reducer, int_params
 from .._core.layout import Constant, flat_blocked
+from .._core.producers import BITSANDBYTES, Holds, ProducerLayout, StoredAs
 from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 from .nf4 import flat_kernel_inputs, kernel_linear
 
@@ -122,6 +123,25 @@ class BnbNF4(FlatBlockedFormat):
 
     inner_names = ("qdata", "absmax", "nested_absmax", "offset")
     block_size_params = ("block_size", "nested_block_size")
+    #: bitsandbytes NF4 with double quantization (``bnb_4bit_use_double_quant=True``), as transformers saves it.
+    producer_holds = (Holds(BITSANDBYTES, ("nf4",), (("double_quant", True),), ("block_size", "nested_block_size")),)
+
+    def producer_layout(self, producer, dtype):
+        """bitsandbytes: ``weight`` uint8 ``[n/2, 1]`` (the codes over the flat weight, first in the high nibble),
+        ``.absmax`` uint8 (dynamic-map codes), ``.nested_absmax`` float32, the offset in the
+        ``.quant_state.bitsandbytes__nf4`` JSON; row-major, as they are. Its ``.quant_map`` and
+        ``.nested_quant_map`` are the levels and the dynamic map this format computes with."""
+        if producer != BITSANDBYTES:
+            return None
+        state = "{key}.quant_state.bitsandbytes__nf4"
+        inner = (("qdata", StoredAs("flat", "{key}", torch.uint8, (("trailing", (1,)),))),
+                 ("absmax", StoredAs("flat", "{key}.absmax", torch.uint8)),
+                 ("nested_absmax", StoredAs("flat", "{key}.nested_absmax", torch.float32)),
+                 ("offset", StoredAs("json_field", state, torch.uint8, (("field", "nested_offset"),))))  # fmt: skip
+        constants = (("{key}.quant_map", torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)),
+                     ("{key}.nested_quant_map", dynamic_map()))  # fmt: skip
+        args = {"blocksize": self.block_size, "nested_blocksize": self.nested_block_size}
+        return ProducerLayout(producer, "nf4", args, inner, constants=constants)
 
     def __post_init__(self):
         int_params(self)

@@ -37,7 +37,7 @@ import torch
 from .._core import activations, native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Constant, OneToOne
-from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
+from .._core.producers import COMPRESSED_TENSORS, ct_8bit_holds, ct_8bit_layout
 from .._core.reductions import block_reduce, block_stat_abs, safe_scale, scaled_into
 
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -372,16 +372,11 @@ class Float8Rowwise(_Activations, QuantFormat):
     block_size_params = ()  # no blocks: every row and column cut is legal
 
     producer_notes = {COMPRESSED_TENSORS: "Float8Rowwise"}
+    producer_holds = ct_8bit_holds(layout, "float")
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: fp8 e4m3, channel (``float-quantized``); the scales in the model's dtype."""
-        if producer != COMPRESSED_TENSORS:
-            return None
-        sd = self.scale_dtype or dtype
-        args = dict(CT_BASE_ARGS, num_bits=8, type="float", strategy="channel")
-        inner = (("qdata", StoredAs("same", "{key}", torch.float8_e4m3fn)),
-                 ("scale", StoredAs("same", "{key}_scale", sd)))  # fmt: skip
-        return scales_in_model_dtype(sd, dtype) or ProducerLayout(producer, "float-quantized", args, inner)
+        return ct_8bit_layout(self, producer, dtype, torch.float8_e4m3fn, "float")
 
     def __post_init__(self):
         dtype_param(self, "scale_dtype")
@@ -421,16 +416,11 @@ class Float8Tensorwise(_Activations, QuantFormat):
     block_size_params = ()  # no blocks: every row and column cut is legal
 
     producer_notes = {COMPRESSED_TENSORS: "Float8Tensorwise"}
+    producer_holds = ct_8bit_holds(layout, "float")
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: fp8 e4m3, tensor (``float-quantized``); the scale in the model's dtype."""
-        if producer != COMPRESSED_TENSORS:
-            return None
-        sd = self.scale_dtype or dtype
-        args = dict(CT_BASE_ARGS, num_bits=8, type="float", strategy="tensor")
-        inner = (("qdata", StoredAs("same", "{key}", torch.float8_e4m3fn)),
-                 ("scale", StoredAs("flat", "{key}_scale", sd)))  # fmt: skip
-        return scales_in_model_dtype(sd, dtype) or ProducerLayout(producer, "float-quantized", args, inner)
+        return ct_8bit_layout(self, producer, dtype, torch.float8_e4m3fn, "float")
 
     def __post_init__(self):
         dtype_param(self, "scale_dtype")

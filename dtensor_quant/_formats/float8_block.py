@@ -32,7 +32,15 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params, unpack_through
 from .._core.layout import Blocked, OneToOne
-from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
+from .._core.producers import (
+    COMPRESSED_TENSORS,
+    CT_BASE_ARGS,
+    FP8_BLOCKS,
+    Holds,
+    ProducerLayout,
+    StoredAs,
+    scales_in_model_dtype,
+)
 from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, safe_scale
 from .float8 import codes_into, kernel_linear, kernel_prepare, table_fits
 
@@ -48,10 +56,22 @@ class Float8Blockwise(QuantFormat):
     block_size_params = ("block_size",)
 
     producer_notes = {COMPRESSED_TENSORS: "Float8Blockwise"}
+    #: compressed-tensors' fp8 square blocks, and DeepSeek-V3's (``quant_method: fp8``, ``weight_block_size``);
+    #: the scales in the dtype the file holds them in.
+    producer_holds = (
+        Holds(COMPRESSED_TENSORS, ("float-quantized", "naive-quantized"), (("num_bits", 8), ("type", "float"),
+              ("strategy", "block"), ("symmetric", True)), ("block_size", "scale_dtype")),
+        Holds(FP8_BLOCKS, ("block",), (), ("block_size", "scale_dtype")),
+    )  # fmt: skip
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: fp8 e4m3, square blocks (``float-quantized``); the scales (float32 by default) in the
-        model's dtype."""
+        model's dtype. DeepSeek's fp8: the codes as ``weight``, the scales as ``weight_scale_inv``, as they are."""
+        if producer == FP8_BLOCKS:
+            sd = self.scale_dtype or torch.float32
+            inner = (("qdata", StoredAs("same", "{key}", torch.float8_e4m3fn)),
+                     ("scale_inv", StoredAs("same", "{key}_scale_inv", sd)))  # fmt: skip
+            return ProducerLayout(producer, "block", {"weight_block_size": [self.block_size] * 2}, inner)
         if producer != COMPRESSED_TENSORS:
             return None
         sd, b = self.scale_dtype or torch.float32, self.block_size

@@ -30,7 +30,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params, unpack_through
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
+from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, Holds, ProducerLayout, StoredAs, scales_in_model_dtype
 from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
 _CODES_MINUS_8 = tuple(float(c - 8) for c in range(16))
@@ -81,6 +81,11 @@ class Int4Groupwise(QuantFormat):
     block_size_params = ("group_size",)
 
     producer_notes = {COMPRESSED_TENSORS: "Int4Groupwise with zero points 0"}
+    #: compressed-tensors' symmetric int4 groups: stored q + 8, no zero point, so ``(q - 8) * scale``.
+    producer_holds = (
+        Holds(COMPRESSED_TENSORS, ("pack-quantized",), (("num_bits", 4), ("type", "int"), ("strategy", "group"),
+              ("symmetric", True)), ("group_size", "scale_dtype")),
+    )  # fmt: skip
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: int4, symmetric groups (``pack-quantized``): the codes in int32 words, the scales in

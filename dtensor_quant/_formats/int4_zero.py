@@ -53,7 +53,16 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, int_params
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
+from .._core.producers import (
+    AWQ,
+    COMPRESSED_TENSORS,
+    CT_BASE_ARGS,
+    GPTQ,
+    Holds,
+    ProducerLayout,
+    StoredAs,
+    scales_in_model_dtype,
+)
 from .._core.reductions import block_reduce, expand_blocks, finite_or_nan, largest_finite, nibbles_into
 
 _CODES = tuple(float(c) for c in range(16))
@@ -66,6 +75,10 @@ def _round_up(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.clamp(max=torch.finfo(dtype).max)
 
 
+#: AWQ's order of the eight codes in an int32 word: code ``_AWQ_ORDER[i]`` sits at bits ``4i``.
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
 @dataclass(frozen=True)
 class Int4GroupwiseIntZero(QuantFormat):
     group_size: int = 128
@@ -75,10 +88,34 @@ class Int4GroupwiseIntZero(QuantFormat):
     block_size_params = ("group_size",)
 
     producer_notes = {COMPRESSED_TENSORS: "Int4GroupwiseIntZero"}
+    #: compressed-tensors' asymmetric int4 groups (zero points stored z + 8: the nibble is the codes' zero),
+    #: GPTQ v1 and AWQ GEMM: 4-bit codes and integer zero points, scales per group of the inputs.
+    producer_holds = (
+        Holds(COMPRESSED_TENSORS, ("pack-quantized",), (("num_bits", 4), ("type", "int"), ("strategy", "group"),
+              ("symmetric", False)), ("group_size", "scale_dtype")),
+        Holds(GPTQ, ("gptq",), (("num_bits", 4),), ("group_size", "scale_dtype")),
+        Holds(AWQ, ("gemm",), (("num_bits", 4), ("zero_point", True)), ("group_size", "scale_dtype")),
+    )  # fmt: skip
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: int4, asymmetric groups (``pack-quantized``): the codes in int32 words, the scales in
-        the model's dtype, the integer zero points packed eight per int32 along the rows."""
+        the model's dtype, the integer zero points packed eight per int32 along the rows.
+
+        GPTQ and AWQ keep ``[in, out]`` orientation and pack eight 4-bit codes per int32: GPTQ's ``qweight``
+        ``[in/8, out]`` (along the inputs, code i at bits 4i), AWQ's ``[in, out/8]`` (along the outputs, in AWQ's
+        interleaved order); zero points ``[in/g, out/8]`` along the outputs (GPTQ stores z - 1); ``scales``
+        ``[in/g, out]``: all transposed into this format's ``[out, in]`` rows, losslessly.
+        """
+        if producer in (GPTQ, AWQ):
+            sd, gptq = self.scale_dtype or dtype, producer == GPTQ
+            order = (0, 1, 2, 3, 4, 5, 6, 7) if gptq else _AWQ_ORDER
+            codes = StoredAs("packed_codes", "{base}.qweight", torch.int32,
+                             (("along", 0 if gptq else 1), ("transposed", True), ("order", order)))  # fmt: skip
+            zero = StoredAs("packed_codes", "{base}.qzeros", torch.int32, (("along", 1), ("transposed", True),
+                            ("order", order), ("add", 1 if gptq else 0), ("unpacked", True)))  # fmt: skip
+            inner = (("qdata", codes), ("scale", StoredAs("transposed", "{base}.scales", sd)), ("zero", zero))
+            args = {"bits": 4, "group_size": self.group_size}
+            return ProducerLayout(producer, "gptq" if gptq else "gemm", args, inner)
         if producer != COMPRESSED_TENSORS:
             return None
         sd = self.scale_dtype or dtype

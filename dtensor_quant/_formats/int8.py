@@ -32,7 +32,7 @@ import torch
 from .._core import activations, native
 from .._core.format import QuantFormat, Reducer, compact_repr, dtype_param, unpack_through
 from .._core.layout import Constant, OneToOne
-from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs, scales_in_model_dtype
+from .._core.producers import COMPRESSED_TENSORS, ct_8bit_holds, ct_8bit_layout
 from .._core.reductions import block_reduce, block_stat_abs, canonical_nan, safe_scale, scaled_into
 from .._core.stochastic import Noise
 
@@ -216,15 +216,11 @@ class Int8Rowwise(QuantFormat):
     block_size_params = ()  # no blocks: every row and column cut is legal
 
     producer_notes = {COMPRESSED_TENSORS: "Int8Rowwise"}
+    producer_holds = ct_8bit_holds(layout, "int")
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: int8, channel, symmetric (``int-quantized``); the scales in the model's dtype."""
-        if producer != COMPRESSED_TENSORS:
-            return None
-        sd = self.scale_dtype or dtype
-        args = dict(CT_BASE_ARGS, num_bits=8, type="int", strategy="channel")
-        inner = (("qdata", StoredAs("same", "{key}", torch.int8)), ("scale", StoredAs("same", "{key}_scale", sd)))
-        return scales_in_model_dtype(sd, dtype) or ProducerLayout(producer, "int-quantized", args, inner)
+        return ct_8bit_layout(self, producer, dtype, torch.int8, "int")
 
     def __post_init__(self):
         dtype_param(self, "scale_dtype")

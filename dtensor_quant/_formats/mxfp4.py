@@ -52,7 +52,7 @@ import torch
 from .._core import native
 from .._core.format import QuantFormat, Reducer
 from .._core.layout import Blocked, OneToOne, Packed
-from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, ProducerLayout, StoredAs
+from .._core.producers import COMPRESSED_TENSORS, CT_BASE_ARGS, GPT_OSS_MXFP4, Holds, ProducerLayout, StoredAs
 from .._core.reductions import block_reduce, block_stat_abs, expand_blocks, nibbles_into
 from .nf4 import kernel as nf4_kernel
 from .nf4 import kernel_linear
@@ -84,10 +84,21 @@ class MXFP4(QuantFormat):
     block_size_params = ()  # so nothing for the planner to shrink
 
     producer_notes = {COMPRESSED_TENSORS: "MXFP4"}
+    #: compressed-tensors' mxfp4 and gpt-oss's MXFP4 experts: the OCP codes and e8m0 exponents as they are.
+    producer_holds = (
+        Holds(COMPRESSED_TENSORS, ("mxfp4-pack-quantized",), (("num_bits", 4), ("type", "float"),
+              ("strategy", "group"), ("group_size", BLOCK), ("symmetric", True), ("scale_dtype", torch.uint8))),
+        Holds(GPT_OSS_MXFP4, ("experts",)),
+    )  # fmt: skip
 
     def producer_layout(self, producer, dtype):
         """compressed-tensors: mxfp4 (``mxfp4-pack-quantized``): codes and e8m0 exponents as they are, any model
-        dtype."""
+        dtype. gpt-oss: each expert's codes as ``{key}_blocks`` ``[..., in/32, 16]``, the exponents as
+        ``{key}_scales``."""
+        if producer == GPT_OSS_MXFP4:
+            inner = (("qdata", StoredAs("reshaped", "{key}_blocks", torch.uint8, (("inner", 16),))),
+                     ("scale", StoredAs("same", "{key}_scales", torch.uint8)))  # fmt: skip
+            return ProducerLayout(producer, "experts", {}, inner)
         if producer != COMPRESSED_TENSORS:
             return None
         args = dict(CT_BASE_ARGS, num_bits=4, type="float", strategy="group", group_size=BLOCK)

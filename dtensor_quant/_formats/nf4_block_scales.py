@@ -55,6 +55,7 @@ import torch
 from .._core import native
 from .._core.format import FlatBlockedFormat, QuantFormat, Reducer, expansion_of, int_params
 from .._core.layout import flat_blocked
+from .._core.producers import BITSANDBYTES, Holds, ProducerLayout, StoredAs
 from .._core.reductions import block_stat_abs, expand_to, nibbles_into, reduce_to
 from .bnb_nf4 import NF4_LEVELS_F32, BnbNF4, nf4_codes
 from .nf4 import NF4, NF4_LEVELS, flat_kernel_inputs, kernel_linear, nearest_codes
@@ -69,6 +70,21 @@ class NF4BlockScales(FlatBlockedFormat):
 
     inner_names = ("qdata", "scale")
     block_size_params = ("block_size",)
+    #: bitsandbytes NF4 without double quantization: float32 ``absmax`` per block, bitsandbytes' levels.
+    producer_holds = (
+        Holds(BITSANDBYTES, ("nf4",), (("double_quant", False),), ("block_size",), (("levels", "bitsandbytes"),)),
+    )
+
+    def producer_layout(self, producer, dtype):
+        """bitsandbytes (``levels="bitsandbytes"``): ``weight`` uint8 ``[n/2, 1]`` (the codes over the flat weight,
+        first in the high nibble) and ``.absmax`` float32, row-major, as they are; its ``.quant_map`` holds the
+        levels this format computes with."""
+        if producer != BITSANDBYTES or self.levels != "bitsandbytes":
+            return None
+        inner = (("qdata", StoredAs("flat", "{key}", torch.uint8, (("trailing", (1,)),))),
+                 ("scale", StoredAs("flat", "{key}.absmax", torch.float32)))  # fmt: skip
+        constants = (("{key}.quant_map", torch.tensor(NF4_LEVELS_F32, dtype=torch.float32)),)
+        return ProducerLayout(producer, "nf4", {"blocksize": self.block_size}, inner, constants=constants)
 
     def __post_init__(self):
         int_params(self)

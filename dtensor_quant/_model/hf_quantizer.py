@@ -56,7 +56,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .._checkpoint.hf.prequantized import NATIVE, NATIVE_VERSION, native_groups, native_record, native_targets
+from .._checkpoint.hf.producers.native import NATIVE, NATIVE_VERSION, native_groups, native_record, native_targets
 from .._checkpoint.state_dict import (
     SPEC_KEY,
     format_of_record,

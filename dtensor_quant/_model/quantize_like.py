@@ -3,7 +3,7 @@
 The model is built on the meta device, as for any sharded load; this reads
 only ``config.json`` and the safetensors headers, picks for every matmul
 weight the format that holds the producer's stored layout
-(:func:`~dtensor_quant.hf.prequantized.detect`), and quantizes it with
+(:func:`~dtensor_quant._checkpoint.hf.producers.detect`), and quantizes it with
 :func:`~dtensor_quant.quantize_` (on meta: no memory, no data). What the
 producer left dense (its ignore list, ``lm_head``) stays dense. Then the
 usual flow applies: shard, ``dq.hf.materialize``, ``dq.hf.load``, which reads
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .._checkpoint.hf.prequantized import StoredLayout, detect, quantization_config
-from .._checkpoint.hf.safetensors_io import Checkpoint
+from .._checkpoint.hf.io.safetensors_io import Checkpoint
+from .._checkpoint.hf.producers import detect, quantization_config
+from .._checkpoint.hf.producers.layout import StoredLayout
 from .._checkpoint.state_dict import CheckpointFormatError
 from .quantize_model import is_matmul_weight, quantize_
 

@@ -14,7 +14,9 @@
 Each rank reads and writes only its own slices; docs/huggingface.md says how.
 The implementation lives in the private ``dtensor_quant._checkpoint.hf``.
 A format says how a producer stores it (``save(quantization="compressed-tensors")``)
-with ``QuantFormat.producer_layout``, built from ``ProducerLayout`` and ``StoredAs``
+with ``QuantFormat.producer_layout``, built from ``ProducerLayout`` and ``StoredAs``,
+and which producers' schemes it holds as stored (what ``load`` and
+``quantize_like_checkpoint`` read) with ``producer_holds``, of ``Holds``
 (docs/custom_format.md).
 
 ``QuantConfig`` is transformers' ``quantization_config`` for this library
@@ -30,7 +32,7 @@ directory ``save_pretrained`` wrote loads with plain ``from_pretrained``.
 """
 
 from .._checkpoint.hf import Checkpoint, LoadResult, TensorInfo, init_empty, load, materialize, save, tp_plan
-from .._core.producers import CT_BASE_ARGS, ProducerLayout, StoredAs
+from .._core.producers import CT_BASE_ARGS, Holds, ProducerLayout, StoredAs
 from .._model.quantize_like import quantize_like_checkpoint
 from .._model.transformers_hook import install, quant_config_class
 
@@ -46,6 +48,7 @@ def __getattr__(name: str):
 __all__ = [
     "CT_BASE_ARGS",
     "Checkpoint",
+    "Holds",
     "LoadResult",
     "ProducerLayout",
     "StoredAs",

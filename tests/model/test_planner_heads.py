@@ -181,7 +181,7 @@ def test_python_dash_m_user_error_has_no_traceback():
 def test_checkpoint_planned_as_stored(tmp_path, capsys, monkeypatch):
     """An FP8 block checkpoint (DeepSeek's layout, 128x128 blocks): its block size, never a smaller one; padding
     only where the stored bytes pad exactly; no weight read."""
-    from dtensor_quant._checkpoint.hf.safetensors_io import Checkpoint
+    from dtensor_quant._checkpoint.hf.io.safetensors_io import Checkpoint
     from dtensor_quant._model.planner.checkpoint import stored_layers
     from tests.support import hf_cases as hc
 

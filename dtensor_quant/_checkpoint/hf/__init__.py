@@ -51,11 +51,10 @@ written once, in parallel, at its final place.
 (it quantizes a model, a layer above this one); the package attaches it here.
 """
 
+# The file format's names (DTYPES, TensorInfo, ...) stay reachable as dq.hf.<name>, as before the split.
+from .io.safetensors_io import DTYPES, INDEX, NAMES, SINGLE, Checkpoint, Pieces, TensorInfo  # noqa: F401
 from .loading import LoadResult, load
 from .prepare import init_empty, materialize, tp_plan
-
-# The file format's names (DTYPES, TensorInfo, ...) stay reachable as dq.hf.<name>, as before the split.
-from .safetensors_io import DTYPES, INDEX, NAMES, SINGLE, Checkpoint, Pieces, TensorInfo  # noqa: F401
 from .saving import save
 
 __all__ = [

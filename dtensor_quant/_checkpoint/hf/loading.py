@@ -16,9 +16,9 @@ from ..._core.tensor import contiguous_strides
 from ..._parallel.agree import raise_together
 from ..._parallel.quantize import quantize
 from ..._parallel.shard_quant import MeshReducer, quantize_local
+from .io.safetensors_io import Checkpoint
 from .match import Padded, plan
 from .prequantized import read as read_stored
-from .safetensors_io import Checkpoint
 from .tensors import agreement_scope, local_slice, local_tensor
 
 

@@ -15,8 +15,8 @@ from torch import nn
 from ..._core.format import weight_layout
 from ..._ops.layout_ops import canonical_dims
 from ..state_dict import CheckpointFormatError, is_quantized
+from .io.safetensors_io import Checkpoint, Pieces
 from .prequantized import check, find, quantization_config
-from .safetensors_io import Checkpoint, Pieces
 from .tensors import describe, local_slice, local_tensor, model_tensors, unpadded_shapes
 
 

@@ -36,13 +36,13 @@ from ..._parallel import liveness
 from ..._parallel.agree import LOCAL, raise_together
 from ..errors import CheckpointSaveError
 from ..state_dict import canonical_view, entry_placements, entry_shape, is_quantized
-from . import commit
 from .adapters import Delta, Wrapper, unwrap
-from .commit import STAGING
-from .export_ct import QUANTIZATIONS as CT_QUANTIZATIONS
-from .export_ct import CompressedTensorsExport
-from .prequantized import NATIVE, NATIVE_VERSION, native_groups, native_suffixes
-from .safetensors_io import INDEX, NAMES, SINGLE, byte_runs
+from .io import commit
+from .io.commit import STAGING
+from .io.safetensors_io import INDEX, NAMES, SINGLE, byte_runs
+from .producers.export_ct import QUANTIZATIONS as CT_QUANTIZATIONS
+from .producers.export_ct import CompressedTensorsExport
+from .producers.native import NATIVE, NATIVE_VERSION, native_groups, native_suffixes
 from .tensors import (
     agreement_scope,
     describe,

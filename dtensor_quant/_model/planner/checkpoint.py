@@ -4,7 +4,7 @@
 checkpoint as its files are: the model is built from its ``config.json`` on
 the meta device, and every matmul weight gets the format
 :func:`~dtensor_quant.hf.quantize_like_checkpoint` would choose for it
-(:func:`~dtensor_quant.hf.prequantized.detect`, from ``quantization_config``
+(:func:`~dtensor_quant._checkpoint.hf.producers.detect`, from ``quantization_config``
 and the safetensors headers; no weight is read, only a producer's small
 JSON records such as bitsandbytes' ``quant_state``). What the producer left
 dense (``lm_head``, an ignore list) is planned dense. Such a layer is
@@ -19,8 +19,8 @@ import dataclasses
 
 from torch import nn
 
-from ..._checkpoint.hf.prequantized import detect, quantization_config
-from ..._checkpoint.hf.safetensors_io import Checkpoint
+from ..._checkpoint.hf.io.safetensors_io import Checkpoint
+from ..._checkpoint.hf.producers import detect, quantization_config
 from .cells import Layer
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dtensor_quant._checkpoint.hf.commit import JOURNAL, STAGING, finish
+from dtensor_quant._checkpoint.hf.io.commit import JOURNAL, STAGING, finish
 from dtensor_quant.checkpoint import CheckpointFormatError
 
 

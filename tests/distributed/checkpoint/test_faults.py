@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as torch_dcp
 
 import dtensor_quant as dq
 from dtensor_quant import checkpoint as ckpt
-from dtensor_quant._checkpoint.hf import commit as hf_commit
-from dtensor_quant._checkpoint.hf.safetensors_io import INDEX
+from dtensor_quant._checkpoint.hf.io import commit as hf_commit
+from dtensor_quant._checkpoint.hf.io.safetensors_io import INDEX
 from tests.support import ckpt_cases as cc
 from tests.support.faults import die, die_at, run_ranks, survivors
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..._core.tensor import contiguous_strides
-from ..state_dict import CheckpointFormatError
+from ...._core.tensor import contiguous_strides
+from ...state_dict import CheckpointFormatError
 from .commit import finish as finish_interrupted_save
 
 INDEX = "model.safetensors.index.json"

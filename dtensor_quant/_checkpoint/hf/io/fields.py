@@ -15,7 +15,7 @@ never an ``AttributeError``, ``KeyError``, ``TypeError`` or a bare
 everywhere.
 
 :class:`Fields` is a ``dict``, so code written for the plain document (a
-producer registered with :func:`~dtensor_quant.hf.prequantized.register_producer`)
+producer registered with :func:`~dtensor_quant._checkpoint.hf.producers.register_producer`)
 reads it as before.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..state_dict import CheckpointFormatError
+from ...state_dict import CheckpointFormatError
 
 REQUIRED = object()  # ``get``'s default: the field must be there
 

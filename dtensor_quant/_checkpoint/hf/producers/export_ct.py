@@ -44,13 +44,13 @@ import json
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..._core.format import weight_layout
-from ..._core.format import writers as format_writers
-from ..._core.producers import COMPRESSED_TENSORS
-from ..state_dict import canonical_view, entry_placements, entry_shape
-from .prequantized import StoredLayout, declared_layout
+from ...._core.format import weight_layout
+from ...._core.format import writers as format_writers
+from ...._core.producers import COMPRESSED_TENSORS
+from ...state_dict import canonical_view, entry_placements, entry_shape
+from ..tensors import first_replica, regions
+from .layout import StoredLayout, declared_layout
 from .stored import Extra, Fill
-from .tensors import first_replica, regions
 
 QUANTIZATIONS = ("compressed-tensors",)
 

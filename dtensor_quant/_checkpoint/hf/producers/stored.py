@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._core.producers import StoredAs
-from ..state_dict import CheckpointFormatError
-from .fields import NUMBER, REQUIRED, Fields, parse
-from .safetensors_io import Checkpoint
+from ...._core.producers import StoredAs
+from ...state_dict import CheckpointFormatError
+from ..io.fields import NUMBER, REQUIRED, Fields, parse
+from ..io.safetensors_io import Checkpoint
 
 _SMALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -377,7 +377,8 @@ class Extra:
         return _key(self.template, key)
 
 
-_MAPS = {"same": Same, "flat": Flat, "words": Words, "fill": Fill, "packed_codes": PackedCodes}
+_MAPS = {"same": Same, "reshaped": Reshaped, "transposed": Transposed, "flat": Flat, "words": Words, "fill": Fill,
+         "packed_codes": PackedCodes, "json_field": JsonField}  # fmt: skip
 
 
 def from_spec(spec: StoredAs) -> Stored:

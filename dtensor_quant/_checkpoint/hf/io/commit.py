@@ -30,8 +30,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..atomic import fsync_dir
-from ..state_dict import CheckpointFormatError
+from ...atomic import fsync_dir
+from ...state_dict import CheckpointFormatError
 
 STAGING = ".dq_hf_save.partial"  # inside the export directory: the new files until every rank has written
 JOURNAL = ".dq_hf_save.commit"
