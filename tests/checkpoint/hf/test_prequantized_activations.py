@@ -159,3 +159,17 @@ def test_per_rank_scheme_is_not_exported(tmp_path):
     dq.quantize_(model, dq.Int8Rowwise(activations="int8-token-per-rank"), filter_fn=lambda m, fqn: "q_proj" in fqn)
     with pytest.raises(ValueError, match="per-rank statistics"):
         dq.hf.save(model, tmp_path / "x", quantization="compressed-tensors")
+
+
+def test_activations_beside_weights_no_scheme_computes_are_served_weight_only_with_a_warning(producer_checkpoints):
+    """FP8_BLOCK's dynamic per-group inputs: no format computes them with block weights; said, never silent."""
+    import transformers
+
+    path = producer_checkpoints["ct_fp8_block"]
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"]["group_0"]["input_activations"] is not None
+    with dq.hf.init_empty():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**pr.hc.CONFIG))
+    with pytest.warns(UserWarning, match=r"input activations \(float8 group dynamic\) are not computed"):
+        layouts = dq.hf.quantize_like_checkpoint(model, path)
+    assert layouts and all("not computed (weight-only)" in str(layout) for layout in layouts.values()), layouts

@@ -3,12 +3,15 @@
 A weight's config group (``config_groups``, matched by its module's name),
 the group's ``weights`` arguments (compressed-tensors' defaults for what it
 leaves out), the stored scales' dtype and, for 8-bit channel and tensor
-schemes, the ``input_activations`` describe it; the format that declares it
-holds that description is read (:func:`~.layout.held`). Writing is
+schemes, the ``input_activations`` describe it (other schemes' activations
+are served weight-only, with a warning); the format that declares it holds
+that description is read (:func:`~.layout.held`). Writing is
 :mod:`.export_ct`'s.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -78,9 +81,10 @@ def read_compressed_tensors(qc, ckpt: Checkpoint, key: str, shape, dtype) -> Sto
         else:
             described["block_structure"] = block  # no format holds non-square blocks
     # the input activations of 8-bit channel and tensor schemes (the others' are not read: their weights are)
-    acts, extras, said = (
-        _ct_activations(scheme, ckpt, key, kind) if bits == 8 and strategy in ("channel", "tensor") else ({}, (), "")
-    )
+    if bits == 8 and strategy in ("channel", "tensor"):
+        acts, extras, said = _ct_activations(scheme, ckpt, key, kind)
+    else:
+        acts, extras, said = {}, (), _weight_only(scheme, key, what)
     return held(key, COMPRESSED_TENSORS, fmt_name, described | acts, what + said, extras)
 
 
@@ -118,6 +122,33 @@ def _ct_activations(scheme: Fields | None, ckpt: Checkpoint, key: str, kind: str
         f"{key}: compressed-tensors input activations ({said[2:]}) are not read: this library computes symmetric "
         f"8-bit {kind} activations dynamic per token or static per tensor, with 8-bit {kind} weights"
     )
+
+
+def _weight_only(scheme: Fields | None, key: str, what: str) -> str:
+    """Words for ``input_activations`` beside weights no activation scheme here goes with, and a warning.
+
+    No format computes quantized activations with these weights (groups,
+    blocks, 4 bits), so such a layer runs weight-only: its activations stay in
+    the model's dtype, which differs from the producer's arithmetic by the
+    activations' rounding. Serving these weight-only is what servers do on
+    hardware without the producer's kernels (vLLM warns too); it is said, not
+    silent: a ``UserWarning`` (once per scheme) and the layout's description.
+    """
+    acts = scheme.sub("input_activations", None, tensor=key) if scheme is not None else None
+    if acts is None:
+        return ""
+    a_kind, bits = acts.field("type", STRING, "int", tensor=key), acts.field("num_bits", POSITIVE, 8, tensor=key)
+    strategy = acts.field("strategy", STRING, tensor=key)
+    dynamic = " dynamic" if acts.field("dynamic", either(BOOL, STRING), False, tensor=key) is True else ""
+    said = f"{a_kind}{bits} {strategy}{dynamic}"
+    warnings.warn(
+        f"{what}: the checkpoint's input activations ({said}) are not computed with these weights here; such "
+        "layers run weight-only (activations in the model's dtype), so their outputs differ from the producer's "
+        "by the activations' rounding",
+        UserWarning,
+        stacklevel=2,
+    )
+    return f"; input activations {said} not computed (weight-only)"
 
 
 def _input_scale(value: float, dtype: torch.dtype) -> Extra:
