@@ -113,7 +113,19 @@ KERNELS = {
     "int4_zero": "Int4GroupwiseIntZero",
     "int8": "Int8Rowwise",
 }
-_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+#: The kernels of quantized activations (W8A8, FP8): ``name: (module, its loader, the formats, levels in words)``.
+#: Their levels mean other work than the tiles': the passes around the product, or (AMX) the whole linear.
+ACTIVATION_KERNELS = {
+    "int8_w8a8": (
+        "int8",
+        "w8a8_kernel",
+        "Int8Rowwise, activations int8-*",
+        {4: "AMX-INT8 tiles (the whole linear)"},
+    ),
+    "float8_a8": ("float8", "a8_kernel", "Float8Rowwise, Float8Tensorwise, activations fp8-*", {}),
+}
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile",
+              "amx_bf16", "amx_int8")  # fmt: skip
 
 
 def kernels() -> list[str]:
@@ -142,6 +154,19 @@ def kernels() -> list[str]:
         else:
             why = native.why_unavailable(module.KERNEL) or "unavailable"
             path = f"none ({why.splitlines()[0][:100]})"
+        lines.append(f"{name:<11}{formats:<51}{path}")
+    for name, (module_name, loader, formats, words) in ACTIVATION_KERNELS.items():
+        module = importlib.import_module(f"{__package__}._formats.{module_name}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", native.KernelUnavailableWarning)
+            built = getattr(module, loader)()
+        if built is not None:
+            level = min(built[1], native.cap())
+            path = words.get(level, f"{native.LEVEL_NAMES[level]} passes around the product")
+        elif not native.enabled():
+            path = "none (DTENSOR_QUANT_NATIVE=0)"
+        else:
+            path = "none: torch's passes around the product"
         lines.append(f"{name:<11}{formats:<51}{path}")
     lines.append("(one token: the one-token kernels, at most AVX-512 BF16; no kernel: dequantize + mm)")
     lines.append("(AVX2, AVX-512, AVX-512 BF16 tiles: the CPU's vector instructions; AMX tiles: its matrix units)")

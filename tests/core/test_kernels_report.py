@@ -46,3 +46,21 @@ def test_a_kernel_that_does_not_build_says_why(monkeypatch, tmp_path, capsys):
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("int8 "))
     assert "none (it did not build: " in line, line
     assert native.why_unavailable(kernel).startswith("it did not build: ")
+
+
+def test_the_activation_kernels_are_listed_with_the_level_they_run(capsys):
+    """W8A8's and FP8 activations' kernels: a line each, with the level their own loader reports, in words."""
+    from dtensor_quant.__main__ import ACTIVATION_KERNELS
+
+    declared = {k.name for k in native.DECLARED.values()}
+    assert set(ACTIVATION_KERNELS) <= declared
+    assert main(["kernels"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()}
+    for name, (module, loader, formats, words) in ACTIVATION_KERNELS.items():
+        built = getattr(importlib.import_module(f"dtensor_quant._formats.{module}"), loader)()
+        if built is None:
+            want = "none"
+        else:
+            level = min(built[1], native.cap())
+            want = words.get(level, native.LEVEL_NAMES[level])
+        assert formats in lines[name] and want in lines[name], lines[name]
