@@ -37,7 +37,8 @@ _TABLE: dict = {}
 def layout_key(q) -> tuple:
     """The identity of ``q``'s layout as a memo key: its relation, orientation and format objects, dtype,
     shape and strides (pin ``q.rels, q.dims, q.fmt`` with the entry)."""
-    return (id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
+    shape, stride, dtype, _ = q.props  # not q.shape, q.stride(), q.dtype: a subclass's getters cost more
+    return (id(q.rels), id(q.dims), id(q.fmt), dtype, shape, stride)
 
 
 def memo(key: tuple, decide: Callable[[], Any], *pins) -> Any:

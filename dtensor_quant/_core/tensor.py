@@ -79,6 +79,12 @@ class QuantizedTensor(torch.Tensor):
     rels: tuple[tuple[Relation, ...], ...]
     dims: Dims
     notes: Notes
+    #: ``(shape, stride, dtype, device)`` as the tensor was made: the same values as ``q.shape``,
+    #: ``q.stride()``, ``q.dtype`` and ``q.device``, read without their getters, each of which costs a
+    #: subclass several times a dense tensor's (the hot views and collectives read them on every call).
+    #: Set wherever a QuantizedTensor is made (``__init__``, :meth:`make`, the ``data`` setter); no handler
+    #: changes a tensor's metadata in place (``t_``, ``resize_``, ``set_`` are refused), so it never goes stale.
+    props: tuple
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -107,6 +113,12 @@ class QuantizedTensor(torch.Tensor):
                 "tensor. Build quantized tensors with dtensor_quant.quantize()."
             )
         self.fmt = fmt
+        self.props = (
+            torch.Size(shape),
+            tuple(stride) if stride is not None else contiguous_strides(shape),
+            dtype,
+            next(iter(inner.values())).device,
+        )
         self.rels = tuple(tuple(r) for r in rels)
         self.dims = tuple(tuple(d) for d in dims)
         for name, t in inner.items():
@@ -152,6 +164,7 @@ class QuantizedTensor(torch.Tensor):
         for name, t in other.inner.items():
             setattr(self, name, t)
         self.fmt, self.rels, self.dims, self.notes = other.fmt, other.rels, other.dims, alias(other.notes)
+        self.props = other.props
 
     @classmethod
     def make(cls, inner, fmt, rels, dims, shape, stride, dtype, notes: Notes, device: torch.device) -> QuantizedTensor:
@@ -162,7 +175,10 @@ class QuantizedTensor(torch.Tensor):
         arguments, for everything else.
         """
         out = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device)
+        if type(shape) is not torch.Size:
+            shape = torch.Size(shape)
         out.fmt, out.rels, out.dims, out.notes = fmt, rels, dims, notes
+        out.props = (shape, stride if type(stride) is tuple else tuple(stride), dtype, device)
         for name, t in zip(fmt.inner_names, inner):
             setattr(out, name, t)
         if not _MADE[0]:

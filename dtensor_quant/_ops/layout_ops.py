@@ -132,9 +132,8 @@ def alias(q: QuantizedTensor) -> QuantizedTensor:
     for i, t in enumerate(inner):
         if t.requires_grad:
             inner[i] = t.detach()
-    return QuantizedTensor.make(
-        inner, fmt, q.rels, q.dims, q.shape, q.stride(), q.dtype, rules.alias(q.notes), q.device
-    )
+    shape, stride, dtype, device = q.props
+    return QuantizedTensor.make(inner, fmt, q.rels, q.dims, shape, stride, dtype, rules.alias(q.notes), device)
 
 
 def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
@@ -146,8 +145,10 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     mostly never made. Formats with an inner name that is also a Tensor
     attribute (NF4's ``mean``) get them at once.
     """
-    # Each tensor property of a subclass is a Python call: read each once (this runs for every F.linear).
-    q_shape, q_stride, dtype, fmt = q.shape, q.stride(), q.dtype, q.fmt
+    # A subclass's tensor properties cost several times a dense tensor's: read them off q.props
+    # (this runs for every F.linear).
+    q_shape, q_stride, dtype, device = q.props
+    fmt = q.fmt
     nd = len(q_shape)
     dim0, dim1 = dim0 % nd, dim1 % nd
     if dim0 == dim1:
@@ -161,9 +162,9 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     first = getattr(q, fmt.inner_names[0])
     if deferrable and type(first) is torch.Tensor and not first.is_meta:
         notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
-        return QuantizedTensor.make((), fmt, rels, dims, shape, stride, dtype, notes, q.device)
+        return QuantizedTensor.make((), fmt, rels, dims, shape, stride, dtype, notes, device)
     inner = [getattr(q, name).transpose(dim0, dim1) for name in fmt.inner_names]
-    return QuantizedTensor.make(inner, fmt, rels, dims, shape, stride, dtype, rules.transposed(q.notes, q), q.device)
+    return QuantizedTensor.make(inner, fmt, rels, dims, shape, stride, dtype, rules.transposed(q.notes, q), device)
 
 
 def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
@@ -188,17 +189,19 @@ def _make_transposes(out: QuantizedTensor, q: QuantizedTensor, dim0: int, dim1: 
 
 def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedTensor:
     """``q[..., start:stop, ...]`` along ``dim``; the inner tensors are views."""
-    factory = q.notes.from_factory
+    q_notes, fmt = q.notes, q.fmt
+    factory = q_notes.from_factory
     cuts, rels, shape, stride, outside = memo(
         ("slice", *layout_key(q), dim, start, stop, factory),
         lambda: sliced_layout(q, dim, start, stop, factory),
         q.rels,
         q.dims,
-        q.fmt,
+        fmt,
     )
-    inner = [getattr(q, name).narrow(dim, i0, n) for name, (i0, n) in zip(q.fmt.inner_names, cuts)]
-    notes = rules.sliced(q.notes, outside, q.shape[dim], dim, start, stop)
-    return QuantizedTensor.make(inner, q.fmt, rels, q.dims, shape, stride, q.dtype, notes, q.device)
+    q_shape, _, dtype, device = q.props
+    inner = [getattr(q, name).narrow(dim, i0, n) for name, (i0, n) in zip(fmt.inner_names, cuts)]
+    notes = rules.sliced(q_notes, outside, q_shape[dim], dim, start, stop)
+    return QuantizedTensor.make(inner, fmt, rels, q.dims, shape, stride, dtype, notes, device)
 
 
 def sliced_layout(q: QuantizedTensor, dim: int, start: int, stop: int, factory: bool):
@@ -480,7 +483,12 @@ def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
 
 
 def flatten(q: QuantizedTensor) -> QuantizedTensor:
-    """``view(-1)`` (FSDP2 calls it on every sharded parameter); N dims fold from the last."""
+    """``view(-1)`` (FSDP2 calls it on every sharded parameter); N dims fold from the last.
+
+    Where every inner tensor is contiguous (its ``reshape(-1)`` a view, the same whenever it is made) the
+    inner views are left to their first read (``Notes.pending``), as :func:`transpose` leaves its own:
+    made from the inner tensor objects ``q`` holds now, so a later change to ``q`` does not reach them.
+    """
 
     def flat(row):
         rel, length = row[-1], q.shape[-1]
@@ -492,18 +500,36 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
     def decide():
         rels = tuple(flat(r) for r in q.rels)
         opaque = any(isinstance(row[0], Opaque) for row in rels)
-        return rels, (tuple(range(q.ndim)),), torch.Size((q.numel(),)), opaque
+        deferrable = not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)
+        return rels, (tuple(range(q.ndim)),), torch.Size((q.numel(),)), opaque, deferrable
 
-    key = ("flatten", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
+    q_shape, q_stride, dtype, device = q.props
+    fmt = q.fmt
+    key = ("flatten", id(q.rels), id(q.dims), id(fmt), dtype, q_shape, q_stride)
     decision = lookup(key)
     if decision is None:
-        decision = remember(key, decide(), q.rels, q.dims, q.fmt)
-    rels, dims, shape, opaque = decision
+        decision = remember(key, decide(), q.rels, q.dims, fmt)
+    rels, dims, shape, opaque, deferrable = decision
     if opaque:
         # An Opaque equals only itself: a fresh one per result, so two results never look like one grid.
         rels = tuple((Opaque(),) if isinstance(row[0], Opaque) else row for row in rels)
-    inner = [getattr(q, name).reshape(-1) for name in q.fmt.inner_names]
-    return QuantizedTensor.make(inner, q.fmt, rels, dims, shape, (1,), q.dtype, rules.same_bytes(q.notes), q.device)
+    inner = [getattr(q, name) for name in fmt.inner_names]
+    if deferrable and type(inner[0]) is torch.Tensor and not inner[0].is_meta:
+        for t in inner:
+            if not t.is_contiguous():  # its reshape copies: made now, from the bytes as they are now
+                break
+        else:
+            notes = rules.same_bytes(q.notes, (_make_flat, inner))
+            return QuantizedTensor.make((), fmt, rels, dims, shape, (1,), dtype, notes, device)
+    inner = [t.reshape(-1) for t in inner]
+    return QuantizedTensor.make(inner, fmt, rels, dims, shape, (1,), dtype, rules.same_bytes(q.notes), device)
+
+
+def _make_flat(out: QuantizedTensor, inner: list[torch.Tensor]) -> None:
+    """Set ``out``'s deferred inner tensors: ``inner`` (contiguous) viewed flat, below autograd and any mode."""
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _python_dispatch._disable_current_modes():
+        for name, t in zip(out.fmt.inner_names, inner):
+            setattr(out, name, t.reshape(-1))
 
 
 def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:
