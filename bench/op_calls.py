@@ -28,8 +28,9 @@ from dtensor_quant.testing.rank_pool import run
 
 
 def _count(fn):
-    """``(python calls, C calls, Counter of Python function names, Counter of torch ops)`` of a call of ``fn``
-    (the torch ops -- ``aten::``, ``c10d::``... as the profiler records them -- from a second call)."""
+    """``(python calls, C calls, Counter of Python function names, Counter of torch ops, bytecodes)`` of a
+    call of ``fn`` (the torch ops -- ``aten::``, ``c10d::``... as the profiler records them -- from a second
+    call, the bytecode instructions from a third)."""
     py, c, names = 0, 0, collections.Counter()
 
     def prof(frame, event, arg):
@@ -49,7 +50,26 @@ def _count(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         fn()
     ops = collections.Counter({e.key: e.count for e in p.key_averages() if "::" in e.key})
-    return py, c, names, ops
+    return py, c, names, ops, _bytecodes(fn)
+
+
+def _bytecodes(fn) -> int:
+    """Python bytecode instructions one call of ``fn`` executes (``sys.settrace`` opcode events)."""
+    n = 0
+
+    def trace(frame, event, arg):
+        nonlocal n
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            n += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return n
 
 
 @torch.no_grad()
@@ -84,6 +104,7 @@ def measure(size: int, shortcuts: bool):
             else:  # as many calls as rank 0 makes in _count
                 fn()
                 fn()
+                fn()
     return out
 
 
@@ -101,19 +122,22 @@ def main():
     names = list(dict.fromkeys(n for n, _ in res))
     ops = list(dict.fromkeys(op for _, op in res))
     print(f"Python calls (py) and C calls (c) for one call of each op, rank 0 of {args.world}, {args.size}^2 weight")
-    print("and torch ops (op: every aten/c10d op the profiler records, nested ones included)")
-    print(f"{'op':<26}" + "".join(f"{n + ' py':>9}{n + ' c':>9}{n + ' op':>9}" for n in names))
+    print("torch ops (op: every aten/c10d op the profiler records, nested ones included), bytecodes (bc)")
+    print(f"{'op':<26}" + "".join(f"{n + ' py':>9}{n + ' c':>9}{n + ' op':>9}{n + ' bc':>9}" for n in names))
     for op in ops:
         cells = [res.get((n, op)) for n in names]
-        print(f"{op:<26}" + "".join(f"{c[0]:>9}{c[1]:>9}{sum(c[3].values()):>9}" if c else f"{'':>27}" for c in cells))
+        print(
+            f"{op:<26}"
+            + "".join(f"{c[0]:>9}{c[1]:>9}{sum(c[3].values()):>9}{c[4]:>9}" if c else f"{'':>36}" for c in cells)
+        )
     if args.diff:
-        for (name, op), (_, _, fns, _) in res.items():
+        for (name, op), (_, _, fns, _, _) in res.items():
             if name in ("bf16", op_overhead.BARE):
                 continue
             more = fns - res["bf16", op][2]
             print(f"\n{name} {op}, {sum(more.values())} more: " + ", ".join(f"{f} {k}" for f, k in more.most_common()))
     if args.top:
-        for (name, op), (_, _, fns, tops) in res.items():
+        for (name, op), (_, _, fns, tops, _) in res.items():
             if name == op_overhead.BARE:
                 continue
             print(f"\n{name} {op}: " + ", ".join(f"{f} {k}" for f, k in fns.most_common(args.top)))

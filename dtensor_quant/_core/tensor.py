@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 
-from .dispatch import dispatch, method
+from .dispatch import method, torch_dispatch
 from .format import QuantFormat
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Opaque, Packed, Relation, Stacked
 from .notes import Notes, alias, new_bytes
@@ -185,6 +185,18 @@ class QuantizedTensor(torch.Tensor):
             _first_quantized_tensor()
         return out
 
+    @classmethod
+    def make_view(cls, fmt, rels, dims, props: tuple, notes: Notes, inner=()) -> QuantizedTensor:
+        """:meth:`make` for a view of an existing quantized tensor, its ``props`` (``(shape as a torch.Size,
+        strides as a tuple, dtype, device)``) already decided and kept with the decision: the views every
+        decode step issues (``t()``, ``view(-1)``, aliases) build their result with this, in half the steps."""
+        out = torch.Tensor._make_wrapper_subclass(cls, props[0], strides=props[1], dtype=props[2], device=props[3])
+        out.fmt, out.rels, out.dims, out.notes, out.props = fmt, rels, dims, notes, props
+        if inner:  # else notes.pending makes them
+            for name, t in zip(fmt.inner_names, inner):
+                setattr(out, name, t)
+        return out
+
     @property
     def inner(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.fmt.inner_names}
@@ -239,9 +251,7 @@ class QuantizedTensor(torch.Tensor):
         inner = {name: inner[name] for name in fmt.inner_names}
         return QuantizedTensor(inner, fmt, rels, dims, outer_size, dtype, outer_stride or stride)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+    __torch_dispatch__ = classmethod(torch_dispatch)  # every op: dispatch.torch_dispatch -> its handler
 
     # -- FSDP2 all-gather extension (derived from the layout: dtensor_quant.fsdp) --
     @property

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils import _python_dispatch
 
+from .._core import memo as decisions
 from .._core import notes as rules
 from .._core.bits import is_tracing, same_bits
 from .._core.dispatch import UnsupportedOpError
@@ -40,7 +41,7 @@ from .._core.layout import (
     inner_slice,
     legal_chunk_counts,
 )
-from .._core.memo import layout_key, lookup, memo, remember
+from .._core.memo import layout_key, memo, remember
 from .._core.tensor import QuantizedTensor, contiguous_strides
 
 # -- orientation and construction ---------------------------------------------
@@ -132,8 +133,7 @@ def alias(q: QuantizedTensor) -> QuantizedTensor:
     for i, t in enumerate(inner):
         if t.requires_grad:
             inner[i] = t.detach()
-    shape, stride, dtype, device = q.props
-    return QuantizedTensor.make(inner, fmt, q.rels, q.dims, shape, stride, dtype, rules.alias(q.notes), device)
+    return QuantizedTensor.make_view(fmt, q.rels, q.dims, q.props, rules.alias(q.notes), inner)
 
 
 def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
@@ -147,24 +147,25 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     """
     # A subclass's tensor properties cost several times a dense tensor's: read them off q.props
     # (this runs for every F.linear).
-    q_shape, q_stride, dtype, device = q.props
-    fmt = q.fmt
-    nd = len(q_shape)
+    props = q.props
+    nd = len(props[0])
     dim0, dim1 = dim0 % nd, dim1 % nd
     if dim0 == dim1:
         return alias(q)
-    # (memo.memo inlined)
-    key = ("transpose", id(q.rels), id(q.dims), id(fmt), dtype, q_shape, q_stride, dim0, dim1)
-    decision = lookup(key)
+    fmt = q.fmt
+    # (memo.memo inlined; the key is layout_key's, with the device: the decision holds the result's props)
+    key = ("transpose", id(q.rels), id(q.dims), id(fmt), *props, dim0, dim1)
+    hit = decisions.TABLE.get(key) if decisions.ENABLED else None
+    decision = None if hit is None else hit[0]
     if decision is None:
         decision = remember(key, _transposed_layout(q, dim0, dim1), q.rels, q.dims, fmt)
-    rels, dims, shape, stride, deferrable = decision
+    rels, dims, props, deferrable = decision
     first = getattr(q, fmt.inner_names[0])
     if deferrable and type(first) is torch.Tensor and not first.is_meta:
         notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
-        return QuantizedTensor.make((), fmt, rels, dims, shape, stride, dtype, notes, device)
+        return QuantizedTensor.make_view(fmt, rels, dims, props, notes)
     inner = [getattr(q, name).transpose(dim0, dim1) for name in fmt.inner_names]
-    return QuantizedTensor.make(inner, fmt, rels, dims, shape, stride, dtype, rules.transposed(q.notes, q), device)
+    return QuantizedTensor.make_view(fmt, rels, dims, props, rules.transposed(q.notes, q), inner)
 
 
 def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
@@ -174,7 +175,9 @@ def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
         return tuple(seq)
 
     deferrable = not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)
-    return tuple(swap(r) for r in q.rels), swap(q.dims), torch.Size(swap(q.shape)), swap(q.stride()), deferrable
+    shape, stride, dtype, device = q.props
+    props = (torch.Size(swap(shape)), swap(stride), dtype, device)
+    return tuple(swap(r) for r in q.rels), swap(q.dims), props, deferrable
 
 
 def _make_transposes(out: QuantizedTensor, q: QuantizedTensor, dim0: int, dim1: int) -> None:
@@ -501,28 +504,29 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
         rels = tuple(flat(r) for r in q.rels)
         opaque = any(isinstance(row[0], Opaque) for row in rels)
         deferrable = not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)
-        return rels, (tuple(range(q.ndim)),), torch.Size((q.numel(),)), opaque, deferrable
+        props = (torch.Size((q.numel(),)), (1,), q.props[2], q.props[3])
+        return rels, (tuple(range(q.ndim)),), props, opaque, deferrable
 
-    q_shape, q_stride, dtype, device = q.props
     fmt = q.fmt
-    key = ("flatten", id(q.rels), id(q.dims), id(fmt), dtype, q_shape, q_stride)
-    decision = lookup(key)
+    # (memo.memo inlined; the key is layout_key's, with the device: the decision holds the result's props)
+    key = ("flatten", id(q.rels), id(q.dims), id(fmt), *q.props)
+    hit = decisions.TABLE.get(key) if decisions.ENABLED else None
+    decision = None if hit is None else hit[0]
     if decision is None:
         decision = remember(key, decide(), q.rels, q.dims, fmt)
-    rels, dims, shape, opaque, deferrable = decision
+    rels, dims, props, opaque, deferrable = decision
     if opaque:
         # An Opaque equals only itself: a fresh one per result, so two results never look like one grid.
         rels = tuple((Opaque(),) if isinstance(row[0], Opaque) else row for row in rels)
-    inner = [getattr(q, name) for name in fmt.inner_names]
-    if deferrable and type(inner[0]) is torch.Tensor and not inner[0].is_meta:
-        for t in inner:
-            if not t.is_contiguous():  # its reshape copies: made now, from the bytes as they are now
-                break
-        else:
-            notes = rules.same_bytes(q.notes, (_make_flat, inner))
-            return QuantizedTensor.make((), fmt, rels, dims, shape, (1,), dtype, notes, device)
+    inner, contiguous = [], deferrable
+    for name in fmt.inner_names:  # a loop, not a comprehension: one call less, on every view(-1)
+        t = getattr(q, name)
+        inner.append(t)
+        contiguous = contiguous and t.is_contiguous()  # else its reshape copies: made now, from these bytes
+    if contiguous and type(inner[0]) is torch.Tensor and not inner[0].is_meta:
+        return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes, (_make_flat, inner)))
     inner = [t.reshape(-1) for t in inner]
-    return QuantizedTensor.make(inner, fmt, rels, dims, shape, (1,), dtype, rules.same_bytes(q.notes), device)
+    return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes), inner)
 
 
 def _make_flat(out: QuantizedTensor, inner: list[torch.Tensor]) -> None:
