@@ -107,9 +107,13 @@ def gather(func, q, group_size, group_name, dim: int):
         return out
     if plan is _PIECES:
         return _gather_pieces(func, q, group_size, group_name, dim)
-    (rels, dims, shape, stride), sent, agreed, checks = plan
-    if agree.EVERY_CALL or agreed not in agree.AGREED:
-        agree_layout(q, group_name, "all-gather")
+    (rels, dims, shape, stride), sent, agreed, checks, known = plan
+    if agree.EVERY_CALL or not known[0]:
+        if agree.EVERY_CALL or agreed not in agree.AGREED:
+            agree_layout(q, group_name, "all-gather")
+        # agree.AGREED only grows: once it holds the key, this plan skips hashing it (the format's and
+        # relations' dataclass hashes, five Python calls a gather)
+        known[0] = agreed in agree.AGREED
     kept, sending = [], []
     for t, s in zip(inner, sent):
         (kept if s is None else sending).append(t)
@@ -227,7 +231,7 @@ _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent con
 def _gather_plan(q, inner, out, group_size, group_name, dim):
     """``(result layout, per inner (its place in the coalesced gather, joined shape, or None where it is
     constant along dim) or None if not sent, the key agree.AGREED holds once the ranks agreed, (place, name)
-    of each kept tensor's bytes)``, or ``_PIECES``.
+    of each kept tensor's bytes, a cell: [True] once agree.AGREED is seen to hold that key)``, or ``_PIECES``.
 
     The gather sends the sent tensors, then the kept ones (not sent: each rank keeps its own; their bytes
     travel only to be compared), flattened. The layout is
@@ -254,7 +258,7 @@ def _gather_plan(q, inner, out, group_size, group_name, dim):
         return _PIECES
     checks = tuple((n_sent + j, name) for j, name in enumerate(kept))
     layout = (out.rels, out.dims, out.shape, out.stride())
-    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks
+    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks, [False]
 
 
 @implements("c10d::scatter_")
