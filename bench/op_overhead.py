@@ -15,8 +15,10 @@ Every quantized op runs twice per round, with its layout decisions memoised
 without (decided on every call, ``DTENSOR_QUANT_MEMO=0``), so the gain is
 measured under the same load. Every op is timed as the median of
 ``--repeat`` calls, all variants interleaved call by call; printed as ratios
-to dense. Targets (issue 24): every op that moves or multiplies data (linear,
-full_tensor, redistribute) <= 1.2x; views <= 2x.
+to dense. Targets: every op that moves or multiplies data (linear,
+full_tensor, redistribute) <= 1.2x dense (issue 24); every view <= 1.2x the
+bare-subclass floor below (issue 35: a dense view is one C++ call, which no
+Python subclass can match, so views are held to the floor, not to dense).
 
 The views have a floor that no library of Python tensor subclasses avoids: a
 dense view is one C++ call (about 1 us); a subclass view enters
@@ -52,8 +54,8 @@ SLOW = " off"  # suffix of the variants run with the memo off
 TORCHAO = "torchao NF4"
 BARE = "bare"
 VIEWS = ("DTensor .t()", "local .t()", "local view(-1)")
-TARGET_DATA = 1.2  # linear, full_tensor, redistribute
-TARGET_VIEWS = 2.0
+TARGET_DATA = 1.2  # linear, full_tensor, redistribute: x dense
+TARGET_VIEWS = 1.2  # the views: x the bare subclass (the floor of any Python wrapper subclass)
 PLACEMENTS = {"S(0)": Shard(0), "S(1)": Shard(1), "R": Replicate()}
 
 
@@ -194,8 +196,11 @@ def main():
             + "".join(f"{res[n][op] * 1e6:>13.1f}" for n in quant)
             + "".join(f"{r:>12.2f}" for r in ratios)
         )
-        target = TARGET_VIEWS if op in VIEWS else TARGET_DATA
-        missed += [f"{op} {n} {r:.2f}x > {target}" for n, r in zip(quant, ratios) if r > target and SLOW not in n]
+        if op in VIEWS:
+            ratios, target, of = [res[n][op] / res[BARE][op] for n in quant], TARGET_VIEWS, " bare"
+        else:
+            target, of = TARGET_DATA, ""
+        missed += [f"{op} {n} {r:.2f}x{of} > {target}" for n, r in zip(quant, ratios) if r > target and SLOW not in n]
     print("views: the floor of any Python wrapper subclass (bare: dispatch + _make_wrapper_subclass, nothing else):")
     for op in VIEWS:
         floor = res[BARE][op]
@@ -208,7 +213,7 @@ def main():
             rel = ", ".join(f"{n} {res[n][op] / ao:.2f}x" for n in quant)
             print(f"{op:<26}{TORCHAO} {ao * 1e6:.1f} us; {rel}")
     print(
-        f"targets (memo on: data ops <= {TARGET_DATA}x, views <= {TARGET_VIEWS}x):",
+        f"targets (memo on: data ops <= {TARGET_DATA}x dense, views <= {TARGET_VIEWS}x bare):",
         "MISSED " + "; ".join(missed) if missed else "met",
     )
 

@@ -31,20 +31,23 @@ from . import config
 
 ENABLED = config.get("memo")
 MAX_ENTRIES = 4096  # a long run that keeps making new layouts starts over instead of growing
-_TABLE: dict = {}
+#: key -> ``(decision, pins)``. The handlers of the views every decode step issues read it inline
+#: (``TABLE.get(key)`` while :data:`ENABLED`) instead of calling :func:`lookup`: the call costs more than the read.
+TABLE: dict = {}
 
 
 def layout_key(q) -> tuple:
     """The identity of ``q``'s layout as a memo key: its relation, orientation and format objects, dtype,
     shape and strides (pin ``q.rels, q.dims, q.fmt`` with the entry)."""
-    return (id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
+    shape, stride, dtype, _ = q.props  # not q.shape, q.stride(), q.dtype: a subclass's getters cost more
+    return (id(q.rels), id(q.dims), id(q.fmt), dtype, shape, stride)
 
 
 def memo(key: tuple, decide: Callable[[], Any], *pins) -> Any:
     """``decide()``, computed once per ``key`` while enabled; ``pins`` are the objects whose ids the key holds."""
     if not ENABLED:
         return decide()
-    hit = _TABLE.get(key)
+    hit = TABLE.get(key)
     if hit is not None:
         return hit[0]
     return remember(key, decide(), *pins)
@@ -57,16 +60,16 @@ def lookup(key: tuple) -> Any:
     """
     if not ENABLED:
         return None
-    hit = _TABLE.get(key)
+    hit = TABLE.get(key)
     return None if hit is None else hit[0]
 
 
 def remember(key: tuple, value: Any, *pins) -> Any:
     """Keep ``value`` (not None) as the decision for ``key``; returns it."""
     if ENABLED:
-        if len(_TABLE) >= MAX_ENTRIES:
-            _TABLE.clear()
-        _TABLE[key] = (value, pins)
+        if len(TABLE) >= MAX_ENTRIES:
+            TABLE.clear()
+        TABLE[key] = (value, pins)
     return value
 
 
@@ -83,9 +86,9 @@ def disabled() -> Iterator[None]:
 
 def keys() -> list[tuple]:
     """The keys decided so far (tests read them to see a decision made once, then looked up)."""
-    return list(_TABLE)
+    return list(TABLE)
 
 
 def clear() -> None:
     """Forget every decision (never needed for correctness: keys name everything a decision reads)."""
-    _TABLE.clear()
+    TABLE.clear()

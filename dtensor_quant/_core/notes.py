@@ -84,6 +84,10 @@ class Notes(NamedTuple):
     pending: tuple | None = None  # (fill, *args): fill(q, *args) makes the inner tensors
 
 
+#: ``Notes`` built from a full tuple of its fields in one C call: ``Notes(...)`` runs the generated Python
+#: ``__new__`` (a frame of its own), and the rules below run for every view.
+_record = tuple.__new__
+
 # Where the compiled kernel op, which sees inner tensors only, finds their Bytes (keyed by the first inner
 # tensor of a tensor whose bytes are new; views share their source's record and add nothing). The value is
 # a weak reference: the record holds its key (``watched``), and a strong value would keep the key -- the
@@ -143,12 +147,14 @@ def alias(src: Notes) -> Notes:
     """
     if src.pending is None and not src.from_factory:
         return src
-    return Notes(src.bytes, src.shared_outside, src.narrowed_from, False, src.weight)
+    return _record(Notes, (src.bytes, src.shared_outside, src.narrowed_from, False, src.weight, None))
 
 
-def same_bytes(src: Notes) -> Notes:
-    """A view that is not a slice (``select`` of an expert, ``view(-1)``, a broadcast): it shares the bytes only."""
-    return Notes(src.bytes)
+def same_bytes(src: Notes, pending: tuple | None = None) -> Notes:
+    """A view that is not a slice (``select`` of an expert, ``view(-1)``, a broadcast): it shares the bytes only.
+
+    ``pending`` when its inner tensors are left to their first read (``view(-1)``)."""
+    return _record(Notes, (src.bytes, (), 0, False, None, pending))
 
 
 def transposed(src: Notes, q, pending: tuple | None = None) -> Notes:
@@ -156,7 +162,8 @@ def transposed(src: Notes, q, pending: tuple | None = None) -> Notes:
 
     ``pending`` when the inner transposes are left to their first read.
     """
-    return Notes(src.bytes, src.shared_outside, 0, False, src.weight if src.weight is not None else q, pending)
+    weight = src.weight
+    return _record(Notes, (src.bytes, src.shared_outside, 0, False, q if weight is None else weight, pending))
 
 
 def broadcast(src: Notes) -> Notes:
@@ -201,9 +208,7 @@ def sliced(src: Notes, outside: tuple, length: int, dim: int, start: int, stop: 
         narrowed = max(length, src.narrowed_from)
     elif (start, stop) == (0, length):
         narrowed = src.narrowed_from
-    if not shared and not narrowed:
-        return Notes(src.bytes)
-    return Notes(src.bytes, shared, narrowed)
+    return _record(Notes, (src.bytes, shared, narrowed, False, None, None))
 
 
 def stands_for(src: Notes, own: Notes) -> Notes:

@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 
-from .dispatch import dispatch, method
+from .dispatch import method, torch_dispatch
 from .format import QuantFormat
 from .layout import Blocked, Constant, FlatBlocked, InFlat, LayoutError, OneToOne, Opaque, Packed, Relation, Stacked
 from .notes import Notes, alias, new_bytes
@@ -94,6 +94,12 @@ class QuantizedTensor(torch.Tensor):
     rels: tuple[tuple[Relation, ...], ...]
     dims: Dims
     notes: Notes
+    #: ``(shape, stride, dtype, device)`` as the tensor was made: the same values as ``q.shape``,
+    #: ``q.stride()``, ``q.dtype`` and ``q.device``, read without their getters, each of which costs a
+    #: subclass several times a dense tensor's (the hot views and collectives read them on every call).
+    #: Set wherever a QuantizedTensor is made (``__init__``, :meth:`make`, the ``data`` setter); no handler
+    #: changes a tensor's metadata in place (``t_``, ``resize_``, ``set_`` are refused), so it never goes stale.
+    props: tuple
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -122,6 +128,12 @@ class QuantizedTensor(torch.Tensor):
                 "tensor. Build quantized tensors with dtensor_quant.quantize()."
             )
         self.fmt = fmt
+        self.props = (
+            torch.Size(shape),
+            tuple(stride) if stride is not None else contiguous_strides(shape),
+            dtype,
+            next(iter(inner.values())).device,
+        )
         self.rels = tuple(tuple(r) for r in rels)
         self.dims = tuple(tuple(d) for d in dims)
         for name, t in inner.items():
@@ -167,6 +179,7 @@ class QuantizedTensor(torch.Tensor):
         for name, t in other.inner.items():
             setattr(self, name, t)
         self.fmt, self.rels, self.dims, self.notes = other.fmt, other.rels, other.dims, alias(other.notes)
+        self.props = other.props
 
     @classmethod
     def make(cls, inner, fmt, rels, dims, shape, stride, dtype, notes: Notes, device: torch.device) -> QuantizedTensor:
@@ -177,11 +190,26 @@ class QuantizedTensor(torch.Tensor):
         arguments, for everything else.
         """
         out = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device)
+        if type(shape) is not torch.Size:
+            shape = torch.Size(shape)
         out.fmt, out.rels, out.dims, out.notes = fmt, rels, dims, notes
+        out.props = (shape, stride if type(stride) is tuple else tuple(stride), dtype, device)
         for name, t in zip(fmt.inner_names, inner):
             setattr(out, name, t)
         if not _MADE[0]:
             _first_quantized_tensor()
+        return out
+
+    @classmethod
+    def make_view(cls, fmt, rels, dims, props: tuple, notes: Notes, inner=()) -> QuantizedTensor:
+        """:meth:`make` for a view of an existing quantized tensor, its ``props`` (``(shape as a torch.Size,
+        strides as a tuple, dtype, device)``) already decided and kept with the decision: the views every
+        decode step issues (``t()``, ``view(-1)``, aliases) build their result with this, in half the steps."""
+        out = torch.Tensor._make_wrapper_subclass(cls, props[0], strides=props[1], dtype=props[2], device=props[3])
+        out.fmt, out.rels, out.dims, out.notes, out.props = fmt, rels, dims, notes, props
+        if inner:  # else notes.pending makes them
+            for name, t in zip(fmt.inner_names, inner):
+                setattr(out, name, t)
         return out
 
     @property
@@ -257,9 +285,7 @@ class QuantizedTensor(torch.Tensor):
         inner = {name: inner[name] for name in fmt.inner_names}
         return QuantizedTensor(inner, fmt, rels, dims, outer_size, dtype, outer_stride or stride)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+    __torch_dispatch__ = classmethod(torch_dispatch)  # every op: dispatch.torch_dispatch -> its handler
 
     # -- FSDP2 all-gather extension (derived from the layout: dtensor_quant.fsdp) --
     @property

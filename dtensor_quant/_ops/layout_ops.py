@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils import _python_dispatch
 
+from .._core import memo as decisions
 from .._core import notes as rules
 from .._core.bits import is_tracing, same_bits
 from .._core.dispatch import UnsupportedOpError
@@ -40,7 +41,7 @@ from .._core.layout import (
     inner_slice,
     legal_chunk_counts,
 )
-from .._core.memo import layout_key, lookup, memo, remember
+from .._core.memo import layout_key, memo, remember
 from .._core.tensor import QuantizedTensor, contiguous_strides
 
 # -- orientation and construction ---------------------------------------------
@@ -127,14 +128,11 @@ def alias(q: QuantizedTensor) -> QuantizedTensor:
     the weight's own inner tensors, whose versions its kernel caches watch,
     and the compiled kernel op finds the weight's bytes record through them.
     """
-    fmt = q.fmt
-    inner = [getattr(q, n) for n in fmt.inner_names]
-    for i, t in enumerate(inner):
-        if t.requires_grad:
-            inner[i] = t.detach()
-    return QuantizedTensor.make(
-        inner, fmt, q.rels, q.dims, q.shape, q.stride(), q.dtype, rules.alias(q.notes), q.device
-    )
+    fmt, inner = q.fmt, []
+    for n in fmt.inner_names:  # a loop, not a comprehension: one call less (DTensor aliases on every gather)
+        t = getattr(q, n)
+        inner.append(t.detach() if t.requires_grad else t)
+    return QuantizedTensor.make_view(fmt, q.rels, q.dims, q.props, rules.alias(q.notes), inner)
 
 
 def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
@@ -146,24 +144,27 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     mostly never made. Formats with an inner name that is also a Tensor
     attribute (NF4's ``mean``) get them at once.
     """
-    # Each tensor property of a subclass is a Python call: read each once (this runs for every F.linear).
-    q_shape, q_stride, dtype, fmt = q.shape, q.stride(), q.dtype, q.fmt
-    nd = len(q_shape)
+    # A subclass's tensor properties cost several times a dense tensor's: read them off q.props
+    # (this runs for every F.linear).
+    props = q.props
+    nd = len(props[0])
     dim0, dim1 = dim0 % nd, dim1 % nd
     if dim0 == dim1:
         return alias(q)
-    # (memo.memo inlined)
-    key = ("transpose", id(q.rels), id(q.dims), id(fmt), dtype, q_shape, q_stride, dim0, dim1)
-    decision = lookup(key)
+    fmt = q.fmt
+    # (memo.memo inlined; the key is layout_key's, with the device: the decision holds the result's props)
+    key = ("transpose", id(q.rels), id(q.dims), id(fmt), *props, dim0, dim1)
+    hit = decisions.TABLE.get(key) if decisions.ENABLED else None
+    decision = None if hit is None else hit[0]
     if decision is None:
         decision = remember(key, _transposed_layout(q, dim0, dim1), q.rels, q.dims, fmt)
-    rels, dims, shape, stride, deferrable = decision
+    rels, dims, props, deferrable = decision
     first = getattr(q, fmt.inner_names[0])
     if deferrable and type(first) is torch.Tensor and not first.is_meta:
         notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
-        return QuantizedTensor.make((), fmt, rels, dims, shape, stride, dtype, notes, q.device)
+        return QuantizedTensor.make_view(fmt, rels, dims, props, notes)
     inner = [getattr(q, name).transpose(dim0, dim1) for name in fmt.inner_names]
-    return QuantizedTensor.make(inner, fmt, rels, dims, shape, stride, dtype, rules.transposed(q.notes, q), q.device)
+    return QuantizedTensor.make_view(fmt, rels, dims, props, rules.transposed(q.notes, q), inner)
 
 
 def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
@@ -173,7 +174,9 @@ def _transposed_layout(q: QuantizedTensor, dim0: int, dim1: int):
         return tuple(seq)
 
     deferrable = not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)
-    return tuple(swap(r) for r in q.rels), swap(q.dims), torch.Size(swap(q.shape)), swap(q.stride()), deferrable
+    shape, stride, dtype, device = q.props
+    props = (torch.Size(swap(shape)), swap(stride), dtype, device)
+    return tuple(swap(r) for r in q.rels), swap(q.dims), props, deferrable
 
 
 def _make_transposes(out: QuantizedTensor, q: QuantizedTensor, dim0: int, dim1: int) -> None:
@@ -188,17 +191,19 @@ def _make_transposes(out: QuantizedTensor, q: QuantizedTensor, dim0: int, dim1: 
 
 def slice_dim(q: QuantizedTensor, dim: int, start: int, stop: int) -> QuantizedTensor:
     """``q[..., start:stop, ...]`` along ``dim``; the inner tensors are views."""
-    factory = q.notes.from_factory
+    q_notes, fmt = q.notes, q.fmt
+    factory = q_notes.from_factory
     cuts, rels, shape, stride, outside = memo(
         ("slice", *layout_key(q), dim, start, stop, factory),
         lambda: sliced_layout(q, dim, start, stop, factory),
         q.rels,
         q.dims,
-        q.fmt,
+        fmt,
     )
-    inner = [getattr(q, name).narrow(dim, i0, n) for name, (i0, n) in zip(q.fmt.inner_names, cuts)]
-    notes = rules.sliced(q.notes, outside, q.shape[dim], dim, start, stop)
-    return QuantizedTensor.make(inner, q.fmt, rels, q.dims, shape, stride, q.dtype, notes, q.device)
+    q_shape, _, dtype, device = q.props
+    inner = [getattr(q, name).narrow(dim, i0, n) for name, (i0, n) in zip(fmt.inner_names, cuts)]
+    notes = rules.sliced(q_notes, outside, q_shape[dim], dim, start, stop)
+    return QuantizedTensor.make(inner, fmt, rels, q.dims, shape, stride, dtype, notes, device)
 
 
 def sliced_layout(q: QuantizedTensor, dim: int, start: int, stop: int, factory: bool):
@@ -480,7 +485,12 @@ def select_dim(q: QuantizedTensor, dim: int, index: int) -> QuantizedTensor:
 
 
 def flatten(q: QuantizedTensor) -> QuantizedTensor:
-    """``view(-1)`` (FSDP2 calls it on every sharded parameter); N dims fold from the last."""
+    """``view(-1)`` (FSDP2 calls it on every sharded parameter); N dims fold from the last.
+
+    Where every inner tensor is contiguous (its ``reshape(-1)`` a view, the same whenever it is made) the
+    inner views are left to their first read (``Notes.pending``), as :func:`transpose` leaves its own:
+    made from the inner tensor objects ``q`` holds now, so a later change to ``q`` does not reach them.
+    """
 
     def flat(row):
         rel, length = row[-1], q.shape[-1]
@@ -492,18 +502,37 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
     def decide():
         rels = tuple(flat(r) for r in q.rels)
         opaque = any(isinstance(row[0], Opaque) for row in rels)
-        return rels, (tuple(range(q.ndim)),), torch.Size((q.numel(),)), opaque
+        deferrable = not any(hasattr(QuantizedTensor, n) for n in q.fmt.inner_names)
+        props = (torch.Size((q.numel(),)), (1,), q.props[2], q.props[3])
+        return rels, (tuple(range(q.ndim)),), props, opaque, deferrable
 
-    key = ("flatten", id(q.rels), id(q.dims), id(q.fmt), q.dtype, q.shape, q.stride())
-    decision = lookup(key)
+    fmt = q.fmt
+    # (memo.memo inlined; the key is layout_key's, with the device: the decision holds the result's props)
+    key = ("flatten", id(q.rels), id(q.dims), id(fmt), *q.props)
+    hit = decisions.TABLE.get(key) if decisions.ENABLED else None
+    decision = None if hit is None else hit[0]
     if decision is None:
-        decision = remember(key, decide(), q.rels, q.dims, q.fmt)
-    rels, dims, shape, opaque = decision
+        decision = remember(key, decide(), q.rels, q.dims, fmt)
+    rels, dims, props, opaque, deferrable = decision
     if opaque:
         # An Opaque equals only itself: a fresh one per result, so two results never look like one grid.
         rels = tuple((Opaque(),) if isinstance(row[0], Opaque) else row for row in rels)
-    inner = [getattr(q, name).reshape(-1) for name in q.fmt.inner_names]
-    return QuantizedTensor.make(inner, q.fmt, rels, dims, shape, (1,), q.dtype, rules.same_bytes(q.notes), q.device)
+    inner, contiguous = [], deferrable
+    for name in fmt.inner_names:  # a loop, not a comprehension: one call less, on every view(-1)
+        t = getattr(q, name)
+        inner.append(t)
+        contiguous = contiguous and t.is_contiguous()  # else its reshape copies: made now, from these bytes
+    if contiguous and type(inner[0]) is torch.Tensor and not inner[0].is_meta:
+        return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes, (_make_flat, inner)))
+    inner = [t.reshape(-1) for t in inner]
+    return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes), inner)
+
+
+def _make_flat(out: QuantizedTensor, inner: list[torch.Tensor]) -> None:
+    """Set ``out``'s deferred inner tensors: ``inner`` (contiguous) viewed flat, below autograd and any mode."""
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _python_dispatch._disable_current_modes():
+        for name, t in zip(out.fmt.inner_names, inner):
+            setattr(out, name, t.reshape(-1))
 
 
 def unflatten(q: QuantizedTensor, size: tuple[int, ...]) -> QuantizedTensor:

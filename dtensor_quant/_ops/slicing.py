@@ -77,7 +77,7 @@ def chunk_view(q: QuantizedTensor, dim: int, chunks: int, index: int) -> Quantiz
     block raises on every rank, whichever piece it keeps), then one slice.
     None where the piece is past the last one.
     """
-    dim %= q.ndim
+    dim %= len(q.props[0])
     sizes = memo(
         ("chunk_view", *layout_key(q), dim, chunks),
         lambda: _checked_chunk_sizes(q, dim, chunks),
@@ -107,7 +107,7 @@ def chunk_copy(q: QuantizedTensor, dim: int, chunks: int, index: int) -> Quantiz
     (``torch.chunk`` gives fewer pieces when ``dim`` is short; DTensor's own
     code makes that empty piece).
     """
-    dim %= q.ndim
+    dim %= len(q.props[0])
     factory = q.notes.from_factory
     plan = memo(
         ("chunk_copy", *layout_key(q), dim, chunks, index, factory),
@@ -119,11 +119,12 @@ def chunk_copy(q: QuantizedTensor, dim: int, chunks: int, index: int) -> Quantiz
     if plan is None:
         return None
     cuts, rels, shape, stride = plan
+    fmt, (_, _, dtype, device) = q.fmt, q.props
     inner = [
         getattr(q, name).narrow(dim, i0, n).clone(memory_format=torch.contiguous_format)
-        for name, (i0, n) in zip(q.fmt.inner_names, cuts)
+        for name, (i0, n) in zip(fmt.inner_names, cuts)
     ]
-    return QuantizedTensor.make(inner, q.fmt, rels, q.dims, shape, stride, q.dtype, rules.new_bytes(inner), q.device)
+    return QuantizedTensor.make(inner, fmt, rels, q.dims, shape, stride, dtype, rules.new_bytes(inner), device)
 
 
 def _chunk_plan(q: QuantizedTensor, dim: int, chunks: int, index: int, factory: bool):

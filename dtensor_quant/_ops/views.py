@@ -30,9 +30,11 @@ def _alias(func, q, *args, **kwargs):
 
 @implements("aten::view", "aten::_unsafe_view")
 def _view(func, q, size):
-    if tuple(size) == q.shape:  # DTensor's to_local / from_local view_as, first: it runs on every full_tensor
+    shape = q.props[0]  # not q.shape: a subclass's getters cost more, and these two views run on every call
+    if tuple(size) == shape:  # DTensor's to_local / from_local view_as, first: it runs on every full_tensor
         return alias(q)
-    if len(size) == 1 and q.ndim >= 2 and size[0] in (-1, q.numel()) and q.dims == canonical_dims(q.ndim):
+    nd = len(shape)
+    if len(size) == 1 and nd >= 2 and size[0] in (-1, shape.numel()) and q.dims == canonical_dims(nd):
         return flatten(q)  # FSDP2's view(-1) of every sharded parameter, first
     size = list(size)
     if -1 in size:
@@ -102,7 +104,7 @@ def _as_strided(func, q, size, stride, storage_offset=None):
 
 @implements("aten::t")
 def _t(func, q):
-    return transpose(q, 0, 1) if q.ndim == 2 else alias(q)
+    return transpose(q, 0, 1) if len(q.props[0]) == 2 else alias(q)
 
 
 @implements("aten::transpose")

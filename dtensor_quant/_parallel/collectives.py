@@ -91,8 +91,13 @@ def gather(func, q, group_size, group_name, dim: int):
     """
     if group_size == 1:
         return alias(q)
-    inner = [getattr(q, name) for name in q.fmt.inner_names]
-    key = ("all_gather", dim, *layout_key(q), tuple((t.dtype, t.shape) for t in inner), group_size, group_name)
+    # Plain loops, not comprehensions: each comprehension is a call of its own, and this runs on every gather.
+    inner, metas = [], []
+    for name in q.fmt.inner_names:
+        t = getattr(q, name)
+        inner.append(t)
+        metas.append((t.dtype, t.shape))
+    key = ("all_gather", dim, *layout_key(q), tuple(metas), group_size, group_name)
     plain = type(inner[0]) is torch.Tensor and not inner[0].is_meta  # not traced, fake or meta
     plan = lookup(key) if plain else None
     if plan is None:
@@ -102,11 +107,17 @@ def gather(func, q, group_size, group_name, dim: int):
         return out
     if plan is _PIECES:
         return _gather_pieces(func, q, group_size, group_name, dim)
-    (rels, dims, shape, stride), sent, agreed, checks = plan
-    if agree.EVERY_CALL or agreed not in agree.AGREED:
-        agree_layout(q, group_name, "all-gather")
-    kept = [t for t, s in zip(inner, sent) if s is None]
-    got = _all_gather_bytes(func, [t for t, s in zip(inner, sent) if s is not None], kept, group_size, group_name)
+    (rels, dims, shape, stride), sent, agreed, checks, known = plan
+    if agree.EVERY_CALL or not known[0]:
+        if agree.EVERY_CALL or agreed not in agree.AGREED:
+            agree_layout(q, group_name, "all-gather")
+        # agree.AGREED only grows: once it holds the key, this plan skips hashing it (the format's and
+        # relations' dataclass hashes, five Python calls a gather)
+        known[0] = agreed in agree.AGREED
+    kept, sending = [], []
+    for t, s in zip(inner, sent):
+        (kept if s is None else sending).append(t)
+    got = _all_gather_bytes(func, sending, kept, group_size, group_name)
     if checks and not all(_all_equal(got[i].view(group_size, -1)) for i, _ in checks):
         copies = [[_rank_copy(got[i], t, group_size, r) for (i, _), t in zip(checks, kept)] for r in range(group_size)]
         check_kept(q, [n for _, n in checks], copies, group_name, "all-gather")  # raises, on every rank
@@ -125,7 +136,8 @@ def gather(func, q, group_size, group_name, dim: int):
             joined.append(stacked)
         else:  # the ranks' pieces side by side along dim = torch.cat of the pieces
             joined.append(stacked.view(group_size, *t.shape).movedim(0, dim).reshape(whole))
-    return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, q.dtype, new_bytes(joined), q.device)
+    _, _, dtype, device = q.props
+    return QuantizedTensor.make(joined, q.fmt, rels, dims, shape, stride, dtype, new_bytes(joined), device)
 
 
 def _all_gather_bytes(func, sent: list[torch.Tensor], kept: list[torch.Tensor], group_size: int, group_name):
@@ -135,17 +147,21 @@ def _all_gather_bytes(func, sent: list[torch.Tensor], kept: list[torch.Tensor], 
     The one wire format of every quantized gather, planned or not: ranks whose layouts agree may still take
     different paths here (a padded last shard is a layout of its own), and they must issue the same collective.
     """
-    send = [_as_bytes(t) for t in sent] + [_as_bytes(t.reshape(-1)) for t in kept]
+    # Each tensor's bytes as a ``uint8`` tensor of its shape (the last dim times its element size), no copy
+    # where it is contiguous: one dtype for every inner tensor, so they share one collective (gloo has no
+    # float8), and bits a float dtype could canonicalise travel as bytes. A 0-d tensor travels as 1-d.
+    # Inline loops: a helper call per tensor costs more than the view, on every gather.
+    send = []
+    for t in sent:
+        send.append((t if t.ndim else t.reshape(1)).contiguous().view(torch.uint8))
+    for t in kept:
+        send.append(t.reshape(-1).contiguous().view(torch.uint8))
     wire.note(func._schema.name, send, group=group_name)
     got = functional.all_gather_into_tensor_coalesced(send, group_size, group_name)
-    return [functional.wait_tensor(g) for g in got]
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a ``uint8`` tensor of its shape (the last dim times its element size), no copy where
-    ``t`` is contiguous: one dtype for every inner tensor, so they share one collective (gloo has no
-    float8), and bits a float dtype could canonicalise travel as bytes. A 0-d tensor travels as 1-d."""
-    return (t if t.ndim else t.reshape(1)).contiguous().view(torch.uint8)
+    wait, out = functional.wait_tensor, []
+    for g in got:
+        out.append(wait(g))
+    return out
 
 
 def _rank_copy(got: torch.Tensor, t: torch.Tensor, group_size: int, rank: int) -> torch.Tensor:
@@ -215,7 +231,7 @@ _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent con
 def _gather_plan(q, inner, out, group_size, group_name, dim):
     """``(result layout, per inner (its place in the coalesced gather, joined shape, or None where it is
     constant along dim) or None if not sent, the key agree.AGREED holds once the ranks agreed, (place, name)
-    of each kept tensor's bytes)``, or ``_PIECES``.
+    of each kept tensor's bytes, a cell: [True] once agree.AGREED is seen to hold that key)``, or ``_PIECES``.
 
     The gather sends the sent tensors, then the kept ones (not sent: each rank keeps its own; their bytes
     travel only to be compared), flattened. The layout is
@@ -242,7 +258,7 @@ def _gather_plan(q, inner, out, group_size, group_name, dim):
         return _PIECES
     checks = tuple((n_sent + j, name) for j, name in enumerate(kept))
     layout = (out.rels, out.dims, out.shape, out.stride())
-    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks
+    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks, [False]
 
 
 @implements("c10d::scatter_")

@@ -44,7 +44,7 @@ def in_one_step(q) -> bool:
         and type(q) is QuantizedTensor
         and not q.requires_grad
         and torch._C._len_torch_dispatch_stack() == 0
-        and not is_tracing(next(iter(q.inner.values())))
+        and not is_tracing(getattr(q, q.fmt.inner_names[0]))
     )
 
 

@@ -279,7 +279,7 @@ def check_redistribute(q, shape: Sequence[int], mesh_shape: Sequence[int], src, 
     Returns whether a ``Shard(i) -> Shard(j)`` step would cut the padding DTensor adds to dim ``j``
     inside a partial block (:func:`padded_cut_splits_block`): legal, but only through ``Replicate``.
     """
-    if not any(type(p) in _SHARDS for p in dst):  # not isinstance: through the placements' metaclass, ~10 us
+    if not any(type(p) in SHARDS for p in dst):  # not isinstance: through the placements' metaclass, ~10 us
         return False  # a gather (full_tensor, -> Replicate): any pieces join; checked without a cache lookup
     problem = _redistribute_problem(q.fmt, q.dims, tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst))
     if isinstance(problem, str):
@@ -287,7 +287,8 @@ def check_redistribute(q, shape: Sequence[int], mesh_shape: Sequence[int], src, 
     return problem
 
 
-_SHARDS = (Shard, _StridedShard)
+#: The placements that cut a dim (by exact type: ``isinstance`` goes through the placements' metaclass).
+SHARDS = (Shard, _StridedShard)
 
 
 @functools.lru_cache(maxsize=65536)

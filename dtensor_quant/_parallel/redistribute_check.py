@@ -30,7 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .._core.tensor import QuantizedTensor, on_first_quantized_tensor
 from .._core.torch_patches import replace
-from .placements import check_redistribute
+from .placements import SHARDS, check_redistribute
 
 #: torch 2.13.0's ``redistribute_local_tensor`` (core.torch_patches.fingerprint of its source).
 TORCH_2_13 = "34b9a1fd5c931804"
@@ -41,6 +41,12 @@ def _checked_first(torch_redistribute_local_tensor):
         if not isinstance(local_tensor, QuantizedTensor) or current_spec.tensor_meta is None:  # no shape: torch's
             return torch_redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs)
         src, dst = current_spec.placements, target_spec.placements
+        for p in dst:
+            if type(p) in SHARDS:
+                break
+        else:  # a gather (full_tensor, -> Replicate): any pieces join, nothing to check (check_redistribute's
+            # own first test, here before the mesh's shape, which costs several calls, is read for it)
+            return torch_redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs)
         if not check_redistribute(local_tensor, current_spec.shape, current_spec.mesh.shape, src, dst):  # may raise
             return torch_redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs)
         # Through Replicate on each mesh dim whose Shard(i) -> Shard(j) would cut DTensor's padding in a block.

@@ -34,24 +34,25 @@ from .gather_dim import in_one_step
 TORCH_2_13 = "0c06bbdd1a372d9a"
 
 
-def _in_one_step(q, shard_dim: int, mesh, mesh_dim: int) -> bool:
+def _in_one_step(q, shard_dim: int, mesh, mesh_dim: int) -> int | None:
+    """This rank's piece when the shortcut takes ``q``, else None (torch's code)."""
     # Ranks may decide differently (one past the last piece): torch's path gathers a quantized local with the
     # same collective (gather_dim, else the all-gather handler: collectives._all_gather_bytes), so they still meet.
-    return (
-        in_one_step(q)
-        and mesh.device_type == "cpu"
-        and mesh.get_local_rank(mesh_dim) < len(chunk_sizes(q.shape[shard_dim], mesh.size(mesh_dim)))
-    )
+    if not (in_one_step(q) and mesh.device_type == "cpu"):
+        return None
+    rank = mesh.get_local_rank(mesh_dim)  # once: it costs a dozen calls
+    return rank if rank < len(chunk_sizes(q.props[0][shard_dim], mesh.size(mesh_dim))) else None
 
 
 def _gathered_then_cut(torch_shard_dim_alltoall):
     def shard_dim_alltoall(input, gather_dim, shard_dim, mesh, mesh_dim):
-        if not _in_one_step(input, shard_dim, mesh, mesh_dim):
+        rank = _in_one_step(input, shard_dim, mesh, mesh_dim)
+        if rank is None:
             return torch_shard_dim_alltoall(input, gather_dim, shard_dim, mesh, mesh_dim)
         group = funcol._resolve_group((mesh, mesh_dim))
         n = c10d._get_group_size_by_name(group)
         gathered = all_gather_along(input, gather_dim, n, funcol._group_or_group_name(group))
-        return chunk_view(gathered, shard_dim, n, mesh.get_local_rank(mesh_dim)).contiguous()
+        return chunk_view(gathered, shard_dim, n, rank).contiguous()
 
     shard_dim_alltoall.__doc__ = torch_shard_dim_alltoall.__doc__
     return shard_dim_alltoall

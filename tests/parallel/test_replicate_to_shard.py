@@ -123,10 +123,15 @@ def test_one_step_without_dispatch(monkeypatch):
     q = dq.quantize(_weight((256, 256)), FORMATS["int8"])
     Shard(0)._replicate_to_shard(q, Mesh(2), 0, 1)  # the decision made once
     calls = []
-    original = dispatch.dispatch
+    original = dispatch.torch_dispatch
     monkeypatch.setattr(
-        "dtensor_quant._core.tensor.dispatch",
-        lambda func, args, kwargs: calls.append(func) or original(func, args, kwargs),
+        QuantizedTensor,
+        "__torch_dispatch__",
+        classmethod(
+            lambda cls, func, types, args=(), kwargs=None: (
+                calls.append(func) or original(cls, func, types, args, kwargs)
+            )
+        ),
     )
     Shard(0)._replicate_to_shard(q, Mesh(2), 0, 1)
     assert calls == []

@@ -133,8 +133,12 @@ def _dispatched():
     q = dq.quantize(weight((64, 128), 7), FORMATS["int8"])
     dt = distribute_tensor(q, m, [Shard(1)])
     dt.redistribute(m, [Shard(0)])  # the decisions made once
-    seen, original = [], dispatch.dispatch
-    tensor.dispatch = lambda func, args, kwargs: seen.append(str(func)) or original(func, args, kwargs)
+    seen, original = [], dispatch.torch_dispatch
+    tensor.QuantizedTensor.__torch_dispatch__ = classmethod(
+        lambda cls, func, types, args=(), kwargs=None: (
+            seen.append(str(func)) or original(cls, func, types, args, kwargs)
+        )
+    )
     try:
         dt.redistribute(m, [Shard(0)])
         ours = list(seen)
@@ -142,5 +146,5 @@ def _dispatched():
         with patch("shard_to_shard").removed():
             dt.redistribute(m, [Shard(0)])
     finally:
-        tensor.dispatch = original
+        tensor.QuantizedTensor.__torch_dispatch__ = classmethod(original)
     return ours, seen
