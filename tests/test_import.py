@@ -116,3 +116,22 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch):
     for level, name in LEVELS.items():  # each level and its instructions said once, not twice
         assert message.count(f"{level} {name}") == 1, message
         assert message.count(name) == sum(name in other for other in LEVELS.values()), message
+
+
+def test_a_setting_follows_the_environment_after_its_value_is_remembered(monkeypatch):
+    """config.get remembers each text's parsed value (the kernels ask on every call), but reads the variable on
+    every call: a change takes effect at once, back and forth, and a bad value still raises."""
+    import pytest
+
+    import dtensor_quant as dq
+
+    for text, expected in (("0", False), ("1", True), ("off", False), ("0", False), ("yes", True)):
+        monkeypatch.setenv("DTENSOR_QUANT_NATIVE", text)
+        assert dq.config.get("native") is expected
+    monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", "2")
+    assert dq.config.get("max_level") == 2
+    monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", "9")
+    with pytest.raises(dq.config.ConfigError, match="DTENSOR_QUANT_MAX_LEVEL='9'"):
+        dq.config.get("max_level")
+    monkeypatch.delenv("DTENSOR_QUANT_MAX_LEVEL")
+    assert dq.config.get("max_level") is None

@@ -122,12 +122,24 @@ def get(name: str):
     """
     setting = SETTINGS[name]
     text = os.environ.get(setting.env, setting.default)
+    key = (name, text)
+    if key in _PARSED:  # the kernels ask on every call: the parse of a text seen before, looked up
+        return _PARSED[key]
     try:
-        return setting.parse(text)
+        value = setting.parse(text)
+        if setting.parse in _PURE:
+            _PARSED[key] = value
+        return value
     except ValueError as e:
         takes = f" ({e})" if str(e) else ""  # the values it takes, where its doc does not list them
         what = f"what it does: {setting.doc}"
         raise ConfigError(f"{setting.env}={text!r} is not a value it takes{takes}; {what}") from None
+
+
+#: The parsers whose value depends on the text alone (``_path`` also reads $HOME), and their values by
+#: ``(setting, text)``.
+_PURE = (_flag, _level)
+_PARSED: dict[tuple[str, str], object] = {}
 
 
 def describe() -> list[tuple[str, str, str]]:

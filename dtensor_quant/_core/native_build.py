@@ -110,10 +110,17 @@ def required_features(level: int) -> tuple[str, ...]:
 
 def cpu_level() -> int:
     """The level builds take on this CPU: the highest whose flags (with those of the levels below) it has."""
-    level, have = 0, cpu_features()
-    while level + 1 in LEVEL_FEATURES and set(LEVEL_FEATURES[level + 1]) <= have:
-        level += 1
+    have = cpu_features()
+    level = _LEVEL_OF.get(have)  # every kernel call asks: the flags' level, once per set of flags
+    if level is None:
+        level = 0
+        while level + 1 in LEVEL_FEATURES and set(LEVEL_FEATURES[level + 1]) <= have:
+            level += 1
+        _LEVEL_OF[have] = level
     return level
+
+
+_LEVEL_OF: dict[frozenset[str], int] = {}
 
 
 _SIGNATURE = re.compile(r'^(?:extern "C"\s+)?void\s+kernel\s*\(([^)]*)\)\s*\{', re.MULTILINE)

@@ -619,7 +619,9 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
     if (x_f32 && level >= 3) level = 2;
     const int64_t mb = M < DQ_MB ? M : DQ_MB;
     uint16_t* xb = level >= 3 ? new uint16_t[mb * K] : nullptr;
-    float* xf = new float[mb * K];
+    // levels 3 and 4 multiply xb; the fp32 copy only a tile they refuse needs, made then (a pass over the tokens
+    // and a buffer twice xb's size saved on every other call)
+    float* xf = level >= 3 ? nullptr : new float[mb * K];
     // 64-byte aligned: a tile row that straddles two cache lines loads both
     uint32_t* xv = level >= 4 ? static_cast<uint32_t*>(std::aligned_alloc(64, (mb + 15) / 16 * 16 * K * 2)) : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += DQ_MB) {
@@ -640,6 +642,7 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
             float* packed = dq_buffer(1, DQ_TR * DQ_KC > 2 * (K + DQ_LDPAD) ? DQ_TR * DQ_KC : 2 * (K + DQ_LDPAD));
             float* C = dq_buffer(2, (ms + 15) / 16 * 16 * DQ_TR);
             std::unique_ptr<DqAmxScope> amx(level >= 4 ? new DqAmxScope() : nullptr);
+            std::unique_ptr<float[]> xf_own;  // xf for a refused tile where there is none (levels 3, 4)
             #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += DQ_TR) {
                 const int64_t rows = N - n0 < DQ_TR ? N - n0 : DQ_TR;
@@ -653,8 +656,17 @@ static void dq_tiles(const F& f, const void* x, void* out, int64_t M, int64_t N,
                 const bool done = !amx && (level == 3 && ms <= DQ_FEW
                                                ? dq_tile_few(f, n0, rows, K, ms, xb, few_rows, C)
                                                : dq_tile(f, level, round, n0, rows, K, ms, xb, xf, rowbuf, packed, C));
-                if (!done)
-                    dq_tile(f, 2, true, n0, rows, K, ms, xb, xf, rowbuf, packed, C);  // level 3 rounds (bf16 x)
+                if (!done) {
+                    const float* xt = xf;
+                    if (!xt) {
+                        if (!xf_own) {
+                            xf_own.reset(new float[ms * K]);
+                            for (int64_t i = 0; i < ms * K; ++i) xf_own[i] = dq_bf16_float(xb[i]);
+                        }
+                        xt = xf_own.get();
+                    }
+                    dq_tile(f, 2, true, n0, rows, K, ms, xb, xt, rowbuf, packed, C);  // level 3 rounds (bf16 x)
+                }
                 if (level >= 2)
                     dq_store_512(C, ms, rows, x_f32, om, N, n0);
                 else

@@ -92,3 +92,29 @@ def test_given_token_maxima_are_used(level):
         got = float8.fp8_native(x, prepared[1], prepared[2][0], fmt.activation_scheme, None, max_level=level)
         expected = torch_path(fmt, x, q, prepared)
     assert same(got, expected) and not same(got, torch_path(fmt, x, q, prepared))
+
+
+TILE_LEVELS = [lvl for lvl in (2, 3, 4) if float8.kernel() and lvl <= float8.kernel()[1]]
+
+
+@pytest.mark.parametrize("level", TILE_LEVELS)
+@pytest.mark.parametrize("tokens", [5, 96], ids=str)  # up to DQ_FEW tokens level 3 multiplies rows as they are
+@pytest.mark.parametrize("group", [32, 96, 192], ids=str)  # 32-code steps only; 64-code steps and a 32 tail; 64s
+def test_unit_scale_tiles_read_every_code_exactly(level, tokens, group):
+    """The float8 tiles decode a weight of unit scale (the products fp8 activations make) through their own
+    table path: every finite e4m3 code, in every column position of the table path's 64-code steps and 32-code
+    tails, in groups of columns whose scales mix 1 and others. One-hot activations make each output one weight,
+    so the output is each weight's float(code) * scale rounded to bf16, exactly."""
+    gen = torch.Generator().manual_seed(0)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    rows, cols = 40, 192
+    codes = finite[torch.randint(0, finite.numel(), (rows, cols), generator=gen)]
+    codes[0, : finite.numel() // 4], codes[1, :] = finite[: finite.numel() // 4], finite[-cols:]
+    qdata = codes.view(torch.float8_e4m3fn)
+    scale = torch.where(torch.rand((rows, cols // group), generator=gen) < 0.6, 1.0, 0.375)
+    prepared = float8.kernel_prepare(qdata, scale, group)
+    pick = torch.randperm(cols, generator=gen)[:tokens]
+    x = torch.eye(cols, dtype=torch.bfloat16)[pick]
+    got = float8.tiled_linear(x, prepared, max_level=level)
+    expected = (qdata.float() * scale.repeat_interleave(group, dim=1)).to(torch.bfloat16)[:, pick].t()
+    assert got is not None and torch.equal(got, expected)
