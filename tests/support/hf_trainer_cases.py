@@ -240,12 +240,12 @@ def unfixed_refused(path, out) -> str:
     raise AssertionError("accelerate's FSDP2 preparation mapped every quantized weight to one; not refused")
 
 
-def train_bf16(path, out) -> dict:
+def train_bf16(path, out, precision: str = "bf16") -> dict:
     """Trainer's ``bf16=True`` (accelerate's mixed precision) on the trainable int8 weights: train, save_model,
-    reload (on every rank)."""
+    reload (on every rank). ``precision="fp16"``: ``fp16=True`` instead."""
     import transformers
 
-    trainer = make_trainer(path, out, steps=6, save_strategy="no", bf16=True)
+    trainer = make_trainer(path, out, steps=6, save_strategy="no", **{precision: True})
     start = full_bytes(trainer.model)
     with parameters_by_identity():
         trainer.train()
@@ -261,6 +261,7 @@ def train_bf16(path, out) -> dict:
     policies = {m._get_fsdp_state()._mp_policy for m in trainer.model.modules() if isinstance(m, FSDPModule)}
     return {
         "mixed_precision": trainer.accelerator.mixed_precision,
+        "scaler": type(trainer.accelerator.scaler).__name__,  # fp16 on GPUs: a GradScaler; on CPU: none
         "fsdp_param_dtypes": sorted(str(p.param_dtype) for p in policies),
         "quantized": len(weights),
         "formats": sorted({str(p._local_tensor.fmt) for p in weights}),

@@ -78,6 +78,24 @@ def test_trainer_fsdp2_bf16_trains_int8_weights_and_save_model_reloads(ranks, ch
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
+# fp16=True on CPU: accelerate 1.16 makes no float16 autocast and no GradScaler on CPU; FSDP2's MixedPrecisionPolicy
+# in float16 (set as accelerate sets it on GPUs) casts the gathered weights and each layer's inputs
+@pytest.mark.slow
+def test_trainer_fsdp2_fp16_trains_int8_weights_and_save_model_reloads(ranks, checkpoints, tmp_path):
+    results = ranks(2).run(tc.train_bf16, checkpoints["llama", False], str(tmp_path), "fp16")
+    for r in results:
+        assert r["mixed_precision"] == "fp16" and r["fsdp_param_dtypes"] == ["torch.float16"], r
+        assert r["scaler"] == "NoneType", r  # no loss scaling on CPU (docs/frameworks.md)
+        assert r["quantized"] == LINEARS and r["trainable"] and r["formats"] == ["Int8Rowwise()"], r
+        assert r["dtypes"] == ["torch.float32"], r
+        assert len(r["changed"]) > LINEARS, r["changed"]
+        assert r["sr_steps"] == [len(r["losses"])], r["sr_steps"]  # every step updated every weight
+        assert r["reloaded_differs"] == [], r
+        assert r["losses"] == results[0]["losses"]
+    losses = results[0]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
 # QLoRA: PEFT LoRA adapters on a frozen NF4 base, Trainer's defaults, FSDP2 (the base sharded as NF4 DTensors,
 # all-gathered as their stored bytes)
 @pytest.mark.slow
