@@ -124,3 +124,21 @@ def test_trainer_qlora_resume_is_byte_identical(ranks, checkpoints, tmp_path, st
         assert sorted(r["changed"]) == r["adapters"], r["changed"]  # the adapters moved, the NF4 base did not
         continuous, resumed = r["losses"]
         assert resumed[-2:] == continuous[-2:], r["losses"]
+
+
+# FSDP2 x TP 2 on 4 ranks: transformers loads the model on a 2-D mesh (DistributedConfig(tp_size=2, fsdp_size=2)),
+# Trainer trains it as loaded (accelerate prepares only the optimizer); on CPU accelerate's ParallelismConfig check
+# needs parallelism_on_cpu (docs/frameworks.md)
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_trainer_fsdp2_x_tp2_trains_int8_weights(ranks, checkpoints, tmp_path):
+    results = ranks(4).run(tc.train_fsdp_tp, checkpoints["llama", False], str(tmp_path), timeout=900)
+    for r in results:
+        assert r["parallelism"] == (2, 2) and r["fsdp_modules"] > 0, r
+        assert r["optim"] == "adamw_torch_fused", r  # Trainer's default
+        assert r["quantized"] == LINEARS and r["formats"] == ["Int8Rowwise()"], r
+        assert len(r["mesh_dims"]) == 1 and "tp" in r["mesh_dims"][0], r["mesh_dims"]  # 2-D: a dp dim and tp
+        assert len(r["changed"]) == LINEARS, r["changed"]
+        assert r["sr_steps"] == [len(r["losses"])], r["sr_steps"]
+        assert r["losses"] == results[0]["losses"]
+    losses = results[0]["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
