@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
+from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.checkpointer.dcp import CheckpointManager as _TitanCheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer as _TitanOptimizers
 from torchtitan.components.quantization import QuantizationConverter
@@ -58,7 +59,7 @@ from torchtitan.models.common.attention import FusedQKVLinear
 from torchtitan.models.common.linear import Linear
 from torchtitan.tools.logging import logger
 
-from .._checkpoint.state_dict import entries_from_state
+from .._checkpoint.state_dict import entries_from_state, is_quantized
 from .._core.dispatch import implements
 from .._model.format_spec import parse_format
 from .._model.quantize_model import quantize_
@@ -223,6 +224,16 @@ class CheckpointManager(_TitanCheckpointManager):
     Hugging Face export and import paths (``last_save_in_hf``,
     ``initial_load_in_hf``) are refused: they go through a state-dict adapter
     written for dense weights.
+
+    The model-only export at the end of training (``last_save_model_only``)
+    casts the dense tensors to ``export_dtype`` and writes each quantized
+    weight as it is: its stored bytes and its logical dtype. torchtitan's
+    own export casts every floating-point value, and a quantized weight's
+    ``.to(bfloat16)`` keeps its bytes but records a bfloat16 weight, which
+    the float32 model the same config builds then refuses to load
+    (``CheckpointFormatError``: the logical dtypes differ), e.g. through
+    ``initial_load_path``. Left as they are, the export loads back into that
+    model with the trained bytes (the dense tensors cast back up by DCP).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -241,6 +252,32 @@ class CheckpointManager(_TitanCheckpointManager):
                 "(torchtitan's state-dict adapter expects dense ones); export with dtensor_quant.hf.save"
             )
         return super().dcp_save(entries_from_state(state_dict), checkpoint_id, async_mode, enable_garbage_collection)
+
+    @torch.no_grad()
+    def _save_last_step(self, curr_step: int) -> None:
+        """torchtitan's end-of-training save; model only: ``export_dtype`` for the dense tensors alone (class doc)."""
+        if not self.last_save_model_only:
+            return super()._save_last_step(curr_step)
+        states = {
+            k: v.to(self.export_dtype)
+            if isinstance(v, torch.Tensor)
+            and not is_quantized(v)
+            and v.is_floating_point()
+            and v.dtype != self.export_dtype
+            else v
+            for k, v in self.states[MODEL].state_dict().items()
+        }
+        logger.info(
+            f"Saving a model only checkpoint at last step, step {curr_step}: dense tensors in {self.export_dtype}, "
+            "quantized weights as stored"
+        )
+        self.dcp_save(
+            states,
+            checkpoint_id=self._create_checkpoint_id(curr_step),
+            async_mode=AsyncMode.DISABLED,
+            enable_garbage_collection=True,
+            to_hf=self.last_save_in_hf,
+        )
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         if from_hf:

@@ -240,12 +240,12 @@ def unfixed_refused(path, out) -> str:
     raise AssertionError("accelerate's FSDP2 preparation mapped every quantized weight to one; not refused")
 
 
-def train_bf16(path, out) -> dict:
+def train_bf16(path, out, precision: str = "bf16") -> dict:
     """Trainer's ``bf16=True`` (accelerate's mixed precision) on the trainable int8 weights: train, save_model,
-    reload (on every rank)."""
+    reload (on every rank). ``precision="fp16"``: ``fp16=True`` instead."""
     import transformers
 
-    trainer = make_trainer(path, out, steps=6, save_strategy="no", bf16=True)
+    trainer = make_trainer(path, out, steps=6, save_strategy="no", **{precision: True})
     start = full_bytes(trainer.model)
     with parameters_by_identity():
         trainer.train()
@@ -261,6 +261,7 @@ def train_bf16(path, out) -> dict:
     policies = {m._get_fsdp_state()._mp_policy for m in trainer.model.modules() if isinstance(m, FSDPModule)}
     return {
         "mixed_precision": trainer.accelerator.mixed_precision,
+        "scaler": type(trainer.accelerator.scaler).__name__,  # fp16 on GPUs: a GradScaler; on CPU: none
         "fsdp_param_dtypes": sorted(str(p.param_dtype) for p in policies),
         "quantized": len(weights),
         "formats": sorted({str(p._local_tensor.fmt) for p in weights}),
@@ -350,4 +351,73 @@ def qlora(path, out) -> dict:
             {n.replace(".default", ""): trained[n] for n in adapter_names},
             {n.replace(".default", ""): v for n, v in reloaded.items()},
         ),
+    }
+
+
+@contextlib.contextmanager
+def parallelism_on_cpu():
+    """While it lasts, accelerate's ``ParallelismConfig`` check lets CPU ranks (``MULTI_CPU``) through.
+
+    accelerate 1.16 takes a parallelism config (the one Trainer makes for a model that transformers loaded
+    tensor-parallel) only for ``FSDP``, multi-accelerator or DeepSpeed states; on CPU ranks ``Accelerator()``
+    raises ``ValueError: ParallelismConfig is only compatible ... but got DistributedType.MULTI_CPU``. Every
+    other state is checked as accelerate checks it."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    check = ParallelismConfig._validate_accelerator
+
+    def on_cpu(self, accelerator):
+        if accelerator.distributed_type != DistributedType.MULTI_CPU:
+            check(self, accelerator)
+
+    ParallelismConfig._validate_accelerator = on_cpu
+    try:
+        yield
+    finally:
+        ParallelismConfig._validate_accelerator = check
+
+
+def train_fsdp_tp(path, out, steps: int = 4) -> dict:
+    """Trainable int8 weights loaded by transformers on a 2-D mesh (``DistributedConfig(tp_size=2,
+    fsdp_size=2)``: its TP plan, then its FSDP2), then Trainer with its defaults on the model as loaded (no
+    ``fsdp`` arguments: accelerate leaves a model transformers distributed as it is)."""
+    import transformers
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.distributed import DistributedConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        quantization_config=dq.hf.QuantConfig("int8", trainable=True, seed=0),
+        distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+    )
+    args = transformers.TrainingArguments(
+        out,
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        logging_steps=1,
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+    )
+    with parallelism_on_cpu():
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    start = full_bytes(model)
+    trainer.train()  # accelerate prepares only the optimizer here: no parameter remap, no parameters_by_identity
+    weights = {n: p for n, p in model.named_parameters() if isinstance(p._local_tensor, dq.QuantizedTensor)}
+    optimizer = trainer.optimizer.optimizer
+    config = trainer.accelerator.parallelism_config
+    return {
+        "optim": trainer.args.optim.value,
+        "parallelism": (config.dp_shard_size, config.tp_size),
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "mesh_dims": sorted({str(p.device_mesh.mesh_dim_names) for p in weights.values()}),
+        "quantized": len(weights),
+        "formats": sorted({str(p._local_tensor.fmt) for p in weights.values()}),
+        "sr_steps": sorted({optimizer.state[p].get("sr_step") for p in weights.values()}, key=str),
+        "changed": [n for n in differing(start, full_bytes(model)) if n in weights],
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }

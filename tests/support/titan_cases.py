@@ -86,15 +86,15 @@ def optimizer(model, name: str = "AdamW8bit"):
     return config.build(model_parts=[model])
 
 
-def checkpointer(model, optimizers, folder: str, stock: bool = False):
-    """The library's checkpoint manager, or torchtitan's own (``stock``)."""
+def checkpointer(model, optimizers, folder: str, stock: bool = False, **config):
+    """The library's checkpoint manager, or torchtitan's own (``stock``); ``config``: more of its Config's fields."""
     import dtensor_quant.torchtitan as dqt
 
     if stock:
         from torchtitan.components.checkpointer.dcp import CheckpointManager as Manager
     else:
         Manager = dqt.CheckpointManager
-    config = Manager.Config(enable=True, folder="checkpoint", interval=1)
+    config = Manager.Config(enable=True, folder="checkpoint", interval=1, **config)
     return config.build(
         dataloader=None,
         model_parts=[model],
@@ -217,3 +217,54 @@ def stock_manager(dp: int, tp: int, folder: str) -> dict:
     stock.close()
     ours.close()
     return out
+
+
+def export_last(dp: int, tp: int, folder: str, steps: int, export_dtype: str = "bfloat16") -> dict:
+    """Train ``steps`` steps, then torchtitan's end-of-training save (``save(last_step=True)``, model only, in
+    ``export_dtype``). Returns ``trained``: every weight's full stored bytes at the save; ``written``: the
+    checkpoint's keys with their dtypes (from its metadata); ``dense``: the names of the dense weights."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, dims = build(dp, tp)
+    opts = optimizer(model)
+    ckpt = checkpointer(model, opts, folder, last_save_model_only=True, export_dtype=export_dtype)
+    for i in range(steps):
+        step(model, opts, dims, i)
+    assert ckpt.save(curr_step=steps, last_step=True)
+    dist.barrier()
+    metadata = FileSystemReader(os.path.join(folder, "checkpoint", f"step-{steps}")).read_metadata()
+    written = {k: str(m.properties.dtype) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "properties")}
+    quantized = set(quantized_names(model))
+    out = {
+        "trained": {k: v for k, v in stored(model, opts).items() if k.startswith("model.")},
+        "written": written,
+        "dense": [n for n, _ in model.named_parameters() if n not in quantized],
+        "quantized": sorted(quantized),
+        "logical_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
+    ckpt.close()
+    return out
+
+
+def load_export(dp: int, tp: int, folder: str, path: str, how: str) -> dict:
+    """A fresh model loads the export at ``path``: through torchtitan's ``initial_load_path`` (``how="titan"``,
+    the library's manager) or ``dq.checkpoint.load`` (``how="dq"``). Returns every weight's full stored bytes,
+    or the error (type, message) the load raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import dtensor_quant as dq
+
+    model, _ = build(dp, tp)
+    try:
+        if how == "titan":
+            opts = optimizer(model)
+            ckpt = checkpointer(model, opts, folder, initial_load_path=path, initial_load_model_only=True)
+            assert ckpt.load()
+            ckpt.close()
+        else:
+            dq.checkpoint.load(model, path)
+    except (Exception, CheckpointException) as e:  # the test checks what it is (DCP's is a BaseException)
+        return {"error": (type(e).__name__, str(e))}
+    return {"loaded": {f"model.{n}.{k}": v for n, p in model.named_parameters() for k, v in _full(p).items()}}

@@ -81,3 +81,32 @@ def test_fsdp2_x_tp2_resumes_byte_identically(ranks, tmp_path):
     straight, resumed = resume_case(ranks, 2, 2, str(tmp_path), timeout=900)
     assert not same(straight["saved"], resumed["loaded"])
     assert not same(straight["end"], resumed["end"])
+
+
+def test_the_model_only_export_casts_dense_tensors_only_and_loads_back_with_the_trained_bytes(ranks, tmp_path):
+    """torchtitan's end-of-training save (``save(last_step=True)``, ``last_save_model_only``, ``export_dtype``
+    bfloat16) under FSDP2 on 2 ranks: each quantized weight is written as stored (its inner tensors' dtypes), every
+    dense tensor in bfloat16. The float32 model the same config builds loads it back, through torchtitan's
+    ``initial_load_path`` (2 ranks) and ``dq.checkpoint.load`` (1 rank): the trained quantized bytes exactly, the
+    dense tensors as the trained ones cast to bfloat16 and back."""
+    out = ranks(2).run(tc.export_last, 2, 1, str(tmp_path), 2, timeout=600)[0]
+    trained, written = out["trained"], out["written"]
+    assert out["quantized"] and out["logical_dtypes"] == [str(torch.float32)], out["logical_dtypes"]
+    inner = {f"{n}.{k.rsplit('.', 1)[1]}" for n in out["quantized"] for k in trained if k.startswith(f"model.{n}.")}
+    assert inner and inner <= set(written), sorted(inner - set(written))
+    for key in inner:
+        assert written[key] == str(trained[f"model.{key}"].dtype), (key, written[key])
+    dense = set(written) - inner
+    assert dense and all(written[k] == str(torch.bfloat16) for k in dense), {k: written[k] for k in dense}
+
+    path = str(tmp_path / "checkpoint" / "step-2")
+    quantized = {k for k in trained if any(k.startswith(f"model.{n}.") for n in out["quantized"])}
+    for n, how in [(2, "titan"), (1, "dq")]:
+        result = ranks(n).run(tc.load_export, n, 1, str(tmp_path / how), path, how, timeout=600)[0]
+        assert "error" not in result, result.get("error")
+        loaded = result["loaded"]
+        assert set(loaded) == set(trained)
+        assert not same({k: trained[k] for k in quantized}, {k: loaded[k] for k in quantized}), how
+        exported = {k: trained[k].to(torch.bfloat16).float() for k in set(trained) - quantized}
+        assert not same(exported, {k: loaded[k] for k in exported}), how
+        assert same({k: trained[k] for k in exported}, exported)  # the cast changed the dense tensors

@@ -78,6 +78,24 @@ def test_trainer_fsdp2_bf16_trains_int8_weights_and_save_model_reloads(ranks, ch
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
+# fp16=True on CPU: accelerate 1.16 makes no float16 autocast and no GradScaler on CPU; FSDP2's MixedPrecisionPolicy
+# in float16 (set as accelerate sets it on GPUs) casts the gathered weights and each layer's inputs
+@pytest.mark.slow
+def test_trainer_fsdp2_fp16_trains_int8_weights_and_save_model_reloads(ranks, checkpoints, tmp_path):
+    results = ranks(2).run(tc.train_bf16, checkpoints["llama", False], str(tmp_path), "fp16")
+    for r in results:
+        assert r["mixed_precision"] == "fp16" and r["fsdp_param_dtypes"] == ["torch.float16"], r
+        assert r["scaler"] == "NoneType", r  # no loss scaling on CPU (docs/frameworks.md)
+        assert r["quantized"] == LINEARS and r["trainable"] and r["formats"] == ["Int8Rowwise()"], r
+        assert r["dtypes"] == ["torch.float32"], r
+        assert len(r["changed"]) > LINEARS, r["changed"]
+        assert r["sr_steps"] == [len(r["losses"])], r["sr_steps"]  # every step updated every weight
+        assert r["reloaded_differs"] == [], r
+        assert r["losses"] == results[0]["losses"]
+    losses = results[0]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
 # QLoRA: PEFT LoRA adapters on a frozen NF4 base, Trainer's defaults, FSDP2 (the base sharded as NF4 DTensors,
 # all-gathered as their stored bytes)
 @pytest.mark.slow
@@ -106,3 +124,21 @@ def test_trainer_qlora_resume_is_byte_identical(ranks, checkpoints, tmp_path, st
         assert sorted(r["changed"]) == r["adapters"], r["changed"]  # the adapters moved, the NF4 base did not
         continuous, resumed = r["losses"]
         assert resumed[-2:] == continuous[-2:], r["losses"]
+
+
+# FSDP2 x TP 2 on 4 ranks: transformers loads the model on a 2-D mesh (DistributedConfig(tp_size=2, fsdp_size=2)),
+# Trainer trains it as loaded (accelerate prepares only the optimizer); on CPU accelerate's ParallelismConfig check
+# needs parallelism_on_cpu (docs/frameworks.md)
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_trainer_fsdp2_x_tp2_trains_int8_weights(ranks, checkpoints, tmp_path):
+    results = ranks(4).run(tc.train_fsdp_tp, checkpoints["llama", False], str(tmp_path), timeout=900)
+    for r in results:
+        assert r["parallelism"] == (2, 2) and r["fsdp_modules"] > 0, r
+        assert r["optim"] == "adamw_torch_fused", r  # Trainer's default
+        assert r["quantized"] == LINEARS and r["formats"] == ["Int8Rowwise()"], r
+        assert len(r["mesh_dims"]) == 1 and "tp" in r["mesh_dims"][0], r["mesh_dims"]  # 2-D: a dp dim and tp
+        assert len(r["changed"]) == LINEARS, r["changed"]
+        assert r["sr_steps"] == [len(r["losses"])], r["sr_steps"]
+        assert r["losses"] == results[0]["losses"]
+    losses = results[0]["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
