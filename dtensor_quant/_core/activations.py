@@ -181,6 +181,27 @@ def token_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
     return amax
 
 
+# The flag bits of the activation kernels (int8_w8a8.cpp, float8_a8.cpp) that say where the scale comes from.
+GIVEN_MAXIMA = 2  # ``stat`` holds each token's max |x| (reduced over the mesh): the kernel takes it, not its own
+STATIC_SCALE = 4  # ``stat`` holds the static input_scale
+_NO_STAT = torch.empty(0)
+
+
+def kernel_statistic(x: torch.Tensor, scheme: ActivationScheme, input_scale) -> tuple[torch.Tensor, int]:
+    """``(stat, flag bits)`` for a format's activation kernel, the same for every code kind.
+
+    A static scheme: its ``input_scale`` (fp32 ``[1]``) and :data:`STATIC_SCALE`. A dynamic scheme inside a
+    :func:`token_stat_reduction` block (a row-parallel matmul, the scheme not per-rank): the reduced
+    per-token maxima (fp32 ``[tokens]``) and :data:`GIVEN_MAXIMA`. Otherwise nothing: the kernel takes each
+    token's maximum in its own quantizing pass.
+    """
+    if not scheme.dynamic:
+        return torch.full((1,), float(input_scale), dtype=torch.float32), STATIC_SCALE
+    if not scheme.per_rank and reducing():
+        return token_absmax(x, scheme).reshape(-1).contiguous(), GIVEN_MAXIMA
+    return _NO_STAT, 0
+
+
 def quantize_activation(x: torch.Tensor, scheme: ActivationScheme, input_scale) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale)`` of a 2-D activation: int8 or float8_e4m3fn codes ``[tokens, in]``, fp32 scale.
 

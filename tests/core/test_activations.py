@@ -83,6 +83,27 @@ def test_token_statistics_as_declared():
     assert torch.equal(codes8.view(torch.uint8), expected8.view(torch.uint8))
 
 
+@pytest.mark.parametrize("spelling", ["int8-token", "int8-token-per-rank", "fp8-token", "int8-tensor"])
+def test_kernel_statistic_says_where_the_scale_comes_from(spelling):
+    """One helper for both activation kernels: the static scale, the reduced maxima inside a reduction block
+    (reduced schemes only), or nothing (the kernel takes its own maxima)."""
+    scheme = activations.SCHEMES[spelling]
+    x = weight((3, 32), seed=12)
+    seen = []
+    stat, flags = activations.kernel_statistic(x, scheme, 0.5 if not scheme.dynamic else None)
+    with activations.token_stat_reduction(lambda amax: seen.append(amax) or amax * 2):
+        reduced, reduced_flags = activations.kernel_statistic(x, scheme, 0.5 if not scheme.dynamic else None)
+    if not scheme.dynamic:
+        assert flags == reduced_flags == activations.STATIC_SCALE and stat.tolist() == reduced.tolist() == [0.5]
+        return
+    assert flags == 0 and stat.numel() == 0
+    if scheme.per_rank:
+        assert reduced_flags == 0 and reduced.numel() == 0 and not seen
+    else:
+        assert reduced_flags == activations.GIVEN_MAXIMA and len(seen) == 1
+        assert torch.equal(reduced, (x.abs().amax(-1) * 2).float())
+
+
 def test_static_scale_saturates():
     scheme = activations.SCHEMES["int8-tensor"]
     x = torch.tensor([[1.0, -1.0, 0.004, 10.0]])
