@@ -145,14 +145,14 @@ def _reduce_max(cuts: tuple[Cut, ...], amax: torch.Tensor) -> torch.Tensor:
 def _all_reduce(key: torch.Tensor, op: str, cut: Cut) -> torch.Tensor:
     """``op``-all-reduce of ``key`` (int32, made by the caller) over ``cut``'s group.
 
-    In eager mode, with nothing recording the wire, c10d's own all-reduce, in place: the functional
-    collective's Python wrapper, its async tensor and its wait cost several times gloo's own CPU time
-    for these few bytes, once per row-parallel layer. Traced (fake or functional tensors, or any dispatch
+    In eager mode, with nothing recording the wire, the process group's own all-reduce, in place: the
+    functional collective's Python wrapper, its async tensor and its wait cost several times gloo's own
+    CPU time for these few bytes, once per row-parallel layer. Traced (fake or functional tensors, or any dispatch
     mode active: compile, export, ``wire.record``), the functional collective, which a graph can hold; the
     same bytes go over the same group either way, so the record shows what the fast path sends.
     """
     if type(key) is torch.Tensor and not _dispatch_modes() and not wire.recording():
-        dist.all_reduce(key, _C10D_OPS[op], group=cut.group)
+        cut.group.allreduce([key], _C10D_OPTIONS[op]).wait()  # dist.all_reduce's own checks cost as much again
         return key
     with wire.on_mesh_dim(cut.mesh_dim):  # the record names the dim whichever path records it
         out = funcol.all_reduce(key.contiguous(), op, cut.group_name)
@@ -160,7 +160,13 @@ def _all_reduce(key: torch.Tensor, op: str, cut: Cut) -> torch.Tensor:
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-_C10D_OPS = {"max": dist.ReduceOp.MAX}
+def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
+_C10D_OPTIONS = {"max": _options(dist.ReduceOp.MAX)}
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # fake, proxy and functional modes included
 
 
