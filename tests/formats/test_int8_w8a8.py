@@ -22,8 +22,10 @@ pytestmark = pytest.mark.skipif(int8.w8a8_kernel() is None, reason="no W8A8 kern
 LEVELS = [lvl for lvl in (1, 2, 4) if lvl <= int8.w8a8_kernel()[1]] if int8.w8a8_kernel() else []
 SCHEMES = [("int8-token", None), ("int8-token-per-rank", None), ("int8-tensor", 0.03)]
 # tokens, out, in: AMX's 16-token groups and 32-row tiles cut short, in % 64 != 0 (no AMX), a long row
-# 300 x 2048: the AMX kernel's tokens in two chunks (512 KiB of codes each)
+# 300 x 2048: the AMX kernel's tokens in two chunks (512 KiB of codes each); 140 x 4160: in two chunks of at
+# least 128 tokens (past 512 KiB)
 SHAPES = [(1, 64, 128), (7, 40, 64), (33, 24, 256), (130, 70, 192), (17, 33, 96), (5, 48, 2112), (300, 40, 2048)]
+SHAPES += [(140, 40, 4160)]
 
 
 def same(got, expected):
