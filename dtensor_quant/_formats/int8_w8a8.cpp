@@ -337,10 +337,27 @@ static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const f
 }
 
 // Stage 3. Tokens a chunk at a time (W8_CHUNK bytes of codes, 32 to 1024 tokens: every tile of weight rows reads
-// all of them, so they must stay in L2; at 5632 columns 512 tokens' codes did not, 0.85x bf16), each group of 16 quantized and laid out as
-// the tiles' operand; then 32 weight rows a tile (threads over tiles), read as stored (a copy packed for the tiles
-// measured slower: it costs a pass, and the strided tile loads did not), times two groups of tokens at a time over
-// all of K, the sums stored and scaled right away.
+// all of them, so they must stay in L2; at 5632 columns 512 tokens' codes did not, 0.85x bf16), each group of 16
+// quantized and laid out as the tiles' operand; then 32 weight rows a tile (threads over tiles), read as stored,
+// times two groups of tokens at a time over all of K (2 x 2 tiles: the most sums 8 tiles hold with each operand
+// tile used twice), the sums stored and scaled right away.
+//
+// Why this shape (measured on a Sapphire Rapids core, one thread, 2048 x 2048, tokens in chunks of 256): each
+// k-step loads 4 KiB (two weight tiles, two token tiles) for 64 cycles of TDPBSSD. TDPBSSD alone runs at its
+// 1024 MACs a cycle; with every operand in L1, 80-100% of that; with the weight rows in L1 and the tokens streamed
+// from L2, ~90%; this loop, both from L2, 50-57%: L2 to L1 carries ~36 B a cycle, so the loop is bound by L2 at
+// about half of peak. Keeping one operand in L1 across pairs or tiles did not pay here:
+//  * the stored rows of a tile cannot stay in L1 at K = 2048 (rows 2 KiB apart: the 32 rows of a step share two
+//    sets, 16 lines a set for 12 ways), so K-blocking with the pairs inside a block of columns, sums reloaded,
+//    ran slower (43-50%);
+//  * a copy of the tile packed for the tiles (vector copy per block of 512 columns, or the first pair's weight
+//    tiles stored packed with TILESTORED, the other pairs reading that copy from L1) ran 45-55%: slower at 32 to
+//    128 tokens, +5% at best at 256 (a persistent packed weight, made once, would not pay the copy: left to a
+//    later layout);
+//  * the tokens of a pair kept in L1 across 4-8 weight tiles (weights streamed): 46-52%, the weight lines evict
+//    them; software prefetches of the next steps' lines into L1: slower; the epilogue of a block run a few
+//    units a step beside the next block's TDPBSSDs: no faster (slower on a loaded machine), so it is made cheap
+//    instead (w8_store_amx).
 constexpr int64_t W8_CHUNK = 512 << 10;
 // Fewer tokens than this a chunk read all the weight's rows once more for each: at in = 5632 (64 tokens, 8 reads
 // of 11 MiB at 512 tokens) that cost more than codes past 512 KiB in L2 (up to twice that: 0.77x the time at 512
