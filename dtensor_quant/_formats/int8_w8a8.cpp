@@ -294,7 +294,7 @@ static void w8_amx_block(const int8_t* w, int64_t K, const int32_t* x0, const in
 // out: VCVTNE2PS2BF16 rounds to nearest even as c10::BFloat16 does, except that it reads subnormals as zero and
 // keeps a NaN's sign and payload; a token's 32 values with neither take it (one instruction for the ~16 of the
 // integer rounding and narrowing, the epilogue was a seventh of the kernel's time), the others the integer path.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const float* xscale, const float* ws,
                          bool f32, void* out, int64_t N, int64_t n0, int64_t m0, bool stream) {
     __m512i r[16], lo[16], hi[16];
