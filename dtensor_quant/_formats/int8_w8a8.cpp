@@ -51,45 +51,92 @@ static inline float w8_scale(float amax, bool stat_static, float input_scale) {
 // ulp of the real reciprocal. Other rows (s subnormal, huge, Inf or NaN: rare) divide.
 static inline bool w8_reciprocal_ok(float s) { return std::fabs(s) >= 0x1p-125f && std::fabs(s) <= 0x1p125f; }
 
-// 16 codes of x[k..] (lanes of m), as int32; fast: s passed w8_reciprocal_ok, vr = 1 / s. Dividing costs more than the rest of the row's work together, so where the
-// reciprocal r = RN(1 / s) is normal, v = RN(x * r) is |x / s| * (1 + e) with |e| < 2^-22.4, and so is the
-// correctly rounded quotient q = RN(x / s): for |v| < 256 they lie within 2^-14.4 of each other, so where v is
-// farther than 2^-14 from a half-integer q rounds to the same integer as v; for |v| >= 256 both clamp alike.
-// The lanes of a step with a v closer than that (about 1 step in 500; |v| >= 256 is counted close too, rare and
-// still right) divide, as the reference does.
+// 16 codes of x[k..] (lanes of m), as int32 (below -128 where x / s is: the narrowing saturates, see
+// w8_codes_512); fast: s passed w8_reciprocal_ok, vr = 1 / s. Dividing costs more than the rest of the row's work
+// together, so where the reciprocal r = RN(1 / s) is normal, v = RN(x * r) is |x / s| * (1 + e) with
+// |e| < 2^-22.4, and so is the correctly rounded quotient q = RN(x / s): for |v| < 256 they lie within 2^-14.4 of
+// each other, so where v is farther than 2^-14 from a half-integer q rounds to the same integer as v; for |v| >= 256
+// both clamp alike. The lanes of a step with a v closer than that (about 1 step in 500; |v| >= 256 is counted close
+// too, rare and still right) divide, as the reference does; so do NaN and Inf lanes (v - r is NaN: unordered), so
+// the fast lanes need neither the NaN mask nor the lower clamp (the saturating narrowing gives -128 below it, also
+// for the integer indefinite 0x80000000 that converting v < -2^31 gives).
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static inline __m512i w8_code16(const void* x, bool f32, int64_t k, __mmask16 m, bool fast, __m512 vr, __m512 vs) {
     const __m512 lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f), near = _mm512_set1_ps(0.5f - 0x1p-14f);
     const __m512 xv = act_load_512(x, f32, k, m);
-    __m512 v = _mm512_mul_ps(xv, vr);
-    __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // |v - r| <= 1/2 where finite: close to a half-integer, or NaN (unordered: divide, and get the same NaN)
-    if (!fast || _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, r)), near, _CMP_NLE_UQ)) {
-        v = _mm512_div_ps(xv, vs);
-        r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (fast) {
+        const __m512 v = _mm512_mul_ps(xv, vr);
+        const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        // |v - r| <= 1/2 where finite: close to a half-integer, or NaN (unordered: divide, and get the same NaN)
+        if (!_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, r)), near, _CMP_NLE_UQ))
+            return _mm512_cvtps_epi32(_mm512_min_ps(r, hi));
     }
+    const __m512 v = _mm512_div_ps(xv, vs);
+    __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);  // NaN lanes: zeroed by the conversion's mask
     return _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), r);
 }
 
-// The codes of a row: 64 a step stored at once (four masked narrowing stores cost more than the step's math),
-// then 16 at a time.
+// The codes of a row: 64 a step, narrowed by two saturating packs (int32 -> int16 -> int8, 128-bit lane by lane)
+// and one permute back into order (four narrowing conversions and inserts cost three times the shuffles), then 16
+// at a time.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void w8_codes_512(const void* x, bool f32, int64_t K, float s, int8_t* dst) {
     const bool fast = w8_reciprocal_ok(s);
     const __m512 vs = _mm512_set1_ps(s), vr = _mm512_set1_ps(1.0f / s);
+    // after the packs, 32-bit group 4 * i + j holds codes 4 * i .. 4 * i + 3 of the j-th 16
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
-        __m512i c = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(w8_code16(x, f32, k, 0xFFFF, fast, vr, vs)));
-        c = _mm512_inserti32x4(c, _mm512_cvtepi32_epi8(w8_code16(x, f32, k + 16, 0xFFFF, fast, vr, vs)), 1);
-        c = _mm512_inserti32x4(c, _mm512_cvtepi32_epi8(w8_code16(x, f32, k + 32, 0xFFFF, fast, vr, vs)), 2);
-        c = _mm512_inserti32x4(c, _mm512_cvtepi32_epi8(w8_code16(x, f32, k + 48, 0xFFFF, fast, vr, vs)), 3);
-        _mm512_storeu_si512(dst + k, c);
+        const __m512i a = w8_code16(x, f32, k, 0xFFFF, fast, vr, vs), b = w8_code16(x, f32, k + 16, 0xFFFF, fast, vr, vs);
+        const __m512i c = w8_code16(x, f32, k + 32, 0xFFFF, fast, vr, vs), d = w8_code16(x, f32, k + 48, 0xFFFF, fast, vr, vs);
+        const __m512i p = _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
+        _mm512_storeu_si512(dst + k, _mm512_permutexvar_epi32(order, p));
     }
     for (; k < K; k += 16) {
         const __mmask16 m = act_mask(K - k);
-        _mm512_mask_cvtepi32_storeu_epi8(dst + k, m, w8_code16(x, f32, k, m, fast, vr, vs));
+        _mm512_mask_cvtsepi32_storeu_epi8(dst + k, m, w8_code16(x, f32, k, m, fast, vr, vs));
     }
+}
+
+// max |x| of a row as act_absmax_512 gives it, on the magnitudes' bits as unsigned integers (their order is the
+// values', NaN above Inf above the finite): one AND and one max a vector, 32 values a step for bf16.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static float w8_absmax(const void* x, bool f32, int64_t K) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    uint32_t bits;
+    if (f32) {
+        const float* p = static_cast<const float*>(x);
+        const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {
+            a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), mag));
+            a1 = _mm512_max_epu32(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 16), mag));
+        }
+        for (; k < K; k += 16) a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_maskz_loadu_epi32(act_mask(K - k), p + k), mag));
+        bits = _mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1));
+        if (bits > 0x7F800000u) return NAN;
+    } else {
+        const uint16_t* p = static_cast<const uint16_t*>(x);
+        const __m512i mag = _mm512_set1_epi16(0x7FFF);
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), mag));
+            a1 = _mm512_max_epu16(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 32), mag));
+        }
+        for (; k < K; k += 32) {
+            const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (K - k)) - 1);
+            a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, p + k), mag));
+        }
+        a0 = _mm512_max_epu16(a0, a1);
+        bits = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a0)),
+                                                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a0, 1))));
+        if (bits > 0x7F80u) return NAN;
+        bits <<= 16;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
 }
 
 __attribute__((target("avx2,fma")))
@@ -116,7 +163,7 @@ static void w8_quantize(const void* x, bool f32, const float* stat, int64_t flag
     for (int64_t m = 0; m < M; ++m) {
         const void* row = f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)
                               : static_cast<const void*>(static_cast<const uint16_t*>(x) + m * K);
-        const float amax = given ? stat[m] : level >= 2 ? act_absmax_512(row, f32, K) : act_absmax_256(row, f32, K);
+        const float amax = given ? stat[m] : level >= 2 ? w8_absmax(row, f32, K) : act_absmax_256(row, f32, K);
         const float s = w8_scale(amax, stat_static, stat_static ? stat[0] : 0.0f);
         xscale[m] = s;
         if (level >= 2)
@@ -220,16 +267,17 @@ static void w8_amx_block(const int8_t* w, int64_t K, const int32_t* x0, const in
     const int64_t per = (pf_to - pf_from + K / 64 - 1) / (K / 64);
     int64_t line = pf_from;
     for (int64_t k = 0; k < K; k += 64) {
+        // each operand loaded just before its first product (3-5% faster than the weight tiles first)
         _tile_loadd(4, w + k, K);
-        _tile_loadd(5, w + 16 * K + k, K);
         _tile_loadd(6, x0 + k * 4, 64);
         _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(2, 5, 6);
         if (TWO) {
             _tile_loadd(7, x1 + k * 4, 64);
             _tile_dpbssd(1, 4, 7);
-            _tile_dpbssd(3, 5, 7);
         }
+        _tile_loadd(5, w + 16 * K + k, K);
+        _tile_dpbssd(2, 5, 6);
+        if (TWO) _tile_dpbssd(3, 5, 7);
         if (pf)
             for (int64_t i = 0; i < per && line < pf_to; ++i, ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T1);
     }
@@ -243,8 +291,11 @@ static void w8_amx_block(const int8_t* w, int64_t K, const int32_t* x0, const in
 
 // out[m0 + j, n0 + r] from C[r][j] (C: 32 rows by 32 tokens; rows r < rows, tokens j < tokens): 16 x 16 blocks
 // transposed, scaled, and each token's 32 outputs stored at once (a whole cache line in bf16: the rows of
-// successive tokens lie N apart, often 4 KiB, and two half-line stores had their line evicted in between).
-__attribute__((target("avx512f,avx512bw,avx512vl")))
+// successive tokens lie N apart, often 4 KiB, and two half-line stores had their line evicted in between). bf16
+// out: VCVTNE2PS2BF16 rounds to nearest even as c10::BFloat16 does, except that it reads subnormals as zero and
+// keeps a NaN's sign and payload; a token's 32 values with neither take it (one instruction for the ~16 of the
+// integer rounding and narrowing, the epilogue was a seventh of the kernel's time), the others the integer path.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const float* xscale, const float* ws,
                          bool f32, void* out, int64_t N, int64_t n0, int64_t m0, bool stream) {
     __m512i r[16], lo[16], hi[16];
@@ -265,6 +316,13 @@ static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const f
                 float* o = static_cast<float*>(out) + m * N + n0;
                 _mm512_mask_storeu_ps(o, k0, a);
                 _mm512_mask_storeu_ps(o + 16, k1, b);
+            } else if (!(_mm512_fpclass_ps_mask(a, 0xA1) | _mm512_fpclass_ps_mask(b, 0xA1))) {  // NaN, subnormal
+                uint16_t* o = static_cast<uint16_t*>(out) + m * N + n0;
+                const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+                if (stream)
+                    _mm512_stream_si512(reinterpret_cast<__m512i*>(o), v);
+                else
+                    _mm512_mask_storeu_epi16(o, k32, v);
             } else {
                 const __m256i ha = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(a)), 16));
                 const __m256i hb = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(dq_round_bf16_512(b)), 16));
@@ -280,16 +338,39 @@ static void w8_store_amx(const int32_t* C, int64_t rows, int64_t tokens, const f
 }
 
 // Stage 3. Tokens a chunk at a time (W8_CHUNK bytes of codes, 32 to 1024 tokens: every tile of weight rows reads
-// all of them, so they must stay in L2; at 5632 columns 512 tokens' codes did not, 0.85x bf16), each group of 16 quantized and laid out as
-// the tiles' operand; then 32 weight rows a tile (threads over tiles), read as stored (a copy packed for the tiles
-// measured slower: it costs a pass, and the strided tile loads did not), times two groups of tokens at a time over
-// all of K, the sums stored and scaled right away.
+// all of them, so they must stay in L2; at 5632 columns 512 tokens' codes did not, 0.85x bf16), each group of 16
+// quantized and laid out as the tiles' operand; then 32 weight rows a tile (threads over tiles), read as stored,
+// times two groups of tokens at a time over all of K (2 x 2 tiles: the most sums 8 tiles hold with each operand
+// tile used twice), the sums stored and scaled right away.
+//
+// Why this shape (measured on a Sapphire Rapids core, one thread, 2048 x 2048, tokens in chunks of 256): each
+// k-step loads 4 KiB (two weight tiles, two token tiles) for 64 cycles of TDPBSSD. TDPBSSD alone runs at its
+// 1024 MACs a cycle; with every operand in L1, 80-100% of that; with the weight rows in L1 and the tokens streamed
+// from L2, ~90%; this loop, both from L2, 50-57%: L2 to L1 carries ~36 B a cycle, so the loop is bound by L2 at
+// about half of peak. Keeping one operand in L1 across pairs or tiles did not pay here:
+//  * the stored rows of a tile cannot stay in L1 at K = 2048 (rows 2 KiB apart: the 32 rows of a step share two
+//    sets, 16 lines a set for 12 ways), so K-blocking with the pairs inside a block of columns, sums reloaded,
+//    ran slower (43-50%);
+//  * a copy of the tile packed for the tiles (vector copy per block of 512 columns, or the first pair's weight
+//    tiles stored packed with TILESTORED, the other pairs reading that copy from L1) ran 45-55%: slower at 32 to
+//    128 tokens, +5% at best at 256 (a persistent packed weight, made once, would not pay the copy: left to a
+//    later layout);
+//  * the tokens of a pair kept in L1 across 4-8 weight tiles (weights streamed): 46-52%, the weight lines evict
+//    them; software prefetches of the next steps' lines into L1: slower; the epilogue of a block run a few
+//    units a step beside the next block's TDPBSSDs: no faster (slower on a loaded machine), so it is made cheap
+//    instead (w8_store_amx).
 constexpr int64_t W8_CHUNK = 512 << 10;
+// Fewer tokens than this a chunk read all the weight's rows once more for each: at in = 5632 (64 tokens, 8 reads
+// of 11 MiB at 512 tokens) that cost more than codes past 512 KiB in L2 (up to twice that: 0.77x the time at 512
+// tokens, 0.87x at 128).
+constexpr int64_t W8_CHUNK_TOKENS = 128;
 
 static void w8_amx(const void* x, bool f32, const float* stat, int64_t flags, float* xscale, const int8_t* w,
                    const float* ws, void* out, int64_t M, int64_t N, int64_t K, int64_t threads) {
     const bool given = flags & 2;
-    int64_t chunk = W8_CHUNK / K / 32 * 32;
+    int64_t chunk = W8_CHUNK / K;
+    if (chunk < W8_CHUNK_TOKENS) chunk = W8_CHUNK_TOKENS < 2 * W8_CHUNK / K ? W8_CHUNK_TOKENS : 2 * W8_CHUNK / K;
+    chunk = chunk / 32 * 32;
     chunk = chunk < 32 ? 32 : chunk > 1024 ? 1024 : chunk;
     const int64_t mb = M < chunk ? M : chunk;
     int32_t* xv = static_cast<int32_t*>(w8_buffer(0, (mb + 15) / 16 * 16 * K));

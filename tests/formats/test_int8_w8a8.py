@@ -22,8 +22,10 @@ pytestmark = pytest.mark.skipif(int8.w8a8_kernel() is None, reason="no W8A8 kern
 LEVELS = [lvl for lvl in (1, 2, 4) if lvl <= int8.w8a8_kernel()[1]] if int8.w8a8_kernel() else []
 SCHEMES = [("int8-token", None), ("int8-token-per-rank", None), ("int8-tensor", 0.03)]
 # tokens, out, in: AMX's 16-token groups and 32-row tiles cut short, in % 64 != 0 (no AMX), a long row
-# 300 x 2048: the AMX kernel's tokens in two chunks (512 KiB of codes each)
+# 300 x 2048: the AMX kernel's tokens in two chunks (512 KiB of codes each); 140 x 4160: in two chunks of at
+# least 128 tokens (past 512 KiB)
 SHAPES = [(1, 64, 128), (7, 40, 64), (33, 24, 256), (130, 70, 192), (17, 33, 96), (5, 48, 2112), (300, 40, 2048)]
+SHAPES += [(140, 40, 4160)]
 
 
 def same(got, expected):
@@ -151,3 +153,26 @@ def test_quotients_near_half_integers(level):
     q = dq.quantize(torch.eye(128), fmt)
     expected = activations.reference_linear(x, q.qdata, q.scale, fmt.activation_scheme)
     assert same(run(fmt, x, q, level), expected)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16_outputs_subnormal_zero_and_nan(level):
+    """bf16 outputs rounded from subnormal fp32 products (which the AMX epilogue's hardware conversion would read
+    as zero), signed zeros and NaN rows / columns: the reference's bits wherever it is not NaN, NaN where it is."""
+    fmt = dq.Int8Rowwise(activations="int8-token")
+    g = torch.Generator().manual_seed(level)
+    x = (torch.randn(70, 128, generator=g) * 4).to(torch.bfloat16)
+    x[3, 5] = float("nan")
+    q = dq.quantize(weight((64, 128), seed=level), fmt)
+    seen = False
+    for power in (-120, -130, -135):
+        w_scale = (q.scale.float().reshape(-1) * 2.0**power).contiguous()
+        w_scale[7], w_scale[9], w_scale[11] = float("nan"), 0.0, -0.0
+        got = int8.w8a8_native(x, q.qdata, w_scale, fmt.activation_scheme, None, max_level=level)
+        expected = activations.reference_linear(x, q.qdata, w_scale[:, None], fmt.activation_scheme)
+        tiny = (expected.float().abs() < torch.finfo(torch.float32).tiny) & (expected != 0)
+        seen |= bool(tiny.any())
+        finite = ~expected.isnan()
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.view(torch.int16)[finite], expected.view(torch.int16)[finite]), f"2^{power}"
+    assert seen  # the case this test is about occurs
