@@ -116,6 +116,8 @@ def int_matmul(codes: torch.Tensor, w_codes: torch.Tensor) -> torch.Tensor:
     where it refuses, or ``in`` is long enough for an int32 sum to overflow, a float64 matmul of the codes, exact
     below 2**53.
     """
+    if codes.shape[1] == 1:  # an outer product; torch 2.13's CPU _int_mm misreads [m, 1] operands (strides 1, 1)
+        return codes.int() * w_codes.int().t()
     if codes.shape[1] <= _INT32_SAFE_K:
         try:
             return torch._int_mm(codes, w_codes.t())

@@ -176,3 +176,15 @@ def test_bf16_outputs_subnormal_zero_and_nan(level):
         assert torch.equal(got.isnan(), expected.isnan())
         assert torch.equal(got.view(torch.int16)[finite], expected.view(torch.int16)[finite]), f"2^{power}"
     assert seen  # the case this test is about occurs
+
+
+@pytest.mark.parametrize("inp", [1, 2, 3, 8])
+@pytest.mark.parametrize("tokens,out", [(1, 5), (17, 33), (64, 1)])
+def test_int_matmul_is_exact_at_narrow_inputs(tokens, out, inp):
+    """int_matmul (levels 1-2 and the torch fallback) is the exact product for any ``in``: at ``in == 1`` its
+    ``[m, 1]`` operands have strides (1, 1), which torch 2.13's CPU ``_int_mm`` misreads (uninitialised sums)."""
+    g = torch.Generator().manual_seed(tokens * 100 + out * 10 + inp)
+    codes = torch.randint(-128, 128, (tokens, inp), dtype=torch.int8, generator=g)
+    w_codes = torch.randint(-128, 128, (out, inp), dtype=torch.int8, generator=g)
+    got = int8.int_matmul(codes, w_codes)
+    assert torch.equal(got.long(), codes.long() @ w_codes.long().t())
