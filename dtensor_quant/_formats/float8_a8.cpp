@@ -10,10 +10,18 @@
 // or fp32): what the tiles multiply. xscale[m] = s.
 // stage 2 (scale_output): out = round_to_out_dtype((float(acc) * s_m) * ws_n) from the tiles' sums acc [M, N]
 // (x's dtype).
+// stage 3 (bf16 x, AMX with AVX-512 VBMI, K % 32 == 0; acc holds the weight's e4m3 codes [N, K], unit scales):
+// the whole linear in one call -- stage 1 into vals and xscale, the float8 tiles' unit-scale product
+// (float8_unit.h, the same sums and rounding to bf16 as float8.cpp's tiles), and stage 2's arithmetic applied to
+// each tile's sums as they leave the tiles (f8_store_scaled): the tiles' bf16 output is never written to memory
+// and read back, and Python makes no acc and runs one kernel call instead of three. Reports level 0 and does
+// nothing where it cannot run.
 // flags: 1: x, vals, acc and out are fp32 (else bf16); 2: amax[m] given in stat (tensor parallelism's reduced
-// statistic); 4: static scheme, stat[0] the input scale. Level 2: AVX-512; 1: plain C++ (an AVX2 CPU).
+// statistic); 4: static scheme, stat[0] the input scale. Level 4: AMX (stage 3); 2: AVX-512; 1: plain C++ (an AVX2
+// CPU).
 #include "native_prelude.h"
 #include "native_tiles.h"
+#include "float8_unit.h"
 #include "act_rows.h"
 
 // The e4m3fn value nearest v (|v| <= 448 or NaN), ties to even.
@@ -132,15 +140,54 @@ static void f8_epilogue_512(const void* acc, const float* xscale, const float* w
     }
 }
 
+// Stage 3's store: out[m0 + m, n0 + r] = bf16((float(bf16(Ct[r][m])) * xscale[m]) * ws[n0 + r]) for the tile's
+// rows and tokens -- dq_store_amx's rounding of the sums to bf16 (the tiles' output), then f8_epilogue_512's
+// arithmetic on it, in the same order: the same bits as stages 2 after the tiles.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void f8_store_scaled(const float* Ct, int64_t ms, int64_t rows, const float* xscale, const float* ws,
+                            uint16_t* out, int64_t N, int64_t n0) {
+    const int64_t Mp = (ms + 15) / 16 * 16;
+    __m512i r[16], c[16];
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const __mmask16 k = rows - r0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r0)) - 1);
+        const __m512 w = _mm512_maskz_loadu_ps(k, ws + n0 + r0);
+        for (int64_t m0 = 0; m0 < ms; m0 += 16) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (r0 + i) * Mp + m0);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16 && m0 + j < ms; ++j) {
+                const __m512 acc = dq_round_bf16_512(_mm512_castsi512_ps(c[j]));
+                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xscale[m0 + j])), w);
+                dq_store_bf16_512(out + (m0 + j) * N + n0 + r0, k, v);
+            }
+        }
+    }
+}
+
 extern "C" void kernel(const void* x, const float* stat, const float* ws, void* vals, float* xscale, const void* acc,
                        void* out, int64_t M, int64_t N, int64_t K, int64_t stage, int64_t flags, int64_t max_level,
                        int64_t threads, int64_t* level) {
-    const int64_t best = dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+    const int64_t best = dq_avx512() ? (dq_amx() && dq_vbmi() ? 4 : 2) : dq_avx2() ? 1 : 0;
     const int64_t lvl = best < max_level ? best : max_level;
     level[0] = lvl;
     if (lvl <= 0 || M <= 0 || stage == 0) return;
     const bool f32 = flags & 1;
-    if (stage == 1) {
+    if (stage == 3) {
+#if DQ_AMX
+        if (f32 || lvl < 4 || K % 32) {
+            level[0] = 0;
+            return;
+        }
+        f8_quantize(x, false, stat, flags, vals, xscale, M, K, lvl, threads);
+        const uint16_t* v = static_cast<const uint16_t*>(vals);
+        uint16_t* o = static_cast<uint16_t*>(out);
+        f8_unit_amx(static_cast<const uint8_t*>(acc), v, M, N, K, threads,
+                    [&](const float* C, int64_t m0, int64_t ms, int64_t rows, int64_t n0) {
+                        f8_store_scaled(C, ms, rows, xscale + m0, ws, o + m0 * N, N, n0);
+                    });
+#else
+        level[0] = 0;
+#endif
+    } else if (stage == 1) {
         f8_quantize(x, f32, stat, flags, vals, xscale, M, K, lvl, threads);
     } else if (stage == 2 && lvl >= 2) {
         f8_epilogue_512(acc, xscale, ws, f32, out, M, N);
