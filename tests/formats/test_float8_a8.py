@@ -138,3 +138,29 @@ def test_unit_scale_amx_path_is_the_general_tiles(shape):
     got = float8.tiled_linear(x, unit, max_level=4)
     expected = float8.tiled_linear(x, mixed, max_level=4)[:, :out]
     assert got is not None and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("level", [lvl for lvl in LEVELS if lvl >= 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_quantize_pass_is_quantize_activation(level, dtype):
+    """Stage 1 alone on many rows: each value it writes is quantize_activation's code, bit for bit. AVX-512 multiplies
+    by 1 / s and divides only near e4m3's rounding boundaries; fp32 rows with random mantissas over a wide range
+    (and some values put exactly on midpoints of the scaled grid) meet those boundaries often."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, k = 512, 256
+    x = torch.randn((tokens, k), generator=gen) * torch.exp2(torch.randint(-12, 12, (tokens, 1), generator=gen))
+    x = x * torch.exp2(torch.randint(-8, 1, (tokens, k), generator=gen).float())
+    amax = x.abs().amax(-1, keepdim=True)
+    grid = torch.tensor([c for c in range(127) if c & 0x7F != 0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    mids = ((grid.float()[1:] + grid.float()[:-1]) / 2)[torch.randint(0, grid.numel() - 1, (tokens, 8), generator=gen)]
+    x[:, :8] = mids * (amax / 448)  # midpoints once scaled back, up to the rounding of the product
+    x = x.to(dtype)
+    scheme = activations.SCHEMES["fp8-token"]
+    codes, x_scale = activations.quantize_activation(x, scheme, None)
+    run, _ = float8.a8_kernel()
+    values, got_scale = torch.empty_like(x), torch.empty((tokens, 1))
+    ran, e = torch.empty(1, dtype=torch.int64), torch.empty(0)
+    flags = 1 if dtype == torch.float32 else 0
+    run(x, e, torch.ones(1), values, got_scale, e, e, tokens, 1, k, 1, flags, level, 1, ran)
+    assert ran.item() == min(level, 4) and torch.equal(got_scale, x_scale)
+    assert torch.equal(values, codes.to(dtype))
