@@ -55,51 +55,45 @@ static inline void f8_put(void* dst, bool f32, int64_t i, float v) {
     }
 }
 
-// A row's scale s for which x * (1 / s) stands in for x / s (f8_codes_512): 1 / s a normal fp32.
-static inline bool f8_reciprocal_ok(float s) { return std::fabs(s) >= 0x1p-125f && std::fabs(s) <= 0x1p125f; }
-
-// 16 values at a time: f8_round on AVX-512. The division x / s cost about a third of the pass (the whole stage:
-// 4-5% of the linear at 128 tokens), so where 1 / s is normal it multiplies by r = RN(1 / s): RN(x * r) lies
-// within 3 ulps of the correctly rounded quotient RN(x / s) (relative errors 2^-24 each, |quotient| below twice
-// its binade's base), so where it lies farther than 4 ulps from every rounding boundary of e4m3 (a midpoint:
-// bit 19 of the mantissa set, bits 0-18 clear) and at or above 2^-6 (below, e4m3's subnormal steps), both round
-// to the same code; the 16 lanes of a step with a lane that is not so (or NaN) divide, as the reference does.
-// Clamping at 448 cannot tell them apart either (both sides of 448 round or clamp to 448).
+// 16 values at a time: f8_round on AVX-512; a bf16 row's 32 values of two steps go out in one 64-byte store (its
+// tail 16 at a time). Tried and not kept: multiplying by 1 / s and dividing only the steps with a quotient near an
+// e4m3 rounding boundary (the same codes) took 1.10-1.17x the pass's time: the division is not what binds it.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst) {
-    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
+static inline __m512 f8_code16(__m512 xv, __m512 vs) {
+    const __m512 lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
     const __m512 small = _mm512_set1_ps(0x1p-6f), up = _mm512_set1_ps(512.0f), down = _mm512_set1_ps(0x1p-9f);
     const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-    const bool fast = f8_reciprocal_ok(s);
-    const __m512 vr = _mm512_set1_ps(1.0f / s);
-    const __m512i low20 = _mm512_set1_epi32(0xFFFFF), mid = _mm512_set1_epi32(0x80000 - 4);
-    for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = act_mask(K - k);
-        const __m512 xv = act_load_512(x, f32, k, m);
-        __m512 q;
-        if (fast) {
-            q = _mm512_mul_ps(xv, vr);
-            const __m512 aq = _mm512_abs_ps(q);
-            // low 20 bits - (midpoint - 4) <= 8 (unsigned): within 4 ulps of a midpoint
-            const __m512i d = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(aq), low20), mid);
-            const __mmask16 unsure = _mm512_cmp_epu32_mask(d, _mm512_set1_epi32(8), _MM_CMPINT_LE) |
-                                     _mm512_cmp_ps_mask(aq, small, _CMP_NGE_UQ);  // below 2^-6, or NaN
-            if (unsure & m) q = _mm512_div_ps(xv, vs);
-        } else {
-            q = _mm512_div_ps(xv, vs);
+    // max(lo, v), min(hi, .): the second operand comes back where one is NaN, so NaN stays NaN
+    const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(xv, vs)));
+    const __m512 a = _mm512_abs_ps(v);
+    const __m512i u = _mm512_castps_si512(a);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
+    const __m512i n = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFFF))),
+                                       _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+    const __m512 sub = _mm512_mul_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+    const __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, small, _CMP_LT_OQ), _mm512_castsi512_ps(n), sub);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(v), sign)));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst) {
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t k = 0;
+    if (!f32) {  // the high halves of two steps' fp32 results, in order: one store
+        alignas(64) uint16_t odd[32];
+        for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+        const __m512i pick = _mm512_load_si512(odd);
+        for (; k + 32 <= K; k += 32) {
+            const __m512 r0 = f8_code16(act_load_512(x, false, k, 0xFFFF), vs);
+            const __m512 r1 = f8_code16(act_load_512(x, false, k + 16, 0xFFFF), vs);
+            _mm512_storeu_si512(static_cast<uint16_t*>(dst) + k,
+                                _mm512_permutex2var_epi16(_mm512_castps_si512(r0), pick, _mm512_castps_si512(r1)));
         }
-        // max(lo, v), min(hi, .): the second operand comes back where one is NaN, so NaN stays NaN
-        const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, q));
-        const __m512 a = _mm512_abs_ps(v);
-        const __m512i u = _mm512_castps_si512(a);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
-        const __m512i n = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFFF))),
-                                           _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-        const __m512 sub = _mm512_mul_ps(
-            _mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
-        __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, small, _CMP_LT_OQ), _mm512_castsi512_ps(n), sub);
-        r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
-                                                _mm512_and_si512(_mm512_castps_si512(v), sign)));
+    }
+    for (; k < K; k += 16) {
+        const __mmask16 m = act_mask(K - k);
+        const __m512 r = f8_code16(act_load_512(x, f32, k, m), vs);
         if (f32)
             _mm512_mask_storeu_ps(static_cast<float*>(dst) + k, m, r);
         else

@@ -143,9 +143,10 @@ def test_unit_scale_amx_path_is_the_general_tiles(shape):
 @pytest.mark.parametrize("level", [lvl for lvl in LEVELS if lvl >= 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_quantize_pass_is_quantize_activation(level, dtype):
-    """Stage 1 alone on many rows: each value it writes is quantize_activation's code, bit for bit. AVX-512 multiplies
-    by 1 / s and divides only near e4m3's rounding boundaries; fp32 rows with random mantissas over a wide range
-    (and some values put exactly on midpoints of the scaled grid) meet those boundaries often."""
+    """Stage 1 alone on many rows: each value it writes is quantize_activation's code, bit for bit -- rows over a
+    wide range of scales, values across e4m3's normal and subnormal steps, and values put on the midpoints of the
+    scaled grid (up to the rounding of the product), where a quotient rounded any other way (a reciprocal) would
+    round to the other code."""
     gen = torch.Generator().manual_seed(1)
     tokens, k = 512, 256
     x = torch.randn((tokens, k), generator=gen) * torch.exp2(torch.randint(-12, 12, (tokens, 1), generator=gen))
