@@ -81,7 +81,14 @@ static void dq_e4m3_unit_bf16(const uint8_t* p, int64_t n, uint16_t* dst) {
 //    dq_tiles; 1 MiB chunks, 256 tokens, decoded the weight half as often but ran 1.03-1.08x at 512 tokens;
 //    32-code decode slices instead of whole rows paid the table set-up per call: 1.03x at 128 tokens).
 // In-process A/B against main's tiles ([2048, 2048], unit scales, same outputs asserted): 0.81-0.90x the time at
-// 32 tokens, 0.91-1.00x at 128, 0.93-0.95x at 512, by machine state.
+// 32 tokens, 0.88-1.00x at 128, 0.90-0.95x at 512, by machine state.
+// What is left at 128 tokens is mostly the decode, which the tile unit's work does not hide: decoding each block
+// whole before its products took the same time as the interleaving, and without any decode the tiles took
+// 0.65-0.84x main's time. The decode itself runs at 2.6 ns per 64 codes into an L1 buffer, 4.2 into the
+// L2-resident rows here; blocks small enough for L1 pay more in the sums' reloads. Tried and not kept: an L2
+// prefetch of the codes of the block after next (no gain), a decode with the column order folded into the byte
+// interleave (4 shuffles per 64 codes instead of 5: no gain), decode slices of 64-512 codes instead of rows,
+// software prefetch of the activations' tiles (slower), 4 x 1 and 1 x 4 blocks of tiles (slower).
 // Each sum is still TDPBF16PS's over the same 32-column steps in the same order, from zero, with the same
 // operands (rows and activations in Float8Rows' order): the same bits as dq_tiles.
 constexpr int64_t F8U_KB = DQ_KC;              // columns per block; two blocks' rows: dq_buffer(0)'s size
