@@ -121,6 +121,19 @@ def reduce_nan_aware(stat: torch.Tensor, op: str, all_reduce) -> torch.Tensor:
     return canonical_nan(_unordered(all_reduce(key, "max")) * sign)
 
 
+def reduce_magnitude_max(stat: torch.Tensor, all_reduce) -> torch.Tensor:
+    """:func:`reduce_nan_aware` ``(stat, "max")`` for float32 magnitudes whose sign bits are clear: no tensor op.
+
+    ``stat`` holds values ``>= +0`` or NaN, every sign bit clear (a maximum of ``|x|`` taken on the bits, as
+    :func:`dtensor_quant._core.activations.token_absmax` does). Such a float's bits, read as an int32, are
+    ordered as its value, and every NaN's lie above +inf, so ``all_reduce(key, "max")`` of the bits
+    themselves is the maximum, NaN wherever any rank's ``stat`` is (with the largest payload, the same on
+    every rank). ``all_reduce`` may work in place: ``stat`` is then overwritten. The per-token maxima of a
+    row-parallel matmul take this path once per call; the general transform costs some fifteen small ops.
+    """
+    return all_reduce(stat.view(torch.int32), "max").view(torch.float32)
+
+
 def _ordered(x: torch.Tensor) -> torch.Tensor:
     """float32 -> int32 whose signed order is the floats' order (NaN, positive, above +inf)."""
     bits = x.contiguous().view(torch.int32)

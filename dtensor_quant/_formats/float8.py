@@ -267,8 +267,8 @@ def _prepare_activations(inner):
 A8_KERNEL = native.declare(
     "float8_a8", Path(__file__).with_name("float8_a8.cpp"), {"max_level": native.BEST_LEVEL, "threads": 1}
 )
-_A8_QUANTIZE, _A8_EPILOGUE, _A8_WHOLE = 1, 2, 3  # its stages (3: all of it on AMX, the codes in acc's place)
-_A8_GIVEN, _A8_STATIC = 2, 4  # its flags besides native.F32: the per-token maxima given (reduced), a static scale
+_A8_QUANTIZE, _A8_EPILOGUE, _A8_WHOLE = 1, 2, 3  # stages (3: all of it on AMX, the codes in acc's place)
+# its flags: native.F32 and activations.kernel_statistic's
 _EMPTY = torch.empty(0)
 
 
@@ -290,13 +290,8 @@ def fp8_native(x, matmul_inputs, w_scale, scheme, input_scale, loaded=None, max_
     level = min(best, native.cap() if max_level is None else max_level)
     x = x.contiguous()
     (tokens, k), n = x.shape, w_scale.shape[0]
-    flags = native.F32 if x.dtype == torch.float32 else 0
-    if not scheme.dynamic:
-        stat, flags = torch.full((1,), float(input_scale), dtype=torch.float32), flags | _A8_STATIC
-    elif not scheme.per_rank and activations.reducing():  # tensor parallelism: the maxima of the whole row
-        stat, flags = activations.token_absmax(x, scheme).reshape(-1).contiguous(), flags | _A8_GIVEN
-    else:
-        stat = _EMPTY
+    stat, flags = activations.kernel_statistic(x, scheme, input_scale)  # under TP: the maxima of the whole row
+    flags |= native.F32 if x.dtype == torch.float32 else 0
     values = torch.empty((tokens, k), dtype=x.dtype)
     x_scale = torch.empty((tokens, 1), dtype=torch.float32)
     ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)

@@ -132,8 +132,7 @@ _INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # |code products| <= 128 * 128: an i
 W8A8_KERNEL = native.declare(
     "int8_w8a8", Path(__file__).with_name("int8_w8a8.cpp"), {"max_level": native.BEST_LEVEL, "threads": 1}
 )
-_QUANTIZE, _EPILOGUE, _WHOLE = 1, 2, 3  # its stages
-_GIVEN, _STATIC = 2, 4  # its flags besides native.F32: the per-token maxima given (reduced), a static scale
+_QUANTIZE, _EPILOGUE, _WHOLE = 1, 2, 3  # its stages; its flags: native.F32 and activations.kernel_statistic's
 
 
 def w8a8_kernel():
@@ -157,13 +156,8 @@ def w8a8_native(x, q, w_scale, scheme, input_scale, loaded=None, max_level: int 
     level = min(best, native.cap() if max_level is None else max_level)
     x = x.contiguous()
     tokens, n = x.shape[0], q.shape[0]
-    flags = native.F32 if x.dtype == torch.float32 else 0
-    if not scheme.dynamic:
-        stat, flags = torch.full((1,), float(input_scale), dtype=torch.float32), flags | _STATIC
-    elif not scheme.per_rank and activations.reducing():  # tensor parallelism: the maxima of the whole row
-        stat, flags = activations.token_absmax(x, scheme).reshape(-1).contiguous(), flags | _GIVEN
-    else:
-        stat = _EMPTY
+    stat, flags = activations.kernel_statistic(x, scheme, input_scale)  # under TP: the maxima of the whole row
+    flags |= native.F32 if x.dtype == torch.float32 else 0
     x_scale = torch.empty((tokens, 1), dtype=torch.float32)
     out = torch.empty((tokens, n), dtype=x.dtype)
     ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)

@@ -177,6 +177,12 @@ def note_hidden(op: str, tensors, group=None, mesh_dim: str | None = None) -> No
         note(op, tensors, quantized=False, group=group, mesh_dim=mesh_dim)
 
 
+def recording() -> bool:
+    """Whether a :func:`record` block is open in this process: a collective that takes a faster path the
+    recording mode cannot see (:mod:`dtensor_quant._parallel.activation_stats`) takes the seen one then."""
+    return bool(_logs)
+
+
 @contextlib.contextmanager
 def record() -> Iterator[WireLog]:
     """Capture every collective issued in this process inside the block."""

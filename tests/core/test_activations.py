@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import dtensor_quant as dq
 from dtensor_quant._core import activations
+from dtensor_quant._core.reductions import reduce_magnitude_max
 from dtensor_quant._formats.int8 import int_matmul
 from dtensor_quant.testing import assert_within, linear_error_bound, unit_roundoff, weight
 
@@ -81,6 +82,68 @@ def test_token_statistics_as_declared():
     assert torch.equal(scale8, torch.where(amax == 0, 1.0, amax / 448))
     expected8 = (x / scale8).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(codes8.view(torch.uint8), expected8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_token_absmax_is_the_magnitude_maximum_with_clear_sign_bits(dtype):
+    """The maximum of |x| per token, exactly (a value of x's dtype), NaN kept, every sign bit clear (so the bits
+    reduce as ints under TP); compared against abs().amax() in float64."""
+    x = weight((6, 40), seed=9).to(dtype)
+    x[0, 7], x[1, 3], x[2], x[3] = float("nan"), float("-inf"), -0.0, -x[3].abs()  # NaN, -inf, all -0, negative
+    x[4, 11] = -float("nan")  # a NaN whose sign bit is set
+    amax = activations.token_absmax(x, activations.SCHEMES["int8-token"])
+    assert amax.dtype == torch.float32 and amax.shape == (6, 1)
+    expected = x.double().abs().amax(-1, keepdim=True).float()
+    assert torch.equal(amax.isnan(), expected.isnan()) and amax[0].isnan() and amax[4].isnan()
+    finite = ~expected.isnan()
+    assert torch.equal(amax[finite], expected[finite]), (amax, expected)
+    assert not (amax.view(torch.int32) < 0).any(), "a sign bit is set"
+    empty = activations.token_absmax(x[:, :0], activations.SCHEMES["int8-token"])
+    assert torch.equal(empty.view(torch.int32), torch.zeros(6, 1, dtype=torch.int32))
+
+
+def test_reduced_magnitude_maximum_keeps_nan():
+    """reduce_magnitude_max over two simulated ranks (an int32 MAX of their keys, as gloo does): the float
+    maximum where both are numbers, NaN where either rank has a NaN."""
+    scheme = activations.SCHEMES["int8-token"]
+    a, b = weight((7, 16), seed=10), weight((7, 16), seed=11) * 3
+    a[1, 2], b[2, 5], a[3], b[3] = float("nan"), float("nan"), 0.0, -0.0
+    a[4, 0], b[5, 1] = float("inf"), -float("nan")
+    stats = [activations.token_absmax(t, scheme) for t in (a, b)]
+
+    def two_ranks(key, op):
+        assert op == "max" and key.dtype == torch.int32
+        return torch.maximum(key, stats[1].view(torch.int32))
+
+    got = reduce_magnitude_max(stats[0].clone(), two_ranks)
+    both = torch.cat([a, b], -1).double()
+    expected = torch.where(both.isnan().any(-1, keepdim=True), float("nan"), both.abs().amax(-1, keepdim=True))
+    assert got.isnan().tolist() == [[False], [True], [True], [False], [False], [True], [False]]
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite].float())
+    assert got[4].item() == float("inf") and got[3].view(torch.int32).item() == 0
+
+
+@pytest.mark.parametrize("spelling", ["int8-token", "int8-token-per-rank", "fp8-token", "int8-tensor"])
+def test_kernel_statistic_says_where_the_scale_comes_from(spelling):
+    """One helper for both activation kernels: the static scale, the reduced maxima inside a reduction block
+    (reduced schemes only), or nothing (the kernel takes its own maxima)."""
+    scheme = activations.SCHEMES[spelling]
+    x = weight((3, 32), seed=12)
+    seen = []
+    stat, flags = activations.kernel_statistic(x, scheme, 0.5 if not scheme.dynamic else None)
+    with activations.token_stat_reduction(lambda amax: seen.append(amax) or amax * 2):
+        reduced, reduced_flags = activations.kernel_statistic(x, scheme, 0.5 if not scheme.dynamic else None)
+    if not scheme.dynamic:
+        assert flags == reduced_flags == activations.STATIC_SCALE and stat.tolist() == reduced.tolist() == [0.5]
+        return
+    assert flags == 0 and stat.numel() == 0
+    if scheme.per_rank:
+        assert reduced_flags == 0 and reduced.numel() == 0 and not seen
+    else:
+        assert reduced_flags == activations.GIVEN_MAXIMA and len(seen) == 1
+        assert torch.equal(reduced, (x.abs().amax(-1) * 2).float())
 
 
 def test_static_scale_saturates():

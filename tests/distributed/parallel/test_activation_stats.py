@@ -171,3 +171,34 @@ def replicated_weight_case():
 
 def test_replicated_weight_with_sharded_features_reduces(ranks):
     assert all(ranks(2).run(replicated_weight_case))
+
+
+def nan_in_one_slice_case(name: str):
+    """A NaN or Inf in one rank's slice of a token makes that token's row NaN on every rank, as on one process,
+    through the eager path (c10d's all-reduce of the maxima) and the recorded one (the functional collective,
+    seen by ``wire.record``), which give the same bits on the other tokens."""
+    fmt, m, world, rank = FORMATS[name], mesh(2), dist.get_world_size(), dist.get_rank()
+    w, x = weight((16, 128), seed=5).float(), weight((5, 128), seed=6).float()
+    x[0, 100], x[1, 3], x[2, 120] = float("nan"), float("nan"), float("inf")  # rank 1's, rank 0's, rank 1's slice
+    x[3, 70:] *= 40
+    q = dq.quantize(w, fmt)
+    reference = F.linear(x, q)
+    assert reference[:3].isnan().all() and reference[3:].isfinite().all()
+    module = parallelize_module(torch.nn.Linear(128, 16, bias=False), m, RowwiseParallel())
+    module.weight = torch.nn.Parameter(distribute_tensor(q, m, [Shard(1)]), requires_grad=False)
+    xd = DTensor.from_local(x.chunk(world, -1)[rank], m, [Shard(-1)])
+    with torch.no_grad():
+        eager = module(xd)
+        with wire.record() as log:
+            recorded = module(xd)
+    assert [t for t in log.transfers if "all_reduce" in t.op and t.nbytes == 5 * 4], log.transfers
+    for out in (eager, recorded):
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        assert out[:3].isnan().all(), f"a NaN or Inf token is not NaN on rank {rank}: {out[:3]}"
+        assert out[3:].isfinite().all()
+    assert torch.equal(eager[3:], recorded[3:]), "the eager reduction differs from the recorded one"
+
+
+@pytest.mark.parametrize("name", ["int8-token", "fp8-token"])
+def test_nan_in_one_rank_slice_is_nan_everywhere(ranks, name):
+    ranks(2).run(nan_in_one_slice_case, name)
