@@ -122,7 +122,12 @@ ACTIVATION_KERNELS = {
         "Int8Rowwise, activations int8-*",
         {4: "AMX-INT8 tiles (the whole linear)"},
     ),
-    "float8_a8": ("float8", "a8_kernel", "Float8Rowwise, Float8Tensorwise, activations fp8-*", {}),
+    "float8_a8": (
+        "float8",
+        "a8_kernel",
+        "Float8Rowwise, Float8Tensorwise, activations fp8-*",
+        {4: "AMX tiles, unit scales (the whole linear; fp32 activations: AVX-512 passes)"},
+    ),
 }
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile",
               "amx_bf16", "amx_int8")  # fmt: skip

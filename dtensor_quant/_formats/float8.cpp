@@ -5,9 +5,11 @@
 // weight to dequantize + mm.
 //
 // One token (decode): each weight is multiplied by x in fp32 as it is made: the codes are read once, at memory
-// speed, and no dense weight is written. Several tokens: native_tiles.h's tiled matmul.
+// speed, and no dense weight is written. Several tokens: native_tiles.h's tiled matmul; a weight whose every scale
+// is exactly 1 (the fp8 activations' product) on AMX: float8_unit.h's own loop (faster there; the same bits).
 #include "native_prelude.h"
 #include "native_tiles.h"
+#include "float8_unit.h"
 
 // 32 codes -> their e4m3 values times 2^-120, as fp32: the bf16 bits (sign | magnitude << 4) in each lane's upper
 // half. lo holds bytes 8l..8l+3 of every 128-bit lane l, hi bytes 8l+4..8l+7 (dq_x_order says where x goes).
@@ -29,9 +31,6 @@ static inline void dq_e4m3_raw_avx2(const uint8_t* p, __m256& lo, __m256& hi) {
     lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), bits));
     hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), bits));
 }
-
-// Where x[j] of a chunk of 2 * half codes goes: the lo lanes, then the hi lanes (half: 16 AVX-512, 8 AVX2).
-static inline int64_t dq_x_order(int64_t j, int64_t half) { return 8 * ((j % half) / 4) + 4 * (j / half) + j % 4; }
 
 // Integer rounding, exact for any scale. kSmall: every scale of the row below 2^7 in magnitude, so s * 2^120 is
 // finite and one multiply gives the exact product, which cannot be NaN (no NaN code, finite scale).
@@ -153,55 +152,6 @@ static inline __m256 dq_e4m3_times_256(__m256 raw, __m256 vs, bool small) {
     return small ? _mm256_mul_ps(raw, vs) : _mm256_mul_ps(_mm256_mul_ps(raw, _mm256_set1_ps(0x1p120f)), vs);
 }
 
-// Unit-scale rows (fp8 activations' products, float8_a8.cpp, multiply the codes' values with scale 1): a code's
-// bf16 bits straight from two 128-entry byte tables of its magnitude (vpermi2b), the sign its top bit: 64 codes in
-// 7 instructions, where dq_e4m3_raw and the multiply by 2^120 take 22; the same bits (an e4m3 value is exactly a
-// normal bf16 value). Needs AVX-512 VBMI (every AMX CPU has it; Cooper Lake's AVX-512 BF16 does not).
-static inline bool dq_vbmi() {
-    static const bool have = __builtin_cpu_supports("avx512vbmi");
-    return have;
-}
-
-// A code magnitude's bf16 bits: the high bytes of codes 0..63, 64..127, then the low bytes likewise.
-struct DqE4m3Tables {
-    alignas(64) uint8_t b[4][64];
-    DqE4m3Tables() {
-        for (int c = 0; c < 128; ++c) {
-            const float v = std::ldexp(c >> 3 ? 8.0f + (c & 7) : float(c & 7), (c >> 3 ? (c >> 3) : 1) - 10);
-            uint32_t u;
-            std::memcpy(&u, &v, 4);
-            b[c / 64][c % 64] = static_cast<uint8_t>(u >> 24);
-            b[2 + c / 64][c % 64] = static_cast<uint8_t>(u >> 16);
-        }
-    }
-};
-
-// dst[p] (p < n, a multiple of 32) = the bf16 bits of code 32 * (p / 32) + perm(p % 32) of codes p[0..n): the
-// codes permuted with vpermb so that the byte unpacks leave each chunk of 32 in dq_x_order's order.
-__attribute__((target("avx512f,avx512bw,avx512vbmi")))
-static void dq_e4m3_unit_bf16(const uint8_t* p, int64_t n, uint16_t* dst) {
-    static const DqE4m3Tables t;
-    alignas(64) uint8_t idx[64];
-    for (int L = 0; L < 4; ++L)
-        for (int i = 0; i < 8; ++i) {
-            idx[16 * L + i] = static_cast<uint8_t>(dq_x_order(8 * L + i, 16));
-            idx[16 * L + 8 + i] = static_cast<uint8_t>(32 + dq_x_order(8 * L + i, 16));
-        }
-    const __m512i order = _mm512_load_si512(idx), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-    const __m512i h0 = _mm512_load_si512(t.b[0]), h1 = _mm512_load_si512(t.b[1]);
-    const __m512i l0 = _mm512_load_si512(t.b[2]), l1 = _mm512_load_si512(t.b[3]);
-    for (int64_t k = 0; k < n; k += 64) {
-        DQ_PREFETCH_AHEAD(p + k);
-        const bool two = k + 64 <= n;
-        const __m512i c = _mm512_permutexvar_epi8(
-            order, two ? _mm512_loadu_si512(p + k) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p + k));
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(h0, c, h1), c, sign, 0xF8);  // a|b&c
-        const __m512i lo = _mm512_permutex2var_epi8(l0, c, l1);
-        _mm512_storeu_si512(dst + k, _mm512_unpacklo_epi8(lo, hi));
-        if (two) _mm512_storeu_si512(dst + k + 32, _mm512_unpackhi_epi8(lo, hi));
-    }
-}
-
 // Row n of the weight for native_tiles.h. A chunk of 32 columns is stored in dq_e4m3_raw's order (the lo lanes,
 // then the hi ones): 32 codes widen to 16 bits once and split into two fp32 registers with two unpacks.
 struct Float8Rows {
@@ -292,6 +242,16 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const void* x, 
     if (!(flags & 2) && best > 3) best = 3;  // the one-token kernel's best: AVX-512 BF16
     level[0] = best < max_level ? best : max_level;
     if (level[0] <= 0 || M <= 0) return;
+#if DQ_AMX
+    if ((flags & 2) && !(flags & 1) && level[0] >= 4 && dq_vbmi() && f8_unit_scales(scale, N * (K / g))) {
+        uint16_t* o = static_cast<uint16_t*>(out);
+        f8_unit_amx(codes, static_cast<const uint16_t*>(x), M, N, K, threads,
+                    [&](const float* C, int64_t m0, int64_t ms, int64_t rows, int64_t n0) {
+                        dq_store_amx(C, ms, rows, o + m0 * N, N, n0);
+                    });
+        return;
+    }
+#endif
     if (flags & 2)
         dq_tiles(Float8Rows{codes, scale, K, g}, x, out, M, N, K, flags & 1, flags & 4, level[0], threads);
     else if (!(flags & 1))

@@ -267,13 +267,14 @@ def _prepare_activations(inner):
 A8_KERNEL = native.declare(
     "float8_a8", Path(__file__).with_name("float8_a8.cpp"), {"max_level": native.BEST_LEVEL, "threads": 1}
 )
-_A8_QUANTIZE, _A8_EPILOGUE = 1, 2  # its stages; its flags: native.F32 and activations.kernel_statistic's
+_A8_QUANTIZE, _A8_EPILOGUE, _A8_WHOLE = 1, 2, 3  # stages (3: all of it on AMX, the codes in acc's place)
+# its flags: native.F32 and activations.kernel_statistic's
 _EMPTY = torch.empty(0)
 
 
 def a8_kernel():
     """``(the fp8-activation kernel, its best level here)``, built on first use; None where it cannot run.
-    Levels: 1 plain C++, 2 AVX-512."""
+    Levels: 1 plain C++, 2 AVX-512, 4 AMX (the whole linear in one call)."""
     return native.load(A8_KERNEL)
 
 
@@ -295,6 +296,12 @@ def fp8_native(x, matmul_inputs, w_scale, scheme, input_scale, loaded=None, max_
     x_scale = torch.empty((tokens, 1), dtype=torch.float32)
     ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)
     threads = torch.get_num_threads()
+    whole = native.inputs_for(x, matmul_inputs[1]) if level >= 4 and x.dtype == torch.bfloat16 else None
+    if whole is not None:  # AMX: the three passes in one call, the tiles' sums scaled as they leave the tiles
+        out = torch.empty((tokens, n), dtype=x.dtype)
+        run(x, stat, w_scale, values, x_scale, whole[0], out, tokens, n, k, _A8_WHOLE, flags, level, threads, ran)
+        if ran.item():
+            return out
     run(x, stat, w_scale, values, x_scale, _EMPTY, _EMPTY, tokens, n, k, _A8_QUANTIZE, flags, level, threads, ran)
     if not ran.item():
         return None

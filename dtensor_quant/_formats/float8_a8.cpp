@@ -10,10 +10,18 @@
 // or fp32): what the tiles multiply. xscale[m] = s.
 // stage 2 (scale_output): out = round_to_out_dtype((float(acc) * s_m) * ws_n) from the tiles' sums acc [M, N]
 // (x's dtype).
+// stage 3 (bf16 x, AMX with AVX-512 VBMI, K % 32 == 0; acc holds the weight's e4m3 codes [N, K], unit scales):
+// the whole linear in one call -- stage 1 into vals and xscale, the float8 tiles' unit-scale product
+// (float8_unit.h, the same sums and rounding to bf16 as float8.cpp's tiles), and stage 2's arithmetic applied to
+// each tile's sums as they leave the tiles (f8_store_scaled): the tiles' bf16 output is never written to memory
+// and read back, and Python makes no acc and runs one kernel call instead of three. Reports level 0 and does
+// nothing where it cannot run.
 // flags: 1: x, vals, acc and out are fp32 (else bf16); 2: amax[m] given in stat (tensor parallelism's reduced
-// statistic); 4: static scheme, stat[0] the input scale. Level 2: AVX-512; 1: plain C++ (an AVX2 CPU).
+// statistic); 4: static scheme, stat[0] the input scale. Level 4: AMX (stage 3); 2: AVX-512; 1: plain C++ (an AVX2
+// CPU).
 #include "native_prelude.h"
 #include "native_tiles.h"
+#include "float8_unit.h"
 #include "act_rows.h"
 
 // The e4m3fn value nearest v (|v| <= 448 or NaN), ties to even.
@@ -47,26 +55,45 @@ static inline void f8_put(void* dst, bool f32, int64_t i, float v) {
     }
 }
 
-// 16 values at a time: f8_round on AVX-512.
+// 16 values at a time: f8_round on AVX-512; a bf16 row's 32 values of two steps go out in one 64-byte store (its
+// tail 16 at a time). Tried and not kept: multiplying by 1 / s and dividing only the steps with a quotient near an
+// e4m3 rounding boundary (the same codes) took 1.10-1.17x the pass's time: the division is not what binds it.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst) {
-    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
+static inline __m512 f8_code16(__m512 xv, __m512 vs) {
+    const __m512 lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
     const __m512 small = _mm512_set1_ps(0x1p-6f), up = _mm512_set1_ps(512.0f), down = _mm512_set1_ps(0x1p-9f);
     const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-    for (int64_t k = 0; k < K; k += 16) {
+    // max(lo, v), min(hi, .): the second operand comes back where one is NaN, so NaN stays NaN
+    const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(xv, vs)));
+    const __m512 a = _mm512_abs_ps(v);
+    const __m512i u = _mm512_castps_si512(a);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
+    const __m512i n = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFFF))),
+                                       _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+    const __m512 sub = _mm512_mul_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+    const __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, small, _CMP_LT_OQ), _mm512_castsi512_ps(n), sub);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(v), sign)));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst) {
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t k = 0;
+    if (!f32) {  // the high halves of two steps' fp32 results, in order: one store
+        alignas(64) uint16_t odd[32];
+        for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+        const __m512i pick = _mm512_load_si512(odd);
+        for (; k + 32 <= K; k += 32) {
+            const __m512 r0 = f8_code16(act_load_512(x, false, k, 0xFFFF), vs);
+            const __m512 r1 = f8_code16(act_load_512(x, false, k + 16, 0xFFFF), vs);
+            _mm512_storeu_si512(static_cast<uint16_t*>(dst) + k,
+                                _mm512_permutex2var_epi16(_mm512_castps_si512(r0), pick, _mm512_castps_si512(r1)));
+        }
+    }
+    for (; k < K; k += 16) {
         const __mmask16 m = act_mask(K - k);
-        // max(lo, v), min(hi, .): the second operand comes back where one is NaN, so NaN stays NaN
-        const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(act_load_512(x, f32, k, m), vs)));
-        const __m512 a = _mm512_abs_ps(v);
-        const __m512i u = _mm512_castps_si512(a);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
-        const __m512i n = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFFF))),
-                                           _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-        const __m512 sub = _mm512_mul_ps(
-            _mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
-        __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, small, _CMP_LT_OQ), _mm512_castsi512_ps(n), sub);
-        r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
-                                                _mm512_and_si512(_mm512_castps_si512(v), sign)));
+        const __m512 r = f8_code16(act_load_512(x, f32, k, m), vs);
         if (f32)
             _mm512_mask_storeu_ps(static_cast<float*>(dst) + k, m, r);
         else
@@ -132,15 +159,54 @@ static void f8_epilogue_512(const void* acc, const float* xscale, const float* w
     }
 }
 
+// Stage 3's store: out[m0 + m, n0 + r] = bf16((float(bf16(Ct[r][m])) * xscale[m]) * ws[n0 + r]) for the tile's
+// rows and tokens -- dq_store_amx's rounding of the sums to bf16 (the tiles' output), then f8_epilogue_512's
+// arithmetic on it, in the same order: the same bits as stages 2 after the tiles.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void f8_store_scaled(const float* Ct, int64_t ms, int64_t rows, const float* xscale, const float* ws,
+                            uint16_t* out, int64_t N, int64_t n0) {
+    const int64_t Mp = (ms + 15) / 16 * 16;
+    __m512i r[16], c[16];
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const __mmask16 k = rows - r0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r0)) - 1);
+        const __m512 w = _mm512_maskz_loadu_ps(k, ws + n0 + r0);
+        for (int64_t m0 = 0; m0 < ms; m0 += 16) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (r0 + i) * Mp + m0);
+            dq_transpose16(r, c);
+            for (int j = 0; j < 16 && m0 + j < ms; ++j) {
+                const __m512 acc = dq_round_bf16_512(_mm512_castsi512_ps(c[j]));
+                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xscale[m0 + j])), w);
+                dq_store_bf16_512(out + (m0 + j) * N + n0 + r0, k, v);
+            }
+        }
+    }
+}
+
 extern "C" void kernel(const void* x, const float* stat, const float* ws, void* vals, float* xscale, const void* acc,
                        void* out, int64_t M, int64_t N, int64_t K, int64_t stage, int64_t flags, int64_t max_level,
                        int64_t threads, int64_t* level) {
-    const int64_t best = dq_avx512() ? 2 : dq_avx2() ? 1 : 0;
+    const int64_t best = dq_avx512() ? (dq_amx() && dq_vbmi() ? 4 : 2) : dq_avx2() ? 1 : 0;
     const int64_t lvl = best < max_level ? best : max_level;
     level[0] = lvl;
     if (lvl <= 0 || M <= 0 || stage == 0) return;
     const bool f32 = flags & 1;
-    if (stage == 1) {
+    if (stage == 3) {
+#if DQ_AMX
+        if (f32 || lvl < 4 || K % 32) {
+            level[0] = 0;
+            return;
+        }
+        f8_quantize(x, false, stat, flags, vals, xscale, M, K, lvl, threads);
+        const uint16_t* v = static_cast<const uint16_t*>(vals);
+        uint16_t* o = static_cast<uint16_t*>(out);
+        f8_unit_amx(static_cast<const uint8_t*>(acc), v, M, N, K, threads,
+                    [&](const float* C, int64_t m0, int64_t ms, int64_t rows, int64_t n0) {
+                        f8_store_scaled(C, ms, rows, xscale + m0, ws, o + m0 * N, N, n0);
+                    });
+#else
+        level[0] = 0;
+#endif
+    } else if (stage == 1) {
         f8_quantize(x, f32, stat, flags, vals, xscale, M, K, lvl, threads);
     } else if (stage == 2 && lvl >= 2) {
         f8_epilogue_512(acc, xscale, ws, f32, out, M, N);

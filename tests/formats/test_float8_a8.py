@@ -6,7 +6,8 @@ through the float8 tiles with unit scales (:func:`float8.fp8_matmul`), then ``sc
 same codes in one pass (its own e4m3 rounding) and scales the same sums in one pass, so its output must equal that
 path bit for bit (NaN as NaN); that path itself is checked against the exact sum within the summation bound in
 tests/core/test_activations.py. Levels: 1 plain C++, 2 AVX-512 (the tiles between them run at their own best
-level, ``DTENSOR_QUANT_MAX_LEVEL`` capping both).
+level, ``DTENSOR_QUANT_MAX_LEVEL`` capping both), 4 AMX: bf16 activations through stage 3, the whole linear in one
+call (fp32 ones through stages 1 and 2 as on level 2).
 """
 
 import pytest
@@ -19,13 +20,14 @@ from dtensor_quant.testing import weight
 
 pytestmark = pytest.mark.skipif(float8.a8_kernel() is None, reason="no fp8-activation kernel here (no C++ compiler)")
 
-LEVELS = [lvl for lvl in (1, 2) if float8.a8_kernel() and lvl <= float8.a8_kernel()[1]]
+LEVELS = [lvl for lvl in (1, 2, 4) if float8.a8_kernel() and lvl <= float8.a8_kernel()[1]]
 FORMATS = [
     dq.Float8Rowwise(activations="fp8-token"),
     dq.Float8Rowwise(torch.bfloat16, activations="fp8-token-per-rank"),
     dq.Float8Tensorwise(activations="fp8-tensor", input_scale=0.01),
 ]
-SHAPES = [(1, 64, 96), (7, 40, 64), (33, 24, 256), (130, 48, 128), (5, 20, 2048)]  # tokens, out, in
+SHAPES = [(1, 64, 96), (7, 40, 64), (33, 24, 256), (130, 48, 128), (5, 20, 2048), (130, 40, 2048), (20, 36, 2144)]
+# tokens, out, in; the last two: AMX (level 4) in two chunks of tokens, in two blocks of columns
 
 
 def same(got, expected):
@@ -118,3 +120,48 @@ def test_unit_scale_tiles_read_every_code_exactly(level, tokens, group):
     got = float8.tiled_linear(x, prepared, max_level=level)
     expected = (qdata.float() * scale.repeat_interleave(group, dim=1)).to(torch.bfloat16)[:, pick].t()
     assert got is not None and torch.equal(got, expected)
+
+
+@pytest.mark.skipif(4 not in TILE_LEVELS, reason="no AMX here")
+@pytest.mark.parametrize("shape", [(7, 40, 96), (130, 70, 2048), (33, 36, 2144)], ids=str)
+def test_unit_scale_amx_path_is_the_general_tiles(shape):
+    """Unit scales on AMX take their own loop (_formats/float8_unit.h: other blocking, the next rows decoded under
+    every group of tokens); each sum must be the general tiles' bit for bit. The same rows with one extra row of
+    scale 2 go through the general tiles (not every scale is 1); each output depends only on its own row."""
+    tokens, out, inp = shape
+    gen = torch.Generator().manual_seed(tokens)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randint(0, finite.numel(), (out + 1, inp), generator=gen)].view(torch.float8_e4m3fn)
+    x = (torch.randn((tokens, inp), generator=gen) * 40).to(torch.float8_e4m3fn).to(torch.bfloat16)
+    unit = float8.kernel_prepare(codes[:out], torch.ones((out, 1)), inp)
+    mixed = float8.kernel_prepare(codes, torch.cat([torch.ones((out, 1)), torch.full((1, 1), 2.0)]), inp)
+    got = float8.tiled_linear(x, unit, max_level=4)
+    expected = float8.tiled_linear(x, mixed, max_level=4)[:, :out]
+    assert got is not None and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("level", [lvl for lvl in LEVELS if lvl >= 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_quantize_pass_is_quantize_activation(level, dtype):
+    """Stage 1 alone on many rows: each value it writes is quantize_activation's code, bit for bit -- rows over a
+    wide range of scales, values across e4m3's normal and subnormal steps, and values put on the midpoints of the
+    scaled grid (up to the rounding of the product), where a quotient rounded any other way (a reciprocal) would
+    round to the other code."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, k = 512, 256
+    x = torch.randn((tokens, k), generator=gen) * torch.exp2(torch.randint(-12, 12, (tokens, 1), generator=gen))
+    x = x * torch.exp2(torch.randint(-8, 1, (tokens, k), generator=gen).float())
+    amax = x.abs().amax(-1, keepdim=True)
+    grid = torch.tensor([c for c in range(127) if c & 0x7F != 0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    mids = ((grid.float()[1:] + grid.float()[:-1]) / 2)[torch.randint(0, grid.numel() - 1, (tokens, 8), generator=gen)]
+    x[:, :8] = mids * (amax / 448)  # midpoints once scaled back, up to the rounding of the product
+    x = x.to(dtype)
+    scheme = activations.SCHEMES["fp8-token"]
+    codes, x_scale = activations.quantize_activation(x, scheme, None)
+    run, _ = float8.a8_kernel()
+    values, got_scale = torch.empty_like(x), torch.empty((tokens, 1))
+    ran, e = torch.empty(1, dtype=torch.int64), torch.empty(0)
+    flags = 1 if dtype == torch.float32 else 0
+    run(x, e, torch.ones(1), values, got_scale, e, e, tokens, 1, k, 1, flags, level, 1, ran)
+    assert ran.item() == min(level, 4) and torch.equal(got_scale, x_scale)
+    assert torch.equal(values, codes.to(dtype))
