@@ -81,7 +81,11 @@ def _gathered_along_dim(torch_all_gather_single):
 def _full_tensor_as_gathered(torch_full_tensor):
     def full_tensor(self, *, grad_placements=None):
         local = self._local_tensor
-        if (self.requires_grad and torch.is_grad_enabled()) or not in_one_step(local):
+        if (
+            type(local) is not QuantizedTensor
+            or (self.requires_grad and torch.is_grad_enabled())
+            or not in_one_step(local)
+        ):
             return torch_full_tensor(self, grad_placements=grad_placements)
         out = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim, async_op=False)._local_tensor
         if out is local or type(out) is not QuantizedTensor:  # nothing gathered (already whole): torch's fresh view
