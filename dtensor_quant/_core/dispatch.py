@@ -34,12 +34,17 @@ def implements(*names: str):
         for name in names:
             HANDLERS[name] = fn
         _BY_OP.clear()
+        _OPS.clear()
         return fn
 
     return register
 
 
-_BY_OP: dict = {}  # OpOverload -> handler, filled on first use (schema names cost a lookup)
+# id(OpOverload) -> handler, filled on first use (schema names cost a lookup). Keyed by id, not by the op:
+# OpOverload hashes in Python (``OpOverload.__hash__``, a frame of its own on every op). _OPS holds every op
+# keyed, so no id is reused while its entry lives.
+_BY_OP: dict = {}
+_OPS: list = []
 
 # (predicate, handler) pairs for ops that have no handler of their own, asked in order: a handler
 # for a whole kind of op (every pointwise op, say) registers with ``fallback``.
@@ -52,6 +57,7 @@ def fallback(predicate: Callable):
     def register(fn):
         FALLBACKS.append((predicate, fn))
         _BY_OP.clear()
+        _OPS.clear()
         return fn
 
     return register
@@ -67,7 +73,7 @@ EPOCH = [0]
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """``QuantizedTensor.__torch_dispatch__`` itself: a handler already found for ``func`` is called from here,
     one Python call less per op than through :func:`dispatch` (every view pays it); the rest goes there."""
-    handler = _BY_OP.get(func)
+    handler = _BY_OP.get(id(func))
     if handler is None:  # not looked up yet, or none (a composite op, a refusal)
         return dispatch(func, args, kwargs or {})
     if handler not in KEEPS_INITIAL:
@@ -76,12 +82,14 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
 
 
 def dispatch(func, args, kwargs):
-    handler = _BY_OP.get(func)
+    handler = _BY_OP.get(id(func))
     if handler is None:
         handler = HANDLERS.get(func._schema.name)
         if handler is None:
             handler = next((fn for pred, fn in FALLBACKS if pred(func)), None)
-        _BY_OP[func] = handler
+        if id(func) not in _BY_OP:
+            _OPS.append(func)
+        _BY_OP[id(func)] = handler
     if handler is None and _composite(func):
         # Composite ops (chunk, linear, matmul, ...) normally decompose above us, but reach us
         # under inference mode or from inside another subclass's dispatch (a redistribute

@@ -67,6 +67,13 @@ class _NoBytesStorage(torch.UntypedStorage):
         )
 
 
+#: The keys under which a tensor keeps, in its ``__dict__``, the decided layout of its own ``t()`` and
+#: ``view(-1)`` (:mod:`dtensor_quant._ops.layout_ops`: ``transpose``, ``flatten``): those two views run on every
+#: decode step and FSDP2 step, and a recipe kept on the tensor is read in one lookup where the memo table
+#: needs its key built and hashed. A tensor's layout never changes in place but through ``.data = other``,
+#: which drops them.
+VIEW_RECIPES = ("_dq_t_recipe", "_dq_flat_recipe")
+
 # Per logical dim, the canonical dims of the format's weight it holds:
 # ((0,), (1,)) as quantized, ((1,), (0,)) after .t(), ((0, 1),) after view(-1).
 Dims = tuple[tuple[int, ...], ...]
@@ -174,8 +181,8 @@ class QuantizedTensor(torch.Tensor):
                 "(module.weight = nn.Parameter(t, requires_grad=False))."
             )
         torch._C.TensorBase.data.__set__(self, other)
-        for name in self.fmt.inner_names:
-            self.__dict__.pop(name, None)  # the old format's inner tensors
+        for name in (*self.fmt.inner_names, *VIEW_RECIPES):
+            self.__dict__.pop(name, None)  # the old format's inner tensors, and views decided for the old layout
         for name, t in other.inner.items():
             setattr(self, name, t)
         self.fmt, self.rels, self.dims, self.notes = other.fmt, other.rels, other.dims, alias(other.notes)

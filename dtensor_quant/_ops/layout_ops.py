@@ -42,7 +42,11 @@ from .._core.layout import (
     legal_chunk_counts,
 )
 from .._core.memo import layout_key, memo, remember
-from .._core.tensor import QuantizedTensor, contiguous_strides
+from .._core.tensor import VIEW_RECIPES, QuantizedTensor, contiguous_strides
+
+#: ``q.__dict__`` keys of ``q.t()``'s and ``q.view(-1)``'s recipes (kept by :func:`transpose` and :func:`flatten`,
+#: read by the handlers in :mod:`dtensor_quant._ops.views`).
+T_RECIPE, FLAT_RECIPE = VIEW_RECIPES
 
 # -- orientation and construction ---------------------------------------------
 
@@ -161,6 +165,9 @@ def transpose(q: QuantizedTensor, dim0: int, dim1: int) -> QuantizedTensor:
     rels, dims, props, deferrable = decision
     first = getattr(q, fmt.inner_names[0])
     if deferrable and type(first) is torch.Tensor and not first.is_meta:
+        if nd == 2 and dim0 == 0 and decisions.ENABLED:
+            # q.t() from now on (views.py): this decision, read off q itself. Nothing in it holds q.
+            q.__dict__[T_RECIPE] = (fmt, rels, dims, props, _make_transposes)
         notes = rules.transposed(q.notes, q, (_make_transposes, q, dim0, dim1))
         return QuantizedTensor.make_view(fmt, rels, dims, props, notes)
     inner = [getattr(q, name).transpose(dim0, dim1) for name in fmt.inner_names]
@@ -523,7 +530,12 @@ def flatten(q: QuantizedTensor) -> QuantizedTensor:
         inner.append(t)
         contiguous = contiguous and t.is_contiguous()  # else its reshape copies: made now, from these bytes
     if contiguous and type(inner[0]) is torch.Tensor and not inner[0].is_meta:
-        return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes, (_make_flat, inner)))
+        pending = (_make_flat, inner)
+        if not opaque and decisions.ENABLED and q.dims == canonical_dims(len(q.props[0])):  # views.py's case
+            # q.view(-1) from now on (views.py): this decision and q's own inner tensors, read off q itself (the
+            # inner tensors are set once, and replaced only by ``.data =``, which drops the recipe).
+            q.__dict__[FLAT_RECIPE] = (fmt, rels, dims, props, pending)
+        return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes, pending))
     inner = [t.reshape(-1) for t in inner]
     return QuantizedTensor.make_view(fmt, rels, dims, props, rules.same_bytes(q.notes), inner)
 

@@ -8,9 +8,15 @@ pieces side by side.
 
 from __future__ import annotations
 
+import torch
+
+from .._core import memo as decisions
 from .._core.dispatch import UnsupportedOpError, implements
-from .._core.tensor import contiguous_strides
+from .._core.notes import Notes
+from .._core.tensor import QuantizedTensor, contiguous_strides
 from .layout_ops import (
+    FLAT_RECIPE,
+    T_RECIPE,
     alias,
     canonical_dims,
     cat_dim,
@@ -28,8 +34,25 @@ def _alias(func, q, *args, **kwargs):
     return alias(q)
 
 
+# The two views every decode step and FSDP2 step issue, ``t()`` and ``view(-1)``, are built here from the
+# recipe their first call kept on the tensor (layout_ops.transpose / flatten: the decided layout, the deferred
+# inner views' maker) when there is one: one dict lookup instead of the memo key's building and hashing, and no
+# further Python call but the wrapper's. The notes are made from the tensor's at each call, as the rules do
+# (notes.transposed, notes.same_bytes: the same fields, built inline). Off with the memo (memo.disabled()).
+_wrapper = torch.Tensor._make_wrapper_subclass
+_record = tuple.__new__  # a Notes from a full tuple of its fields in one C call (as notes.py builds them)
+
+
 @implements("aten::view", "aten::_unsafe_view")
 def _view(func, q, size):
+    if len(size) == 1 and decisions.ENABLED:
+        recipe = q.__dict__.get(FLAT_RECIPE)
+        if recipe is not None and (size[0] == -1 or size[0] == recipe[3][0][0]):
+            fmt, rels, dims, props, pending = recipe
+            out = _wrapper(QuantizedTensor, props[0], strides=props[1], dtype=props[2], device=props[3])
+            out.fmt, out.rels, out.dims, out.props = fmt, rels, dims, props
+            out.notes = _record(Notes, (q.notes.bytes, (), 0, False, None, pending))  # notes.same_bytes
+            return out
     shape = q.props[0]  # not q.shape: a subclass's getters cost more, and these two views run on every call
     if tuple(size) == shape:  # DTensor's to_local / from_local view_as, first: it runs on every full_tensor
         return alias(q)
@@ -104,7 +127,16 @@ def _as_strided(func, q, size, stride, storage_offset=None):
 
 @implements("aten::t")
 def _t(func, q):
-    return transpose(q, 0, 1) if len(q.props[0]) == 2 else alias(q)
+    recipe = q.__dict__.get(T_RECIPE) if decisions.ENABLED else None
+    if recipe is None:
+        return transpose(q, 0, 1) if len(q.props[0]) == 2 else alias(q)
+    fmt, rels, dims, props, fill = recipe
+    out = _wrapper(QuantizedTensor, props[0], strides=props[1], dtype=props[2], device=props[3])
+    out.fmt, out.rels, out.dims, out.props = fmt, rels, dims, props
+    notes = q.notes  # notes.transposed: the same bytes and shared blocks, the weight it came from, pending
+    weight = q if notes.weight is None else notes.weight
+    out.notes = _record(Notes, (notes.bytes, notes.shared_outside, 0, False, weight, (fill, q, 0, 1)))
+    return out
 
 
 @implements("aten::transpose")

@@ -1,11 +1,12 @@
-"""The redistribute shortcuts: opt-in patches of three torch functions, for speed only.
+"""The redistribute shortcuts: opt-in patches of four torch functions, for speed only.
 
 DTensor reaches a quantized local through ``__torch_dispatch__`` for every op
 it issues, and that is all correctness needs. Three redistributes issue more
 ops than they must for a tensor subclass, each a trip through Python
 dispatch: ``Replicate -> Shard`` chunks every rank's piece, a gather along
 any dim goes through funcol's wrapping, waiting, splitting and
-concatenating, and ``Shard(i) -> Shard(j)`` on a CPU mesh gathers then
+concatenating (and ``full_tensor`` then views the gathered local through
+dispatch once more), and ``Shard(i) -> Shard(j)`` on a CPU mesh gathers then
 chunks every piece. The shortcuts (:mod:`.replicate_to_shard`,
 :mod:`.gather_dim`, :mod:`.shard_to_shard`) run the same collectives and
 give the same bytes in fewer calls; each replacement handles only
@@ -41,7 +42,7 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Put torch's own three functions back."""
+    """Put torch's own functions back."""
     for name in NAMES:
         uninstall(name)
 

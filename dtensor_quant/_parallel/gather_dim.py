@@ -19,6 +19,21 @@ as ``CommDebugMode``, torch.compile) to torch's code. The same bytes on the wire
 (tests/distributed/parallel/test_gather_dim.py compares it with torch's path).
 Installed by :func:`dtensor_quant.enable_fast_redistribute` (opt-in: a speed
 shortcut, not needed for correctness).
+
+``DTensor.full_tensor`` is that gather plus one more trip through Python
+dispatch: it hands the gathered local through ``_ToTorchTensor``, an autograd
+function whose forward returns ``local.view_as(local)``, a fresh tensor object
+for autograd to record into. For a dense local that view is one C++ call; for
+a quantized one it is a ``__torch_dispatch__`` call building a wrapper (the
+floor of any Python subclass view, bench/op_overhead.py's ``bare``), and it
+runs right after the collective, while gloo's threads still share the rank's
+core: on 2 pinned gloo ranks it took 76-80 us against a dense local's 39 us
+(256x256 weight, one ``full_tensor`` 650-900 us), which is all of what
+``full_tensor`` cost more than the same gather as ``redistribute(Replicate)``
+(docs/performance.md). Where autograd records nothing (grad mode off, or a
+DTensor that does not require grad) and the gather made a new local, that
+local is already a fresh object nobody else holds, so the patched
+``full_tensor`` returns it as it is; everything else is torch's code.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.tensor import DTensor, Replicate
 
 from .._core.bits import is_tracing
 from .._core.tensor import QuantizedTensor
@@ -34,6 +50,8 @@ from .collectives import all_gather_along
 
 #: torch 2.13.0's ``all_gather_single`` (core.torch_patches.fingerprint of its source).
 TORCH_2_13 = "7822d9d52b2791f3"
+#: torch 2.13.0's ``DTensor.full_tensor``.
+FULL_TENSOR_2_13 = "7ecf3506c5555556"
 
 
 def in_one_step(q) -> bool:
@@ -60,11 +78,33 @@ def _gathered_along_dim(torch_all_gather_single):
     return all_gather_single
 
 
+def _full_tensor_as_gathered(torch_full_tensor):
+    def full_tensor(self, *, grad_placements=None):
+        local = self._local_tensor
+        if (
+            type(local) is not QuantizedTensor
+            or (self.requires_grad and torch.is_grad_enabled())
+            or not in_one_step(local)
+        ):
+            return torch_full_tensor(self, grad_placements=grad_placements)
+        out = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim, async_op=False)._local_tensor
+        if out is local or type(out) is not QuantizedTensor:  # nothing gathered (already whole): torch's fresh view
+            return out.view_as(out)
+        return out  # the gather's own result: a fresh tensor no other object holds
+
+    full_tensor.__doc__ = torch_full_tensor.__doc__
+    return full_tensor
+
+
 def install():
-    """Install the patch (once); returns it (None only on a torch without the member, with a warning)."""
+    """Install the patch (once); returns it (None only on a torch without the members, with a warning)."""
     return replace(
         "gather_dim",
-        "a gather of a quantized local along dim d != 0 runs its split and concatenation as plain calls",
-        {(funcol, "all_gather_single"): (TORCH_2_13, _gathered_along_dim)},
+        "a gather of a quantized local along dim d != 0 runs its split and concatenation as plain calls, and "
+        "full_tensor of a quantized local returns the gathered local without one more view through dispatch",
+        {
+            (funcol, "all_gather_single"): (TORCH_2_13, _gathered_along_dim),
+            (DTensor, "full_tensor"): (FULL_TENSOR_2_13, _full_tensor_as_gathered),
+        },
         strict=False,
     )

@@ -301,3 +301,25 @@ def test_concatenations_whose_constants_agree_or_not():
                 if any(isinstance(r, Stacked) for row in got.rels for r in row):
                     stacked.add(what)
     assert stacked and all("differ" in what for what in stacked)  # both outcomes were taken
+
+
+def test_view_recipes_follow_data_assignment():
+    """``t()`` and ``view(-1)`` keep their decided layout on the tensor (``VIEW_RECIPES``, read in one lookup);
+    ``.data = other`` swaps the layout and drops them, and the next views are what deciding afresh gives."""
+    from dtensor_quant._core.tensor import VIEW_RECIPES
+
+    a = dq.quantize(_weight((64, 256), 1), dq.Int8Rowwise())
+    b = dq.quantize(_weight((32, 128), 2), dq.Int4Groupwise(32))
+    for _ in range(2):
+        a.t(), a.view(-1)
+    assert all(key in a.__dict__ for key in VIEW_RECIPES)
+    a.data = b
+    assert not any(key in a.__dict__ for key in VIEW_RECIPES)
+    for rnd in range(3):  # decided, then read off the tensor
+        with memo.disabled():
+            want = [a.t(), a.view(-1)]
+        got = [a.t(), a.view(-1)]
+        for g, w, what in zip(got, want, ["t", "view(-1)"]):
+            _same_tensor(g, w, f"round {rnd}, {what} after .data =")
+        assert torch.equal(got[0].dequantize(), b.dequantize().t())
+        assert torch.equal(got[1].view(32, 128).dequantize(), b.dequantize())  # (a flat view does not dequantize)

@@ -143,3 +143,48 @@ def _real_widths(*cases):
                 theirs = dt.full_tensor()
             _same(ours, theirs, f"{name} {shape}, round {round_}")
             assert_same_bits(ours, q, f"{name} {shape}, round {round_}")
+
+
+def test_full_tensor_returns_the_gathered_local(ranks):
+    """``full_tensor`` of a quantized local returns the gather's own result: no ``view_as`` of it through
+    ``__torch_dispatch__`` (torch's ``_ToTorchTensor``, which the patch skips where autograd records nothing), the
+    same tensor as torch's code gives; a DTensor already whole still gets a fresh tensor, not its own local."""
+    ours, torchs = ranks(2).run(_full_tensor_ops)[0]
+    assert "aten.view.default" not in ours, ours
+    assert "aten.view.default" in torchs, torchs  # torch's full_tensor views the gathered local: the day it
+    # stops, the patched full_tensor saves nothing
+
+
+@with_shortcuts
+def _full_tensor_ops():
+    import torch
+
+    from dtensor_quant._core import dispatch, tensor
+
+    m = mesh(2)
+    q = dq.quantize(weight((64, 128), 9), FORMATS["int8"])
+    dt = distribute_tensor(q, m, [Shard(0)])
+    dt.full_tensor()  # the decisions made once
+    seen, original = [], dispatch.torch_dispatch
+    tensor.QuantizedTensor.__torch_dispatch__ = classmethod(
+        lambda cls, func, types, args=(), kwargs=None: (
+            seen.append(str(func)) or original(cls, func, types, args, kwargs)
+        )
+    )
+    try:
+        ours = dt.full_tensor()
+        ours_ops = list(seen)
+        seen.clear()
+        with patch("gather_dim").removed():
+            theirs = dt.full_tensor()
+    finally:
+        tensor.QuantizedTensor.__torch_dispatch__ = classmethod(original)
+    _same(ours, theirs, "full_tensor")
+    assert_same_bits(ours, q, "full_tensor")
+    with torch.no_grad():  # autograd records nothing either way
+        _same(dt.full_tensor(), q, "full_tensor under no_grad")
+    whole = distribute_tensor(q, m, [Replicate()])
+    got = whole.full_tensor()
+    assert got is not whole.to_local(), "full_tensor of a Replicate DTensor must be a fresh tensor"
+    _same(got, q, "full_tensor of a Replicate DTensor")
+    return ours_ops, seen
