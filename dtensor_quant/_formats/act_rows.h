@@ -1,5 +1,6 @@
 // Helpers of the activation-quantizing kernels (int8_w8a8.cpp, float8_a8.cpp): a token row of bf16 or fp32
-// activations read as fp32 (bf16 widened exactly), and its largest |x| as torch's amax / amin give it.
+// activations read as fp32 (bf16 widened exactly), its largest |x| as torch's amax / amin give it, and its scale as
+// the scheme takes it (dynamic, given by tensor parallelism, or static), so each kernel keeps only its codes.
 #pragma once
 #include "native_prelude.h"
 
@@ -20,17 +21,45 @@ static inline __mmask16 act_mask(int64_t left) {
     return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// max |x| of a row: NaN if it holds one, Inf if an Inf (torch's amax / amin propagate NaN).
+// max |x| of a row: NaN if it holds one, Inf if an Inf (torch's amax / amin propagate NaN). Taken on the magnitudes'
+// bits as unsigned integers (their order is the values', NaN above Inf above the finite): one AND and one max a
+// vector, 32 values a step for bf16.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static float act_absmax_512(const void* x, bool f32, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t k = 0; k < K; k += 16) {
-        const __m512 a = _mm512_abs_ps(act_load_512(x, f32, k, act_mask(K - k)));
-        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-        acc = _mm512_max_ps(acc, a);
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    uint32_t bits;
+    if (f32) {
+        const float* p = static_cast<const float*>(x);
+        const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {
+            a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), mag));
+            a1 = _mm512_max_epu32(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 16), mag));
+        }
+        for (; k < K; k += 16) a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_maskz_loadu_epi32(act_mask(K - k), p + k), mag));
+        bits = _mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1));
+        if (bits > 0x7F800000u) return NAN;
+    } else {
+        const uint16_t* p = static_cast<const uint16_t*>(x);
+        const __m512i mag = _mm512_set1_epi16(0x7FFF);
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), mag));
+            a1 = _mm512_max_epu16(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 32), mag));
+        }
+        for (; k < K; k += 32) {
+            const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (K - k)) - 1);
+            a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, p + k), mag));
+        }
+        a0 = _mm512_max_epu16(a0, a1);
+        bits = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a0)),
+                                                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a0, 1))));
+        if (bits > 0x7F80u) return NAN;
+        bits <<= 16;
     }
-    return nan ? NAN : _mm512_reduce_max_ps(acc);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
 }
 
 __attribute__((target("avx2,fma")))
@@ -63,3 +92,19 @@ static float act_absmax_256(const void* x, bool f32, int64_t K) {
     return any_nan ? NAN : m;
 }
 
+// Row m of x [M, K] (bf16 or fp32).
+static inline const void* act_row(const void* x, bool f32, int64_t m, int64_t K) {
+    return f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)
+               : static_cast<const void*>(static_cast<const uint16_t*>(x) + m * K);
+}
+
+// The scale of token row m as the reference takes it (activations.quantize_activation), for a format whose largest
+// code is qmax. The statistic, as the kernels' flags say: 2: amax[m] given in stat (tensor parallelism's reduced
+// maxima); 4: a static scheme, s = stat[0] (the input scale), NaN for a row holding a NaN or an Inf; else the row's
+// own max |x| (level >= 2: AVX-512, else AVX2). A dynamic s is amax == 0 ? 1 : amax / qmax (a true division).
+static inline float act_row_scale(const void* row, bool f32, int64_t K, const float* stat, int64_t flags, int64_t m,
+                                  int64_t level, float qmax) {
+    const float amax = flags & 2 ? stat[m] : level >= 2 ? act_absmax_512(row, f32, K) : act_absmax_256(row, f32, K);
+    if (flags & 4) return std::isfinite(amax) ? stat[0] : NAN;
+    return amax == 0.0f ? 1.0f : amax / qmax;
+}

@@ -40,11 +40,6 @@ static inline float f8_round(float v) {
     return std::copysign(r, v);
 }
 
-static inline float f8_scale(float amax, bool stat_static, float input_scale) {
-    if (stat_static) return std::isfinite(amax) ? input_scale : NAN;
-    return amax == 0.0f ? 1.0f : amax / 448.0f;
-}
-
 static inline void f8_put(void* dst, bool f32, int64_t i, float v) {
     if (f32) {
         static_cast<float*>(dst)[i] = v;
@@ -104,29 +99,12 @@ static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst)
 
 static void f8_quantize(const void* x, bool f32, const float* stat, int64_t flags, void* vals, float* xscale,
                         int64_t M, int64_t K, int64_t level, int64_t threads) {
-    const bool given = flags & 2, stat_static = flags & 4;
     #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
     for (int64_t m = 0; m < M; ++m) {
-        const void* row = f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)
-                              : static_cast<const void*>(static_cast<const uint16_t*>(x) + m * K);
+        const void* row = act_row(x, f32, m, K);
         void* dst = f32 ? static_cast<void*>(static_cast<float*>(vals) + m * K)
                         : static_cast<void*>(static_cast<uint16_t*>(vals) + m * K);
-        float amax;
-        if (given) {
-            amax = stat[m];
-        } else if (level >= 2) {
-            amax = act_absmax_512(row, f32, K);
-        } else {
-            amax = 0.0f;
-            bool nan = false;
-            for (int64_t k = 0; k < K; ++k) {
-                const float a = std::fabs(act_x(row, f32, k));
-                if (a != a) nan = true;
-                else if (a > amax) amax = a;
-            }
-            amax = nan ? NAN : amax;
-        }
-        const float s = f8_scale(amax, stat_static, stat_static ? stat[0] : 0.0f);
+        const float s = act_row_scale(row, f32, K, stat, flags, m, level, 448.0f);
         xscale[m] = s;
         if (level >= 2) {
             f8_codes_512(row, f32, K, s, dst);

@@ -42,11 +42,6 @@ static inline int8_t w8_code(float x, float s) {
     return static_cast<int8_t>(static_cast<int>(v));
 }
 
-static inline float w8_scale(float amax, bool stat_static, float input_scale) {
-    if (stat_static) return std::isfinite(amax) ? input_scale : NAN;
-    return amax == 0.0f ? 1.0f : amax / 127.0f;
-}
-
 // A row's scale s for which x * (1 / s) stands in for x / s (w8_code16): 1 / s is a normal fp32 within half an
 // ulp of the real reciprocal. Other rows (s subnormal, huge, Inf or NaN: rare) divide.
 static inline bool w8_reciprocal_ok(float s) { return std::fabs(s) >= 0x1p-125f && std::fabs(s) <= 0x1p125f; }
@@ -99,46 +94,6 @@ static void w8_codes_512(const void* x, bool f32, int64_t K, float s, int8_t* ds
     }
 }
 
-// max |x| of a row as act_absmax_512 gives it, on the magnitudes' bits as unsigned integers (their order is the
-// values', NaN above Inf above the finite): one AND and one max a vector, 32 values a step for bf16.
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static float w8_absmax(const void* x, bool f32, int64_t K) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-    uint32_t bits;
-    if (f32) {
-        const float* p = static_cast<const float*>(x);
-        const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
-        int64_t k = 0;
-        for (; k + 32 <= K; k += 32) {
-            a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), mag));
-            a1 = _mm512_max_epu32(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 16), mag));
-        }
-        for (; k < K; k += 16) a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_maskz_loadu_epi32(act_mask(K - k), p + k), mag));
-        bits = _mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1));
-        if (bits > 0x7F800000u) return NAN;
-    } else {
-        const uint16_t* p = static_cast<const uint16_t*>(x);
-        const __m512i mag = _mm512_set1_epi16(0x7FFF);
-        int64_t k = 0;
-        for (; k + 64 <= K; k += 64) {
-            a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), mag));
-            a1 = _mm512_max_epu16(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 32), mag));
-        }
-        for (; k < K; k += 32) {
-            const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (K - k)) - 1);
-            a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, p + k), mag));
-        }
-        a0 = _mm512_max_epu16(a0, a1);
-        bits = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a0)),
-                                                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a0, 1))));
-        if (bits > 0x7F80u) return NAN;
-        bits <<= 16;
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
 __attribute__((target("avx2,fma")))
 static void w8_codes_256(const void* x, bool f32, int64_t K, float s, int8_t* dst) {
     const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
@@ -158,13 +113,10 @@ static void w8_codes_256(const void* x, bool f32, int64_t K, float s, int8_t* ds
 // Stage 1: codes [M, K] and xscale [M] of x [M, K].
 static void w8_quantize(const void* x, bool f32, const float* stat, int64_t flags, int8_t* codes, float* xscale,
                         int64_t M, int64_t K, int64_t level, int64_t threads) {
-    const bool given = flags & 2, stat_static = flags & 4;
     #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
     for (int64_t m = 0; m < M; ++m) {
-        const void* row = f32 ? static_cast<const void*>(static_cast<const float*>(x) + m * K)
-                              : static_cast<const void*>(static_cast<const uint16_t*>(x) + m * K);
-        const float amax = given ? stat[m] : level >= 2 ? w8_absmax(row, f32, K) : act_absmax_256(row, f32, K);
-        const float s = w8_scale(amax, stat_static, stat_static ? stat[0] : 0.0f);
+        const void* row = act_row(x, f32, m, K);
+        const float s = act_row_scale(row, f32, K, stat, flags, m, level, 127.0f);
         xscale[m] = s;
         if (level >= 2)
             w8_codes_512(row, f32, K, s, codes + m * K);
