@@ -32,6 +32,7 @@ dequantize + mm, as in torch's int4/int8 kernels.
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -290,3 +291,30 @@ class Lazy:
         if not self._built:
             self._value, self._built = self._build(), True
         return self._value
+
+
+# -- per-thread scratch buffers ---------------------------------------------------------------------------------
+
+_SCRATCH = threading.local()
+_SCRATCH_KEEP = 16  # shapes kept per thread (a model's token counts): past this the cache starts over
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU buffer of ``shape`` and ``dtype`` kept for this thread: a kernel's small side outputs (the level it
+    ran, per-token scales) that its caller reads before returning and never hands out.
+
+    Each activation-quantizing linear would otherwise allocate them on every call, a few microseconds each: a
+    measurable share of a decode step. Per thread, so concurrent calls never share one; the next call of the same
+    thread with the same shape overwrites it, so nothing read from it may outlive the call (copy it if it must).
+    """
+    try:
+        cache = _SCRATCH.buffers
+    except AttributeError:
+        cache = _SCRATCH.buffers = {}
+    key = (shape, dtype)
+    buf = cache.get(key)
+    if buf is None:
+        if len(cache) >= _SCRATCH_KEEP:
+            cache.clear()
+        buf = cache[key] = torch.empty(shape, dtype=dtype)
+    return buf

@@ -293,8 +293,9 @@ def fp8_native(x, matmul_inputs, w_scale, scheme, input_scale, loaded=None, max_
     stat, flags = activations.kernel_statistic(x, scheme, input_scale)  # under TP: the maxima of the whole row
     flags |= native.F32 if x.dtype == torch.float32 else 0
     values = torch.empty((tokens, k), dtype=x.dtype)
-    x_scale = torch.empty((tokens, 1), dtype=torch.float32)
-    ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)
+    # x_scale and ran are read back within this call only: per-thread scratch, not an allocation per call
+    x_scale = native.scratch((tokens, 1), torch.float32)
+    ran = native.scratch((1,), torch.int64)  # the level the kernel ran (it always writes it)
     threads = torch.get_num_threads()
     whole = native.inputs_for(x, matmul_inputs[1]) if level >= 4 and x.dtype == torch.bfloat16 else None
     if whole is not None:  # AMX: the three passes in one call, the tiles' sums scaled as they leave the tiles

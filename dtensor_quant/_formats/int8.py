@@ -160,9 +160,10 @@ def w8a8_native(x, q, w_scale, scheme, input_scale, loaded=None, max_level: int 
     tokens, n = x.shape[0], q.shape[0]
     stat, flags = activations.kernel_statistic(x, scheme, input_scale)  # under TP: the maxima of the whole row
     flags |= native.F32 if x.dtype == torch.float32 else 0
-    x_scale = torch.empty((tokens, 1), dtype=torch.float32)
+    # x_scale and ran are read back within this call only: per-thread scratch, not an allocation per call
+    x_scale = native.scratch((tokens, 1), torch.float32)
     out = torch.empty((tokens, n), dtype=x.dtype)
-    ran = torch.empty(1, dtype=torch.int64)  # the level the kernel ran (it always writes it)
+    ran = native.scratch((1,), torch.int64)  # the level the kernel ran (it always writes it)
     threads = torch.get_num_threads()
     if level >= 4 and not k % 64:
         run(x, stat, q, w_scale, _EMPTY, x_scale, _EMPTY, out, tokens, n, k, _WHOLE, flags, level, threads, ran)

@@ -284,12 +284,20 @@ def linear(x: torch.Tensor, w_t: QuantizedTensor, bias: torch.Tensor | None = No
         return out + bias if bias is not None else out
     inner = {n: getattr(source, n) for n in source.fmt.inner_names} if canonical else canonical_inner(source)
     x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (F.linear's mm is 2-D: no reshape to pay for)
-    if is_tracing(x2) or any(is_tracing(t) for t in inner.values()):
+    if is_tracing(x2) or _any_tracing(inner):
         amax = _traced_token_absmax(x2, w_t.fmt)
         out = kernel_linear(x2, list(inner.values()), format_id(w_t.fmt), w_t.shape[1], bias, blocks, amax)
     else:
         out = kernel_linear_impl(x2, w_t.fmt, inner, w_t.shape[1], bias, blocks, source.notes.bytes)
     return out if x2 is x else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _any_tracing(inner: dict[str, torch.Tensor]) -> bool:
+    """Whether an inner tensor is traced (a loop, not ``any`` of a generator: this runs for every F.linear)."""
+    for t in inner.values():
+        if is_tracing(t):
+            return True
+    return False
 
 
 @implements("aten::mm")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import dtensor_quant as dq
-from dtensor_quant._core import native
+from dtensor_quant._core import activations, native
 from dtensor_quant._formats import float8, int4_zero, nf4
 from dtensor_quant.testing import assert_within, linear_error_bound, unit_roundoff, weight
 
@@ -359,3 +359,39 @@ def test_a_max_level_that_names_no_level_is_refused(monkeypatch, value):
         native.max_level_from_env()
     monkeypatch.setenv("DTENSOR_QUANT_MAX_LEVEL", "2")
     assert native.max_level_from_env() == 2
+
+
+def test_scratch_is_per_thread_and_per_shape():
+    """``native.scratch`` hands a thread back its own buffer for a shape (no allocation per call), never another
+    thread's, and a new one for another shape or dtype."""
+    import threading
+
+    a = native.scratch((3, 1), torch.float32)
+    assert native.scratch((3, 1), torch.float32) is a
+    assert a.shape == (3, 1) and a.dtype == torch.float32
+    assert native.scratch((4, 1), torch.float32) is not a
+    assert native.scratch((3, 1), torch.int64).dtype == torch.int64
+    other = []
+    t = threading.Thread(target=lambda: other.append(native.scratch((3, 1), torch.float32)))
+    t.start()
+    t.join()
+    assert other[0] is not a and other[0].data_ptr() != a.data_ptr()
+
+
+@pytest.mark.parametrize("spelling", ["int8-token", "fp8-token"])
+def test_activation_linear_after_other_token_counts(spelling):
+    """The activation kernels' per-token scales live in per-thread scratch: calls with other token counts in
+    between leave each result equal to the same call made first (nothing stale read back)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    kind = dq.Int8Rowwise if spelling.startswith("int8") else dq.Float8Rowwise
+    fmt = kind(activations=spelling)
+    q = dq.quantize(w, fmt)
+    xs = [torch.randn(t, 128, dtype=torch.bfloat16) * (i + 1) for i, t in enumerate((1, 5, 32, 5, 1))]
+    forward = [F.linear(x, q) for x in xs]
+    backward = [F.linear(x, q) for x in reversed(xs)][::-1]
+    for x, a, b in zip(xs, forward, backward):
+        assert torch.equal(a, b)
+        if spelling.startswith("int8"):  # the integer reference: bit for bit
+            ref = activations.reference_linear(x, q.qdata, q.scale, fmt.activation_scheme)
+            assert torch.equal(a, ref)
