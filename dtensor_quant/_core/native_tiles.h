@@ -465,16 +465,12 @@ static void dq_prepare_x_amx(const uint16_t* xb, int64_t M, int64_t K, uint32_t*
         }
 }
 
-// Ct[32][Mp] (+)= rows[32][kc] . x over columns [k0, k0 + kc) (rows: the tile's decoded bf16 rows, stride ld), for
-// token groups [g0, g0 + 1 or 2); first: the sums start at zero. Each sum runs over the columns in order, whatever
-// the other tokens.
-template <bool TWO, class W>
-__attribute__((target("amx-tile,amx-bf16")))
-static void dq_amx_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int64_t K, int64_t k0, int64_t kc,
-                         int64_t g0, float* Ct, int64_t Mp, bool first, W&& work) {
-    float* c0 = Ct + 16 * g0;
-    float* c1 = Ct + 16 * Mp + 16 * g0;
-    const int64_t cs = Mp * 4;
+// The sums of a block of 32 weight rows by one or two (TWO) groups of 16 tokens, in tiles 0 and 2 (rows 0-15 and
+// 16-31; 1 and 3 the second group's): zeroed (first) or loaded from c0 / c1 (the second group's at +16; row
+// stride cs bytes), and stored back there. Shared by the bf16 tile loops (dq_amx_block, float8_unit.h).
+template <bool TWO>
+__attribute__((target("amx-tile"), always_inline))
+static inline void dq_amx_sums_begin(float* c0, float* c1, int64_t cs, bool first) {
     if (first) {
         _tile_zero(0);
         _tile_zero(2);
@@ -490,6 +486,30 @@ static void dq_amx_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, i
             _tile_loadd(3, c1 + 16, cs);
         }
     }
+}
+
+template <bool TWO>
+__attribute__((target("amx-tile"), always_inline))
+static inline void dq_amx_sums_end(float* c0, float* c1, int64_t cs) {
+    _tile_stored(0, c0, cs);
+    _tile_stored(2, c1, cs);
+    if (TWO) {
+        _tile_stored(1, c0 + 16, cs);
+        _tile_stored(3, c1 + 16, cs);
+    }
+}
+
+// Ct[32][Mp] (+)= rows[32][kc] . x over columns [k0, k0 + kc) (rows: the tile's decoded bf16 rows, stride ld), for
+// token groups [g0, g0 + 1 or 2); first: the sums start at zero. Each sum runs over the columns in order, whatever
+// the other tokens.
+template <bool TWO, class W>
+__attribute__((target("amx-tile,amx-bf16")))
+static void dq_amx_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int64_t K, int64_t k0, int64_t kc,
+                         int64_t g0, float* Ct, int64_t Mp, bool first, W&& work) {
+    float* c0 = Ct + 16 * g0;
+    float* c1 = Ct + 16 * Mp + 16 * g0;
+    const int64_t cs = Mp * 4;
+    dq_amx_sums_begin<TWO>(c0, c1, cs, first);
     const uint32_t* x0 = xv + (g0 * (K / 2) + k0 / 2) * 16;
     const uint32_t* x1 = x0 + (K / 2) * 16;
     for (int64_t k = 0; k < kc; k += 32) {
@@ -505,12 +525,7 @@ static void dq_amx_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, i
         }
         work(k / 32);
     }
-    _tile_stored(0, c0, cs);
-    _tile_stored(2, c1, cs);
-    if (TWO) {
-        _tile_stored(1, c0 + 16, cs);
-        _tile_stored(3, c1 + 16, cs);
-    }
+    dq_amx_sums_end<TWO>(c0, c1, cs);
 }
 
 // One tile on level 4: rows [n0, n0 + rows) for M tokens into Ct[32][Mp] (Mp: M rounded up to 16), DQ_AMX_KB

@@ -115,21 +115,7 @@ static void f8u_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int6
     float* c0 = Ct + 16 * g0;
     float* c1 = Ct + 16 * Mp + 16 * g0;
     const int64_t cs = Mp * 4, lb = ld * 2;
-    if (first) {
-        _tile_zero(0);
-        _tile_zero(2);
-        if (TWO) {
-            _tile_zero(1);
-            _tile_zero(3);
-        }
-    } else {
-        _tile_loadd(0, c0, cs);
-        _tile_loadd(2, c1, cs);
-        if (TWO) {
-            _tile_loadd(1, c0 + 16, cs);
-            _tile_loadd(3, c1 + 16, cs);
-        }
-    }
+    dq_amx_sums_begin<TWO>(c0, c1, cs, first);
     const uint32_t* x0 = xv + (g0 * (K / 2) + k0 / 2) * 16;
     const uint32_t* x1 = x0 + (K / 2) * 16;
     const uint16_t* r1 = rows + 16 * ld;
@@ -151,12 +137,7 @@ static void f8u_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int6
         }
         work(k / 32);
     }
-    _tile_stored(0, c0, cs);
-    _tile_stored(2, c1, cs);
-    if (TWO) {
-        _tile_stored(1, c0 + 16, cs);
-        _tile_stored(3, c1 + 16, cs);
-    }
+    dq_amx_sums_end<TWO>(c0, c1, cs);
 }
 
 // The sums x @ W^T for bf16 x [M, K] and unit-scale codes [N, K] (K % 32 == 0), on AMX with AVX-512 VBMI: each
