@@ -27,6 +27,7 @@ FORMATS = [
     dq.Float8Tensorwise(activations="fp8-tensor", input_scale=0.01),
 ]
 SHAPES = [(1, 64, 96), (7, 40, 64), (33, 24, 256), (130, 48, 128), (5, 20, 2048), (130, 40, 2048), (20, 36, 2144)]
+SHAPES += [(130, 33, 14336)]  # a real model's width (Llama-3-8B's SwiGLU): several column blocks per tile
 # tokens, out, in; the last two: AMX (level 4) in two chunks of tokens, in two blocks of columns
 
 
