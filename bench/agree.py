@@ -43,10 +43,10 @@ def measure(repeat):
                 dt.full_tensor()
                 times.append(time.perf_counter() - t0)
         agree.check_same = real
-        local = dt.to_local()
+        local, name = dt.to_local(), mesh.get_group().group_name
         t0 = time.perf_counter()
         for _ in range(10000):
-            _ = agree.layout_key(local) in agree.AGREED
+            _ = agree.agreed(name, agree.layout_key(local))
         lookup = (time.perf_counter() - t0) / 10000
         rows.append((shape, statistics.median(on), statistics.median(off), lookup))
     return rows

@@ -108,12 +108,12 @@ def gather(func, q, group_size, group_name, dim: int):
     if plan is _PIECES:
         return _gather_pieces(func, q, group_size, group_name, dim)
     (rels, dims, shape, stride), sent, agreed, checks, known = plan
-    if agree.EVERY_CALL or not known[0]:
-        if agree.EVERY_CALL or agreed not in agree.AGREED:
+    if agree.EVERY_CALL or known[0] is not agree.world():
+        if not agree.agreed(*agreed):
             agree_layout(q, group_name, "all-gather")
-        # agree.AGREED only grows: once it holds the key, this plan skips hashing it (the format's and
-        # relations' dataclass hashes, five Python calls a gather)
-        known[0] = agreed in agree.AGREED
+        # In one world agree.AGREED only grows: once it holds the key, this plan skips hashing it (the
+        # format's and relations' dataclass hashes, five Python calls a gather) until the world changes
+        known[0] = agree.world() if agreed in agree.AGREED else None
     kept, sending = [], []
     for t, s in zip(inner, sent):
         (kept if s is None else sending).append(t)
@@ -231,7 +231,8 @@ _PIECES = "pieces"  # the plan of a gather whose result reads the data (sent con
 def _gather_plan(q, inner, out, group_size, group_name, dim):
     """``(result layout, per inner (its place in the coalesced gather, joined shape, or None where it is
     constant along dim) or None if not sent, the key agree.AGREED holds once the ranks agreed, (place, name)
-    of each kept tensor's bytes, a cell: [True] once agree.AGREED is seen to hold that key)``, or ``_PIECES``.
+    of each kept tensor's bytes, a cell: [the world's token] once agree.AGREED is seen to hold that key in that
+    world (agree.world))``, or ``_PIECES``.
 
     The gather sends the sent tensors, then the kept ones (not sent: each rank keeps its own; their bytes
     travel only to be compared), flattened. The layout is
@@ -258,7 +259,7 @@ def _gather_plan(q, inner, out, group_size, group_name, dim):
         return _PIECES
     checks = tuple((n_sent + j, name) for j, name in enumerate(kept))
     layout = (out.rels, out.dims, out.shape, out.stride())
-    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks, [False]
+    return layout, tuple(sent), (agree.group_name_of(group_name), agree.layout_key(q)), checks, [None]
 
 
 @implements("c10d::scatter_")
@@ -369,7 +370,7 @@ def agree_layout(q: QuantizedTensor, group, what: str, shape: bool = True) -> No
     if not shape:
         key = key[:4] + (None, tuple(d for d, _ in key[5]))
     group = agree.group_name_of(group)
-    if not agree.EVERY_CALL and (group, key) in agree.AGREED:  # agreed before: not even the message to build
+    if agree.agreed(group, key):  # agreed before: not even the message to build
         return
     agree.check_same(group, key, next(iter(q.inner.values())), f"{what} of a {describe(q)}", _describe_key)
 

@@ -159,3 +159,40 @@ def test_checking_every_call_closes_the_cached_gap(ranks):
     with pytest.raises(RankError) as info:
         ranks(2).run(disagree_after_agreeing, True, timeout=60)
     assert all("different layouts" in str(e) for e, _ in info.value.errors.values()) and len(info.value.errors) == 2
+
+
+# -- a new world: torch names its groups as it named the old ones ------------------------------------
+
+
+def disagree_in_a_new_world():
+    """Agree on Int8 and FP8 layouts of a shape, start a new world, then disagree on that shape (equal byte
+    counts: without the check the bytes would mix silently, and both ranks would return)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, w = dist.get_rank(), weight((20, 256), seed=12)
+
+    def gather(fmt):
+        m = init_device_mesh("cpu", (2,))
+        local = dq.quantize(w, fmt)[rank * 10 : (rank + 1) * 10].clone()
+        return m.get_group().group_name, DTensor.from_local(local, m, [Shard(0)]).full_tensor()
+
+    names = [gather(fmt)[0] for fmt in MIXED["same_bytes"]]  # both layouts agreed
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=2)
+    name, _ = gather(MIXED["same_bytes"][rank])
+    return names, name
+
+
+@pytest.mark.slow
+def test_a_new_world_checks_again():
+    """``destroy_process_group`` + ``init_process_group`` reuse the group names; what was agreed in the old
+    world must not let the new one skip its check."""
+    from tests.support.faults import run_ranks
+
+    outcomes = run_ranks(2, disagree_in_a_new_world, timeout=120)
+    for o in outcomes:
+        assert o.kind == "raised" and o.error_type == "LayoutError", str(o)
+        assert "different layouts" in o.error
