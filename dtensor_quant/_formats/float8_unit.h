@@ -193,11 +193,12 @@ static void f8u_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int6
     next = d;
 }
 
-// The sums x @ W^T for bf16 x [M, K] and unit-scale codes [N, K] (K % 32 == 0), on AMX with AVX-512 VBMI: each
-// tile's, Ct[32][Mp] (Mp: its chunk's tokens rounded up to 16), handed to store(Ct, m0, ms, rows, n0) for tokens
-// [m0, m0 + ms) and weight rows [n0, n0 + rows).
-template <class S>
-static void f8_unit_amx(const uint8_t* codes, const uint16_t* x, int64_t M, int64_t N, int64_t K, int64_t threads,
+// The sums x @ W^T for M tokens of bf16 x and unit-scale codes [N, K] (K % 32 == 0), on AMX with AVX-512 VBMI: a
+// chunk of tokens at a time, prepare(m0, ms, xb) writing tokens [m0, m0 + ms) of x into xb [ms, K] in
+// F8UnitOrder's column order; each tile's sums, Ct[32][Mp] (Mp: its chunk's tokens rounded up to 16), handed to
+// store(Ct, m0, ms, rows, n0) for tokens [m0, m0 + ms) and weight rows [n0, n0 + rows).
+template <class P, class S>
+static void f8_unit_amx(const uint8_t* codes, int64_t M, int64_t N, int64_t K, int64_t threads, P&& prepare,
                         S&& store) {
     int64_t mb = F8U_XV_BYTES / (2 * K) / 16 * 16;
     mb = mb < DQ_MB ? DQ_MB : mb;
@@ -208,7 +209,7 @@ static void f8_unit_amx(const uint8_t* codes, const uint16_t* x, int64_t M, int6
     uint32_t* xv = static_cast<uint32_t*>(std::aligned_alloc(64, (mb + 15) / 16 * 16 * K * 2));
     for (int64_t m0 = 0; m0 < M; m0 += mb) {
         const int64_t ms = M - m0 < mb ? M - m0 : mb, G = (ms + 15) / 16, Mp = 16 * G;
-        dq_prepare_x_512<F8UnitOrder>(x + m0 * K, false, ms, K, xb, nullptr);
+        prepare(m0, ms, xb);
         dq_prepare_x_amx(xb, ms, K, xv);
         #pragma omp parallel num_threads(threads) if(threads > 1)
         {

@@ -88,10 +88,11 @@ def test_codes_are_e4m3_round_to_nearest_even(level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_given_token_maxima_are_used(level):
+@pytest.mark.parametrize("tokens, inp", [(19, 128), (130, 2048)], ids=str)  # 130 x 2048: AMX takes two chunks
+def test_given_token_maxima_are_used(level, tokens, inp):
     fmt = dq.Float8Rowwise(activations="fp8-token")
-    x = weight((19, 128), seed=3).to(torch.bfloat16)
-    q = dq.quantize(weight((40, 128), seed=4).to(torch.bfloat16), fmt)
+    x = weight((tokens, inp), seed=3).to(torch.bfloat16)
+    q = dq.quantize(weight((40, inp), seed=4).to(torch.bfloat16), fmt)
     prepared = fmt.prepare(q.inner)
     wider = x.float().abs().amax(-1, keepdim=True) * 3
     with activations.token_stat_reduction(lambda local: torch.maximum(local, wider)):
