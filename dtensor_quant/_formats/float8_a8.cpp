@@ -143,24 +143,36 @@ static void f8_epilogue_512(const void* acc, const float* xscale, const float* w
 }
 
 // Stage 3's store: out[m0 + m, n0 + r] = bf16((float(bf16(Ct[r][m])) * xscale[m]) * ws[n0 + r]) for the tile's
-// rows and tokens -- dq_store_amx's rounding of the sums to bf16 (the tiles' output), then f8_epilogue_512's
-// arithmetic on it, in the same order: the same bits as stages 2 after the tiles.
-__attribute__((target("avx512f,avx512bw,avx512vl")))
+// rows and tokens -- dq_store_amx's rounding of the sums to bf16 (the tiles' output), then
+// f8_epilogue_512's arithmetic on it, in the same order: the same bits as stages 2 after the tiles. A token's 32
+// rows go out in one 64-byte store (one cache line: n0 is a multiple of 32), both halves of the tile transposed
+// first; the products rounded to bf16 by vcvtne2ps2bf16, both halves at once, where no lane is one it does not
+// round as dq_bf16_rne does (subnormal, Inf, NaN: dq_bf16_unsafe_512), else by dq_round_bf16_512.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 static void f8_store_scaled(const float* Ct, int64_t ms, int64_t rows, const float* xscale, const float* ws,
                             uint16_t* out, int64_t N, int64_t n0) {
     const int64_t Mp = (ms + 15) / 16 * 16;
-    __m512i r[16], c[16];
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const __mmask16 k = rows - r0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r0)) - 1);
-        const __m512 w = _mm512_maskz_loadu_ps(k, ws + n0 + r0);
-        for (int64_t m0 = 0; m0 < ms; m0 += 16) {
-            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (r0 + i) * Mp + m0);
-            dq_transpose16(r, c);
-            for (int j = 0; j < 16 && m0 + j < ms; ++j) {
-                const __m512 acc = dq_round_bf16_512(_mm512_castsi512_ps(c[j]));
-                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xscale[m0 + j])), w);
-                dq_store_bf16_512(out + (m0 + j) * N + n0 + r0, k, v);
-            }
+    const __mmask32 k = rows >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << rows) - 1);
+    const __m512 w0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(k), ws + n0);
+    const __m512 w1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(k >> 16), ws + n0 + 16);
+    alignas(64) uint16_t odd[32];
+    for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+    const __m512i pick = _mm512_load_si512(odd);
+    __m512i r[16], c0[16], c1[16];
+    for (int64_t m0 = 0; m0 < ms; m0 += 16) {
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + i * Mp + m0);
+        dq_transpose16(r, c0);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (16 + i) * Mp + m0);  // rows past `rows`: unused
+        dq_transpose16(r, c1);
+        for (int j = 0; j < 16 && m0 + j < ms; ++j) {
+            const __m512 xs = _mm512_set1_ps(xscale[m0 + j]);
+            const __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(dq_round_bf16_512(_mm512_castsi512_ps(c0[j])), xs), w0);
+            const __m512 v1 = _mm512_mul_ps(_mm512_mul_ps(dq_round_bf16_512(_mm512_castsi512_ps(c1[j])), xs), w1);
+            const __m512i v = dq_bf16_unsafe_512(v0) | dq_bf16_unsafe_512(v1)
+                                  ? _mm512_permutex2var_epi16(_mm512_castps_si512(dq_round_bf16_512(v0)), pick,
+                                                              _mm512_castps_si512(dq_round_bf16_512(v1)))
+                                  : (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // rows 0-15 from v0, 16-31 from v1
+            _mm512_mask_storeu_epi16(out + (m0 + j) * N + n0, k, v);
         }
     }
 }
