@@ -245,7 +245,11 @@ extern "C" void kernel(const uint8_t* codes, const float* scale, const void* x, 
 #if DQ_AMX
     if ((flags & 2) && !(flags & 1) && level[0] >= 4 && dq_vbmi() && f8_unit_scales(scale, N * (K / g))) {
         uint16_t* o = static_cast<uint16_t*>(out);
-        f8_unit_amx(codes, static_cast<const uint16_t*>(x), M, N, K, threads,
+        const uint16_t* xb = static_cast<const uint16_t*>(x);
+        f8_unit_amx(codes, M, N, K, threads,
+                    [&](int64_t m0, int64_t ms, uint16_t* dst) {
+                        dq_prepare_x_512<F8UnitOrder>(xb + m0 * K, false, ms, K, dst, nullptr);
+                    },
                     [&](const float* C, int64_t m0, int64_t ms, int64_t rows, int64_t n0) {
                         dq_store_amx(C, ms, rows, o + m0 * N, N, n0);
                     });

@@ -292,17 +292,17 @@ def fp8_native(x, matmul_inputs, w_scale, scheme, input_scale, loaded=None, max_
     (tokens, k), n = x.shape, w_scale.shape[0]
     stat, flags = activations.kernel_statistic(x, scheme, input_scale)  # under TP: the maxima of the whole row
     flags |= native.F32 if x.dtype == torch.float32 else 0
-    values = torch.empty((tokens, k), dtype=x.dtype)
     # x_scale and ran are read back within this call only: per-thread scratch, not an allocation per call
     x_scale = native.scratch((tokens, 1), torch.float32)
     ran = native.scratch((1,), torch.int64)  # the level the kernel ran (it always writes it)
     threads = torch.get_num_threads()
     whole = native.inputs_for(x, matmul_inputs[1]) if level >= 4 and x.dtype == torch.bfloat16 else None
     if whole is not None:  # AMX: the three passes in one call, the tiles' sums scaled as they leave the tiles
-        out = torch.empty((tokens, n), dtype=x.dtype)
-        run(x, stat, w_scale, values, x_scale, whole[0], out, tokens, n, k, _A8_WHOLE, flags, level, threads, ran)
+        out = torch.empty((tokens, n), dtype=x.dtype)  # the codes go straight to the tiles: no values tensor
+        run(x, stat, w_scale, _EMPTY, x_scale, whole[0], out, tokens, n, k, _A8_WHOLE, flags, level, threads, ran)
         if ran.item():
             return out
+    values = torch.empty((tokens, k), dtype=x.dtype)
     run(x, stat, w_scale, values, x_scale, _EMPTY, _EMPTY, tokens, n, k, _A8_QUANTIZE, flags, level, threads, ran)
     if not ran.item():
         return None

@@ -11,7 +11,8 @@
 // stage 2 (scale_output): out = round_to_out_dtype((float(acc) * s_m) * ws_n) from the tiles' sums acc [M, N]
 // (x's dtype).
 // stage 3 (bf16 x, AMX with AVX-512 VBMI, K % 32 == 0; acc holds the weight's e4m3 codes [N, K], unit scales):
-// the whole linear in one call -- stage 1 into vals and xscale, the float8 tiles' unit-scale product
+// the whole linear in one call -- stage 1 into xscale and, a chunk of tokens at a time, straight into the tiles'
+// activations (vals unused), the float8 tiles' unit-scale product
 // (float8_unit.h, the same sums and rounding to bf16 as float8.cpp's tiles), and stage 2's arithmetic applied to
 // each tile's sums as they leave the tiles (f8_store_scaled): the tiles' bf16 output is never written to memory
 // and read back, and Python makes no acc and runs one kernel call instead of three. Reports level 0 and does
@@ -71,13 +72,15 @@ static inline __m512 f8_code16(__m512 xv, __m512 vs) {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(v), sign)));
 }
 
+// permute (bf16, K % 32 == 0): each chunk of 32 codes in F8UnitOrder's order, as the tiles read them (stage 3), the
+// permutation folded into the shuffle that packs them.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst) {
+static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst, bool permute = false) {
     const __m512 vs = _mm512_set1_ps(s);
     int64_t k = 0;
     if (!f32) {  // the high halves of two steps' fp32 results, in order: one store
         alignas(64) uint16_t odd[32];
-        for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+        for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * (permute ? F8UnitOrder::perm(i) : i) + 1);
         const __m512i pick = _mm512_load_si512(odd);
         for (; k + 32 <= K; k += 32) {
             const __m512 r0 = f8_code16(act_load_512(x, false, k, 0xFFFF), vs);
@@ -97,8 +100,10 @@ static void f8_codes_512(const void* x, bool f32, int64_t K, float s, void* dst)
     }
 }
 
+// Tokens [0, M) of x (and of xscale, vals): stat as for token 0 (tensor parallelism's maxima offset by the caller).
+// permute: as f8_codes_512's (level >= 2, bf16).
 static void f8_quantize(const void* x, bool f32, const float* stat, int64_t flags, void* vals, float* xscale,
-                        int64_t M, int64_t K, int64_t level, int64_t threads) {
+                        int64_t M, int64_t K, int64_t level, int64_t threads, bool permute = false) {
     #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
     for (int64_t m = 0; m < M; ++m) {
         const void* row = act_row(x, f32, m, K);
@@ -107,7 +112,7 @@ static void f8_quantize(const void* x, bool f32, const float* stat, int64_t flag
         const float s = act_row_scale(row, f32, K, stat, flags, m, level, 448.0f);
         xscale[m] = s;
         if (level >= 2) {
-            f8_codes_512(row, f32, K, s, dst);
+            f8_codes_512(row, f32, K, s, dst, permute);
         } else {
             for (int64_t k = 0; k < K; ++k) {
                 float v = act_x(row, f32, k) / s;
@@ -138,24 +143,36 @@ static void f8_epilogue_512(const void* acc, const float* xscale, const float* w
 }
 
 // Stage 3's store: out[m0 + m, n0 + r] = bf16((float(bf16(Ct[r][m])) * xscale[m]) * ws[n0 + r]) for the tile's
-// rows and tokens -- dq_store_amx's rounding of the sums to bf16 (the tiles' output), then f8_epilogue_512's
-// arithmetic on it, in the same order: the same bits as stages 2 after the tiles.
-__attribute__((target("avx512f,avx512bw,avx512vl")))
+// rows and tokens -- dq_store_amx's rounding of the sums to bf16 (the tiles' output), then
+// f8_epilogue_512's arithmetic on it, in the same order: the same bits as stages 2 after the tiles. A token's 32
+// rows go out in one 64-byte store (one cache line: n0 is a multiple of 32), both halves of the tile transposed
+// first; the products rounded to bf16 by vcvtne2ps2bf16, both halves at once, where no lane is one it does not
+// round as dq_bf16_rne does (subnormal, Inf, NaN: dq_bf16_unsafe_512), else by dq_round_bf16_512.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 static void f8_store_scaled(const float* Ct, int64_t ms, int64_t rows, const float* xscale, const float* ws,
                             uint16_t* out, int64_t N, int64_t n0) {
     const int64_t Mp = (ms + 15) / 16 * 16;
-    __m512i r[16], c[16];
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const __mmask16 k = rows - r0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r0)) - 1);
-        const __m512 w = _mm512_maskz_loadu_ps(k, ws + n0 + r0);
-        for (int64_t m0 = 0; m0 < ms; m0 += 16) {
-            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (r0 + i) * Mp + m0);
-            dq_transpose16(r, c);
-            for (int j = 0; j < 16 && m0 + j < ms; ++j) {
-                const __m512 acc = dq_round_bf16_512(_mm512_castsi512_ps(c[j]));
-                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xscale[m0 + j])), w);
-                dq_store_bf16_512(out + (m0 + j) * N + n0 + r0, k, v);
-            }
+    const __mmask32 k = rows >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << rows) - 1);
+    const __m512 w0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(k), ws + n0);
+    const __m512 w1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(k >> 16), ws + n0 + 16);
+    alignas(64) uint16_t odd[32];
+    for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+    const __m512i pick = _mm512_load_si512(odd);
+    __m512i r[16], c0[16], c1[16];
+    for (int64_t m0 = 0; m0 < ms; m0 += 16) {
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + i * Mp + m0);
+        dq_transpose16(r, c0);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(Ct + (16 + i) * Mp + m0);  // rows past `rows`: unused
+        dq_transpose16(r, c1);
+        for (int j = 0; j < 16 && m0 + j < ms; ++j) {
+            const __m512 xs = _mm512_set1_ps(xscale[m0 + j]);
+            const __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(dq_round_bf16_512(_mm512_castsi512_ps(c0[j])), xs), w0);
+            const __m512 v1 = _mm512_mul_ps(_mm512_mul_ps(dq_round_bf16_512(_mm512_castsi512_ps(c1[j])), xs), w1);
+            const __m512i v = dq_bf16_unsafe_512(v0) | dq_bf16_unsafe_512(v1)
+                                  ? _mm512_permutex2var_epi16(_mm512_castps_si512(dq_round_bf16_512(v0)), pick,
+                                                              _mm512_castps_si512(dq_round_bf16_512(v1)))
+                                  : (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // rows 0-15 from v0, 16-31 from v1
+            _mm512_mask_storeu_epi16(out + (m0 + j) * N + n0, k, v);
         }
     }
 }
@@ -174,10 +191,15 @@ extern "C" void kernel(const void* x, const float* stat, const float* ws, void* 
             level[0] = 0;
             return;
         }
-        f8_quantize(x, false, stat, flags, vals, xscale, M, K, lvl, threads);
-        const uint16_t* v = static_cast<const uint16_t*>(vals);
+        // each chunk of tokens quantized straight into the tiles' column order just before its tiles, while its
+        // activations are in cache (vals is not written)
+        const uint16_t* xb = static_cast<const uint16_t*>(x);
         uint16_t* o = static_cast<uint16_t*>(out);
-        f8_unit_amx(static_cast<const uint8_t*>(acc), v, M, N, K, threads,
+        f8_unit_amx(static_cast<const uint8_t*>(acc), M, N, K, threads,
+                    [&](int64_t m0, int64_t ms, uint16_t* dst) {
+                        f8_quantize(xb + m0 * K, false, flags & 2 ? stat + m0 : stat, flags, dst, xscale + m0, ms,
+                                    K, lvl, threads, true);
+                    },
                     [&](const float* C, int64_t m0, int64_t ms, int64_t rows, int64_t n0) {
                         f8_store_scaled(C, ms, rows, xscale + m0, ws, o + m0 * N, N, n0);
                     });

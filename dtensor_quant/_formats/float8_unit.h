@@ -74,21 +74,22 @@ static void dq_e4m3_unit_bf16(const uint8_t* p, int64_t n, uint16_t* dst) {
 //    overlapping this step's products (alone: 0.52-0.78 ms against 0.66-0.70 in the fast runs);
 //  * blocks of F8U_KB (2048) columns: the sums stay in the tile registers over all of K up to 2048 (stored and
 //    reloaded, exactly, between blocks only beyond);
-//  * the next block -- of this tile or of the thread's next tile -- is decoded whole rows at a time after the
-//    steps of every group of tokens, spread evenly under the tile unit's work (it was all under the first
-//    group's);
+//  * the next block -- of this tile or of the thread's next tile -- is decoded a few 64-code pieces after every
+//    step (f8u_decode, inlined in f8u_block with its tables in registers), spread evenly over the block's steps;
 //  * tokens in chunks of F8U_XV_BYTES of paired activations, at least DQ_MB (128 tokens at 2048 columns, as
-//    dq_tiles; 1 MiB chunks, 256 tokens, decoded the weight half as often but ran 1.03-1.08x at 512 tokens;
-//    32-code decode slices instead of whole rows paid the table set-up per call: 1.03x at 128 tokens).
+//    dq_tiles; 1 MiB chunks, 256 tokens, decoded the weight half as often but ran 1.03-1.08x at 512 tokens).
 // In-process A/B against main's tiles ([2048, 2048], unit scales, same outputs asserted): 0.81-0.90x the time at
 // 32 tokens, 0.88-1.00x at 128, 0.90-0.95x at 512, by machine state.
-// What is left at 128 tokens is mostly the decode, which the tile unit's work does not hide: decoding each block
-// whole before its products took the same time as the interleaving, and without any decode the tiles took
-// 0.65-0.84x main's time. The decode itself runs at 2.6 ns per 64 codes into an L1 buffer, 4.2 into the
-// L2-resident rows here; blocks small enough for L1 pay more in the sums' reloads. Tried and not kept: an L2
-// prefetch of the codes of the block after next (no gain), a decode with the column order folded into the byte
-// interleave (4 shuffles per 64 codes instead of 5: no gain), decode slices of 64-512 codes instead of rows,
-// software prefetch of the activations' tiles (slower), 4 x 1 and 1 x 4 blocks of tiles (slower).
+// The decode was what the tile unit's work did not hide while it came in bursts: whole rows (32 x 64 codes) after
+// every eighth step at 128 tokens, or slices through a call per step that split them by division. Measured in a
+// C++ loop alone ([2048, 2048], 128 tokens, real data; the tiles alone 0.63 ms, the decode alone 0.26): whole rows
+// 0.98 ms, four inlined pieces after each step 0.82-0.85 (one after each product instead: 0.89-0.91; an L1
+// prefetch of the codes: no gain); in a slower run of the machine whole rows 1.15-1.17 ms, 64-code slices through
+// a dq_e4m3_unit_bf16 call per step 1.44-1.49, the inlined pieces 0.80-0.82. In-process A/B against the
+// whole-row decode (the whole fp8-activation linear, same outputs asserted): 0.81x the time at 32 tokens, 0.88x
+// at 128, 0.95x at 512. Tried and not kept before: an L2 prefetch of the codes of the block after next (no gain),
+// a decode with the column order folded into the byte interleave (4 shuffles per 64 codes instead of 5: no
+// gain), software prefetch of the activations' tiles (slower), 4 x 1 and 1 x 4 blocks of tiles (slower).
 // Each sum is still TDPBF16PS's over the same 32-column steps in the same order, from zero, with the same
 // operands (rows and activations in Float8Rows' order): the same bits as dq_tiles.
 constexpr int64_t F8U_KB = DQ_KC;              // columns per block; two blocks' rows: dq_buffer(0)'s size
@@ -106,15 +107,66 @@ static bool f8_unit_scales(const float* scale, int64_t n) {
 }
 
 #if DQ_AMX
+// dq_e4m3_unit_bf16's tables and permutation, held in registers by the tile loop that decodes with them.
+struct F8uTables {
+    __m512i order, sign, h0, h1, l0, l1;
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline))
+static inline F8uTables f8u_tables() {
+    static const DqE4m3Tables t;
+    return {_mm512_load_si512(t.idx), _mm512_set1_epi8(static_cast<char>(0x80)), _mm512_load_si512(t.b[0]),
+            _mm512_load_si512(t.b[1]),  _mm512_load_si512(t.b[2]),               _mm512_load_si512(t.b[3])};
+}
+
+// Where the decode of the next block of rows stands: `rows` rows of w codes (stride K) from `codes`, their bf16
+// bits to dst (stride ld); row r, column c next. Rows past the weight's last are not in `rows`: their buffer rows
+// keep older values, whose sums are unused.
+struct F8uCursor {
+    const uint8_t* codes = nullptr;
+    uint16_t* dst = nullptr;
+    int64_t K = 0, ld = 0, w = 0, rows = 0, r = 0, c = 0;
+
+    int64_t pieces() const { return rows * ((w + 63) / 64); }  // 64 codes each, a row's last 32 alone
+};
+
+// The cursor's next n pieces (fewer where it reaches its end), each dq_e4m3_unit_bf16's 64 codes (the same bits in
+// the same places).
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline))
+static inline void f8u_decode(F8uCursor& d, const F8uTables& t, int64_t n) {
+    for (; n > 0 && d.r < d.rows; --n) {
+        const uint8_t* p = d.codes + d.r * d.K + d.c;
+        uint16_t* dst = d.dst + d.r * d.ld + d.c;
+        const bool two = d.c + 64 <= d.w;
+        const __m512i c = _mm512_permutexvar_epi8(
+            t.order, two ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p));
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.h0, c, t.h1), c, t.sign, 0xF8);
+        const __m512i lo = _mm512_permutex2var_epi8(t.l0, c, t.l1);
+        _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(lo, hi));
+        if (two) _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi8(lo, hi));
+        d.c += 64;
+        if (d.c >= d.w) d.c = 0, ++d.r;
+    }
+}
+
+// All of the cursor's pieces (the first block, before any tile work to hide them under).
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+static void f8u_decode_all(F8uCursor& d) {
+    f8u_decode(d, f8u_tables(), d.pieces());
+}
+
 // Ct[32][Mp] (+)= rows . x over columns [k0, k0 + kc) for token groups [g0, g0 + 1 or 2), as dq_amx_block, with the
-// operand tiles reloaded early; work(step) after each step's products are issued.
-template <bool TWO, class W>
-__attribute__((target("amx-tile,amx-bf16")))
+// operand tiles reloaded early; `per` pieces of the next block's decode (next) after each step's products are
+// issued, the decode inlined here with its tables in registers.
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi")))
 static void f8u_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int64_t K, int64_t k0, int64_t kc,
-                      int64_t g0, float* Ct, int64_t Mp, bool first, W&& work) {
+                      int64_t g0, float* Ct, int64_t Mp, bool first, F8uCursor& next, int64_t per) {
     float* c0 = Ct + 16 * g0;
     float* c1 = Ct + 16 * Mp + 16 * g0;
     const int64_t cs = Mp * 4, lb = ld * 2;
+    const F8uTables t = f8u_tables();
+    F8uCursor d = next;  // a local copy: its fields stay in registers across the tile intrinsics
     dq_amx_sums_begin<TWO>(c0, c1, cs, first);
     const uint32_t* x0 = xv + (g0 * (K / 2) + k0 / 2) * 16;
     const uint32_t* x1 = x0 + (K / 2) * 16;
@@ -135,16 +187,18 @@ static void f8u_block(const uint16_t* rows, int64_t ld, const uint32_t* xv, int6
             if (TWO) _tile_loadd(7, x1 + (k + 32) * 8, 64);
             _tile_loadd(5, r1 + k + 32, lb);
         }
-        work(k / 32);
+        f8u_decode(d, t, per);
     }
     dq_amx_sums_end<TWO>(c0, c1, cs);
+    next = d;
 }
 
-// The sums x @ W^T for bf16 x [M, K] and unit-scale codes [N, K] (K % 32 == 0), on AMX with AVX-512 VBMI: each
-// tile's, Ct[32][Mp] (Mp: its chunk's tokens rounded up to 16), handed to store(Ct, m0, ms, rows, n0) for tokens
-// [m0, m0 + ms) and weight rows [n0, n0 + rows).
-template <class S>
-static void f8_unit_amx(const uint8_t* codes, const uint16_t* x, int64_t M, int64_t N, int64_t K, int64_t threads,
+// The sums x @ W^T for M tokens of bf16 x and unit-scale codes [N, K] (K % 32 == 0), on AMX with AVX-512 VBMI: a
+// chunk of tokens at a time, prepare(m0, ms, xb) writing tokens [m0, m0 + ms) of x into xb [ms, K] in
+// F8UnitOrder's column order; each tile's sums, Ct[32][Mp] (Mp: its chunk's tokens rounded up to 16), handed to
+// store(Ct, m0, ms, rows, n0) for tokens [m0, m0 + ms) and weight rows [n0, n0 + rows).
+template <class P, class S>
+static void f8_unit_amx(const uint8_t* codes, int64_t M, int64_t N, int64_t K, int64_t threads, P&& prepare,
                         S&& store) {
     int64_t mb = F8U_XV_BYTES / (2 * K) / 16 * 16;
     mb = mb < DQ_MB ? DQ_MB : mb;
@@ -155,7 +209,7 @@ static void f8_unit_amx(const uint8_t* codes, const uint16_t* x, int64_t M, int6
     uint32_t* xv = static_cast<uint32_t*>(std::aligned_alloc(64, (mb + 15) / 16 * 16 * K * 2));
     for (int64_t m0 = 0; m0 < M; m0 += mb) {
         const int64_t ms = M - m0 < mb ? M - m0 : mb, G = (ms + 15) / 16, Mp = 16 * G;
-        dq_prepare_x_512<F8UnitOrder>(x + m0 * K, false, ms, K, xb, nullptr);
+        prepare(m0, ms, xb);
         dq_prepare_x_amx(xb, ms, K, xv);
         #pragma omp parallel num_threads(threads) if(threads > 1)
         {
@@ -171,36 +225,31 @@ static void f8_unit_amx(const uint8_t* codes, const uint16_t* x, int64_t M, int6
             float* C = dq_buffer(2, Mp * DQ_TR);
             DqAmxScope amx;
             auto width = [&](int64_t j) { return K - (j % blocks) * kb < kb ? K - (j % blocks) * kb : kb; };
-            // decode block j's codes [from, to) (positions in its rows laid end to end, multiples of 32)
-            auto decode = [&](int64_t j, int64_t from, int64_t to) {
-                const int64_t n0 = (t0 + j / blocks) * DQ_TR, k0 = (j % blocks) * kb, w = width(j);
-                uint16_t* dst = rb + (j & 1) * size;
-                while (from < to) {
-                    const int64_t r = from / w, c = from % w, end = (r + 1) * w < to ? (r + 1) * w : to;
-                    if (n0 + r < N) dq_e4m3_unit_bf16(codes + (n0 + r) * K + k0 + c, end - from, dst + r * ld + c);
-                    from = end;  // rows past the weight's last keep older values: their sums are unused
-                }
+            // block j's rows to decode, into buffer j & 1
+            auto cursor = [&](int64_t j) {
+                F8uCursor d;
+                if (j >= jobs) return d;
+                const int64_t n0 = (t0 + j / blocks) * DQ_TR;
+                d.codes = codes + n0 * K + (j % blocks) * kb;
+                d.dst = rb + (j & 1) * size;
+                d.K = K, d.ld = ld, d.w = width(j), d.rows = N - n0 < DQ_TR ? N - n0 : DQ_TR;
+                return d;
             };
-            if (jobs) decode(0, 0, DQ_TR * width(0));
+            if (jobs) {
+                F8uCursor first = cursor(0);
+                f8u_decode_all(first);
+            }
             for (int64_t j = 0; j < jobs; ++j) {
                 const int64_t n0 = (t0 + j / blocks) * DQ_TR, k0 = (j % blocks) * kb, w = width(j);
-                const int64_t steps = w / 32, pairs = (G + 1) / 2;
                 const uint16_t* cur = rb + (j & 1) * size;
-                // the next block's codes, a slice after each of this block's pairs * steps steps
-                const int64_t nw = j + 1 < jobs ? width(j + 1) : 0, total = DQ_TR * nw, all = pairs * steps;
-                int64_t done = 0;
+                // the next block's decode spread evenly over this block's steps, a few pieces after each
+                F8uCursor next = cursor(j + 1);
+                const int64_t all = (G + 1) / 2 * (w / 32), per = (next.pieces() + all - 1) / all;
                 for (int64_t g = 0; g < G; g += 2) {
-                    auto ahead = [&](int64_t step) {
-                        if (!total) return;
-                        const int64_t s = (g / 2) * steps + step + 1;
-                        int64_t upto = (total * s / all + nw - 1) / nw * nw;  // whole rows
-                        upto = upto < total ? upto : total;
-                        if (upto > done) decode(j + 1, done, upto), done = upto;
-                    };
                     if (g + 1 < G)
-                        f8u_block<true>(cur, ld, xv, K, k0, w, g, C, Mp, k0 == 0, ahead);
+                        f8u_block<true>(cur, ld, xv, K, k0, w, g, C, Mp, k0 == 0, next, per);
                     else
-                        f8u_block<false>(cur, ld, xv, K, k0, w, g, C, Mp, k0 == 0, ahead);
+                        f8u_block<false>(cur, ld, xv, K, k0, w, g, C, Mp, k0 == 0, next, per);
                 }
                 if (k0 + w >= K) store(C, m0, ms, N - n0 < DQ_TR ? N - n0 : DQ_TR, n0);
             }

@@ -88,10 +88,11 @@ def test_codes_are_e4m3_round_to_nearest_even(level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_given_token_maxima_are_used(level):
+@pytest.mark.parametrize("tokens, inp", [(19, 128), (130, 2048)], ids=str)  # 130 x 2048: AMX takes two chunks
+def test_given_token_maxima_are_used(level, tokens, inp):
     fmt = dq.Float8Rowwise(activations="fp8-token")
-    x = weight((19, 128), seed=3).to(torch.bfloat16)
-    q = dq.quantize(weight((40, 128), seed=4).to(torch.bfloat16), fmt)
+    x = weight((tokens, inp), seed=3).to(torch.bfloat16)
+    q = dq.quantize(weight((40, inp), seed=4).to(torch.bfloat16), fmt)
     prepared = fmt.prepare(q.inner)
     wider = x.float().abs().amax(-1, keepdim=True) * 3
     with activations.token_stat_reduction(lambda local: torch.maximum(local, wider)):
@@ -169,3 +170,24 @@ def test_quantize_pass_is_quantize_activation(level, dtype):
     run(x, e, torch.ones(1), values, got_scale, e, e, tokens, 1, k, 1, flags, level, 1, ran)
     assert ran.item() == min(level, 4) and torch.equal(got_scale, x_scale)
     assert torch.equal(values, codes.to(dtype))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_outputs_at_bf16s_edges(level):
+    """Products that round to bf16's subnormals, overflow to Inf, or stay at its largest values: stage 3 rounds the
+    products with vcvtne2ps2bf16 except where a lane is one it would not round as the torch path does."""
+    fmt = dq.Float8Rowwise(activations="fp8-token")
+    x = (weight((40, 64), seed=5) * 4).to(torch.bfloat16)
+    x[0] *= 1e-39  # with rows 0-15: subnormal products
+    x[1] *= 1e10  # with rows 16-19: beyond bf16's largest
+    w = weight((48, 64), seed=6)
+    w[:16] *= 1e-2
+    w[16:20] *= 1e30
+    w[20:24] *= 1e28  # near bf16's largest
+    q = dq.quantize(w.to(torch.bfloat16), fmt)
+    prepared = fmt.prepare(q.inner)
+    got = float8.fp8_native(x, prepared[1], prepared[2][0], fmt.activation_scheme, None, max_level=level)
+    expected = torch_path(fmt, x, q, prepared)
+    tiny = torch.finfo(torch.bfloat16).tiny
+    assert (expected[0, :16].abs() < tiny).all() and (expected[0, :16] != 0).any() and expected[1, 16:20].isinf().all()
+    assert got is not None and same(got, expected)
