@@ -2,15 +2,14 @@
 block-scale checkpoint and on producers' pre-quantized checkpoints, served at TP 2.
 
 One case runs the example as a user runs it (``python examples/hf_tp_inference.py``: a fresh interpreter that
-starts ranks of its own); the others run what its ``main`` runs -- the example's ``run`` on every rank, then
-its ``report`` -- on the session's pool of two ranks, which saves each case a Python start and two rank starts
-(about 10 s on two cores) and checks the same printed report.
+starts ranks of its own); the others call its ``main`` in this process with its ranks taken from the session's
+pool (the ``session_launcher`` fixture), which saves each case a Python start, two rank starts and their
+imports (about 10 s on two cores) and checks the same printed report and exit status.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,15 +20,11 @@ from tests.support.examples import hf_tp_inference
 pytest.importorskip("transformers")
 
 
-def serve(ranks, capsys, *argv) -> str:
-    """The example's ``main(argv)`` on the session's ranks: ``run`` on every rank, ``report`` here; its output."""
-    args = hf_tp_inference.parse_args([str(a) for a in argv])
-    if args.write_tiny:
-        hf_tp_inference.write_tiny(Path(args.model), args.write_tiny)
-    capsys.readouterr()
-    ok = hf_tp_inference.report(args, ranks(args.world).run(hf_tp_inference.run, args))
+def serve(capsys, *argv) -> str:
+    """The example's ``main(argv)`` (ranks from the ``session_launcher`` fixture); its output, its exit status 0."""
+    status = hf_tp_inference.main([str(a) for a in argv])
     out = capsys.readouterr().out
-    assert ok, out  # main's exit status: 0 exactly when report says so
+    assert status == 0, out
     return out
 
 
@@ -53,28 +48,28 @@ def test_hf_tp_inference_example_as_a_script(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_tp_inference_example_switches_what_cannot_be_cut(ranks, capsys, tmp_path):
+def test_hf_tp_inference_example_switches_what_cannot_be_cut(session_launcher, capsys, tmp_path):
     """nf4: down_proj's column cut is illegal (statistics span the row), so the example serves it column-parallel."""
-    out = serve(ranks, capsys, tmp_path / "tiny", "--write-tiny", "llama", "--world", "2", "--format", "nf4")
+    out = serve(capsys, tmp_path / "tiny", "--write-tiny", "llama", "--world", "2", "--format", "nf4")
     check_tiny(out, "nf4")
 
 
 @pytest.mark.slow
-def test_hf_tp_inference_example_serves_fp8_block_checkpoint(ranks, capsys, tmp_path):
+def test_hf_tp_inference_example_serves_fp8_block_checkpoint(session_launcher, capsys, tmp_path):
     """An FP8 block-scale checkpoint (the tests' own writer) served TP-2 as stored, tokens equal to one process."""
     dense = hc.read_all(hc.write_dense("llama", tmp_path / "dense", False))
     linears = {k for k in dense if ".layers." in k and k.endswith("proj.weight")}
     config = json.loads((tmp_path / "dense" / "config.json").read_text())
     path = hc.write_fp8(dense, tmp_path / "fp8", linears, True, config)
-    out = serve(ranks, capsys, path, "--world", "2", "--format", "Float8Blockwise")
+    out = serve(capsys, path, "--world", "2", "--format", "Float8Blockwise")
     assert "14 quantized weights" in out, out
     assert "every rank: True" in out or "a near-tie flipped by rounding" in out, out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bnb", "gptq"])
-def test_hf_tp_inference_example_serves_a_prequantized_checkpoint(ranks, capsys, producer_checkpoints, kind):
+def test_hf_tp_inference_example_serves_a_prequantized_checkpoint(session_launcher, capsys, producer_checkpoints, kind):
     """examples/hf_tp_inference.py on a producer's checkpoint: read as stored at TP 2, tokens equal to one process."""
-    out = serve(ranks, capsys, producer_checkpoints[kind], "--world", "2")
+    out = serve(capsys, producer_checkpoints[kind], "--world", "2")
     assert "14 quantized weights, 14 read as stored" in out, out
     assert "tokens equal to the one-process quantized model on every rank: True" in out, out
