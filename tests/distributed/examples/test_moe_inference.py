@@ -36,5 +36,5 @@ def test_expert_and_tensor_parallel_tokens_equal(ranks):
 
 
 @pytest.mark.slow
-def test_main_smoke():
+def test_main_smoke(session_launcher):
     assert moe_inference.main(["--world", "2", "--tokens", "3"]) == 0

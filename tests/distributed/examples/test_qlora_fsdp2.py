@@ -5,7 +5,7 @@ import pytest
 
 
 @pytest.mark.slow
-def test_qlora_example(tmp_path):
+def test_qlora_example(session_launcher, tmp_path):
     from tests.support.examples import qlora_fsdp2
 
     losses = qlora_fsdp2.main(["--steps", "3", "--ranks", "2", "--format", "int8", "--out", str(tmp_path)])
@@ -20,7 +20,7 @@ def test_qlora_example(tmp_path):
 
 
 @pytest.mark.slow
-def test_qlora_example_from_hf(tmp_path):
+def test_qlora_example_from_hf(session_launcher, tmp_path):
     """--hf: the same QLoRA run on a transformers checkpoint, saved back as one."""
     transformers = pytest.importorskip("transformers")
 

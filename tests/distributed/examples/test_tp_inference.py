@@ -1,6 +1,6 @@
 """examples/tp_inference.py: tensor-parallel inference with quantized weights, through torch's own ParallelStyles.
 
-The example's ``build_tp`` runs on the ranks of the session's pools; its ``main`` starts ranks of its own.
+The example's ``build_tp`` runs on the ranks of the session's pools; so does its ``main`` (``session_launcher``).
 
 The reference is the same model quantized on one process. Quantized weights
 are compared byte for byte. Outputs are not: the row-parallel all-reduce sums
@@ -167,7 +167,7 @@ def test_compiled_tp(ranks, backend, sequence_parallel, dtype):
 
 
 @pytest.mark.slow
-def test_example_generates_the_reference_tokens(capsys):
+def test_example_generates_the_reference_tokens(session_launcher, capsys):
     argv = ["--world", "2", "--format", "int4:128", "--tokens", "4", "--layers", "1", "--sequence-parallel"]
     assert tp_inference.main(argv) == 0
     out = capsys.readouterr().out

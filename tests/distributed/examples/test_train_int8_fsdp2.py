@@ -4,7 +4,7 @@ import pytest
 
 
 @pytest.mark.slow
-def test_train_int8_example(tmp_path):
+def test_train_int8_example(session_launcher, tmp_path):
     from tests.support.examples import train_int8_fsdp2
 
     result = train_int8_fsdp2.main(["--steps", "4", "--resume-steps", "2", "--out", str(tmp_path)])
