@@ -172,9 +172,11 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack  # fake, proxy and function
 def _handle(op, args, kwargs):
     """DTensor's handler for ``op``: torch's own dispatch of it, inside a token-statistics reduction where the
     weight asks for one. The handler leaves DTensor's table while torch's dispatch runs (so calling the op runs
-    torch's dispatch, not this again) and goes back after; a dense weight (every bf16 DTensor ``mm`` of the
-    process, once a reduced scheme was declared) costs one type test more than torch's own dispatch: no
-    context manager, no closure (this runs for every DTensor matmul)."""
+    torch's dispatch, not this again) and goes back after. torch 2.13 dispatches DTensor ops in C++ (no Python
+    ``dispatch`` to call instead), so a dense weight -- every bf16 DTensor ``mm`` of the process once a reduced
+    scheme was declared -- pays the call into this handler, a type test and a second entry into torch's
+    dispatch: kept to that (no context manager, no closure), a few microseconds over torch's own DTensor ``mm``
+    (2-9 us against its ~40 us on a small matrix, 2 loaded ranks)."""
     where, in_dim, x_at = _WEIGHT[op]
     w_t = args[where]
     cuts = cut_groups(w_t, in_dim, args[x_at])  # () at once for a dense local
