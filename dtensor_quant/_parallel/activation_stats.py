@@ -175,8 +175,8 @@ def _handle(op, args, kwargs):
     torch's dispatch, not this again) and goes back after. torch 2.13 dispatches DTensor ops in C++ (no Python
     ``dispatch`` to call instead), so a dense weight -- every bf16 DTensor ``mm`` of the process once a reduced
     scheme was declared -- pays the call into this handler, a type test and a second entry into torch's
-    dispatch: kept to that (no context manager, no closure), a few microseconds over torch's own DTensor ``mm``
-    (2-9 us against its ~40 us on a small matrix, 2 loaded ranks)."""
+    dispatch: kept to that (no context manager, no closure), some microseconds over torch's own DTensor ``mm``
+    (8-9 us against its ~40 us on a small matrix, 2 loaded ranks; docs/performance.md)."""
     where, in_dim, x_at = _WEIGHT[op]
     w_t = args[where]
     cuts = cut_groups(w_t, in_dim, args[x_at])  # () at once for a dense local
