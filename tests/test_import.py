@@ -135,3 +135,27 @@ def test_a_setting_follows_the_environment_after_its_value_is_remembered(monkeyp
         dq.config.get("max_level")
     monkeypatch.delenv("DTENSOR_QUANT_MAX_LEVEL")
     assert dq.config.get("max_level") is None
+
+
+HANDLER = """
+from torch.distributed.tensor import DTensor
+import dtensor_quant as dq
+from dtensor_quant._parallel import activation_stats
+table = DTensor._op_dispatcher._custom_op_handlers
+steps = [activation_stats.installed()]
+dq.Int8Rowwise(activations="int8-token-per-rank")  # per rank: no statistic to reduce
+dq.Int8Rowwise(activations="int8-tensor", input_scale=0.5)  # static: none either
+steps.append(activation_stats.installed())
+dq.Int8Rowwise(activations="int8-token")
+steps.append(activation_stats.installed())
+print(steps, sorted(str(op) for op, h in table.items() if getattr(h, "__module__", "") == activation_stats.__name__))
+"""
+
+
+def test_the_token_statistics_handler_is_installed_by_the_first_reduced_scheme_only():
+    """DTensor's op table holds the handler only once a reduced dynamic scheme is declared (a fresh interpreter:
+    this process has declared one long ago)."""
+    out = subprocess.run([sys.executable, "-c", HANDLER], capture_output=True, text=True, check=True)
+    steps, ops = out.stdout.strip().splitlines()[-1].split("] ")
+    assert steps == "[False, False, True"
+    assert ops == "['aten.addmm.default', 'aten.mm.default', 'dtensor_quant.linear.default']"

@@ -174,6 +174,15 @@ def token_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
 
     Every sign bit of the result is clear (``+0``, never ``-0``; NaN too), as
     :func:`dtensor_quant._core.reductions.reduce_magnitude_max` needs to reduce the bits as they are."""
+    amax = token_absmax_local(x)
+    stack = getattr(_LOCAL, "stack", None)
+    if stack and not scheme.per_rank:
+        amax = stack[-1](amax)
+    return amax
+
+
+def token_absmax_local(x: torch.Tensor) -> torch.Tensor:
+    """:func:`token_absmax` of this rank's ``x`` alone (no reduction): fp32 ``[tokens, 1]``, sign bits clear."""
     magnitude = _MAGNITUDE_BITS.get(x.dtype)
     if not x.shape[-1]:
         amax = x.new_zeros((x.shape[0], 1), dtype=torch.float32)
@@ -186,9 +195,6 @@ def token_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
     else:  # max |x| as max(max x, -min x): exact in x's dtype, no |x| copy; NaN kept; then the sign bit cleared
         amax = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_()).float()
         amax = amax.view(torch.int32).bitwise_and(0x7FFFFFFF).view(torch.float32)
-    stack = getattr(_LOCAL, "stack", None)
-    if stack and not scheme.per_rank:
-        amax = stack[-1](amax)
     return amax
 
 
@@ -204,18 +210,26 @@ STATIC_SCALE = 4  # ``stat`` holds the static input_scale
 _NO_STAT = torch.empty(0)
 
 
-def kernel_statistic(x: torch.Tensor, scheme: ActivationScheme, input_scale) -> tuple[torch.Tensor, int]:
+def kernel_statistic(
+    x: torch.Tensor, scheme: ActivationScheme, input_scale, local_absmax: Callable | None = None
+) -> tuple[torch.Tensor, int]:
     """``(stat, flag bits)`` for a format's activation kernel, the same for every code kind.
 
     A static scheme: its ``input_scale`` (fp32 ``[1]``) and :data:`STATIC_SCALE`. A dynamic scheme inside a
     :func:`token_stat_reduction` block (a row-parallel matmul, the scheme not per-rank): the reduced
     per-token maxima (fp32 ``[tokens]``) and :data:`GIVEN_MAXIMA`. Otherwise nothing: the kernel takes each
     token's maximum in its own quantizing pass.
+
+    ``local_absmax(x)``, where given, computes this rank's maxima as :func:`token_absmax` does before it reduces
+    them (fp32, ``[tokens]`` or ``[tokens, 1]``, every sign bit clear) -- a kernel's one pass in place of
+    torch's several.
     """
     if not scheme.dynamic:
         return torch.full((1,), float(input_scale), dtype=torch.float32), STATIC_SCALE
-    if not scheme.per_rank and getattr(_LOCAL, "stack", None):  # reducing(), inlined: this runs every call
-        return token_absmax(x, scheme).reshape(-1).contiguous(), GIVEN_MAXIMA
+    stack = getattr(_LOCAL, "stack", None)  # reducing(), inlined: this runs every call
+    if not scheme.per_rank and stack:
+        amax = token_absmax(x, scheme) if local_absmax is None else stack[-1](local_absmax(x))
+        return amax.reshape(-1).contiguous(), GIVEN_MAXIMA
     return _NO_STAT, 0
 
 

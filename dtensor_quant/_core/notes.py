@@ -65,7 +65,7 @@ class Bytes:
 
     def stamp(self) -> tuple:
         """Changes whenever these bytes are written, through the library or into a watched tensor."""
-        return (self.writes, *(t._version for t in self.watched))
+        return (self.writes, *[t._version for t in self.watched])  # a list, not a generator: runs per matmul
 
 
 class Notes(NamedTuple):

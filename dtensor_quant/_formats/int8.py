@@ -134,7 +134,8 @@ _INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # |code products| <= 128 * 128: an i
 W8A8_KERNEL = native.declare(
     "int8_w8a8", Path(__file__).with_name("int8_w8a8.cpp"), {"max_level": native.BEST_LEVEL, "threads": 1}
 )
-_QUANTIZE, _EPILOGUE, _WHOLE = 1, 2, 3  # its stages; its flags: native.F32 and activations.kernel_statistic's
+# its stages; its flags: native.F32 and activations.kernel_statistic's
+_QUANTIZE, _EPILOGUE, _WHOLE, _MAXIMA = 1, 2, 3, 4
 
 
 def w8a8_kernel():
@@ -158,7 +159,9 @@ def w8a8_native(x, q, w_scale, scheme, input_scale, loaded=None, max_level: int 
     level = min(best, native.cap() if max_level is None else max_level)
     x = x.contiguous()
     tokens, n = x.shape[0], q.shape[0]
-    stat, flags = activations.kernel_statistic(x, scheme, input_scale)  # under TP: the maxima of the whole row
+    # under TP: the maxima of the whole row, this rank's taken by the kernel's own pass (stage 4)
+    maxima = functools.partial(local_token_absmax, run, level) if scheme.dynamic and not scheme.per_rank else None
+    stat, flags = activations.kernel_statistic(x, scheme, input_scale, maxima)
     flags |= native.F32 if x.dtype == torch.float32 else 0
     # x_scale and ran are read back within this call only: per-thread scratch, not an allocation per call
     x_scale = native.scratch((tokens, 1), torch.float32)
@@ -181,6 +184,19 @@ def w8a8_native(x, q, w_scale, scheme, input_scale, loaded=None, max_level: int 
 
 
 _EMPTY = torch.empty(0)
+
+
+def local_token_absmax(run, level: int, x: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |x|`` of a contiguous bf16/fp32 ``x`` as fp32 ``[tokens, 1]``: the value of
+    :func:`activations.token_absmax_local` (NaN kept, sign bits clear), in the W8A8 kernel's one pass (stage 4)
+    in place of torch's five ops (26 us against a few at 32 x 2816 bf16 tokens). A new tensor: the reduction
+    all-reduces it in place and the kernel reads it after."""
+    tokens, k = x.shape
+    amax = torch.empty(tokens, dtype=torch.float32)
+    ran = native.scratch((1,), torch.int64)
+    flags = native.F32 if x.dtype == torch.float32 else 0
+    run(x, _EMPTY, _EMPTY, _EMPTY, _EMPTY, amax, _EMPTY, _EMPTY, tokens, 0, k, _MAXIMA, flags, level, 1, ran)
+    return amax.view(tokens, 1) if ran.item() else activations.token_absmax_local(x)
 
 
 def w8a8_linear(x, q, scale, scheme, input_scale, bias, native_inputs=None):

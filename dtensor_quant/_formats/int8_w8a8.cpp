@@ -14,7 +14,9 @@
 // [M, K] and xscale [M]; 2: the epilogue from acc [M, N] int32 (torch._int_mm's) into out; 3: the whole linear on
 // AMX-INT8 (TDPBSSD): stage 1, the products of 32 weight rows by 16-token groups a tile at a time (the stored
 // weight codes read as they are, the activation codes in the tiles' groups of 4), stage 2 from the tiles' sums;
-// it reports 0 and does nothing where it cannot run (no AMX-INT8, K % 64, level capped below 4).
+// it reports 0 and does nothing where it cannot run (no AMX-INT8, K % 64, level capped below 4); 4: each row's
+// max |x| into xscale [M] (activations.token_absmax's value: NaN if the row holds one, sign bit clear), the local
+// statistic tensor parallelism all-reduces before stage 1 or 3 take it (flag 2).
 // flags: 1: x and out are fp32 (else bf16); 2: amax[m] given in stat (the reduced statistic of tensor
 // parallelism); 4: static scheme, stat[0] the input scale.
 #include "native_prelude.h"
@@ -383,11 +385,16 @@ extern "C" void kernel(const void* x, const float* stat, const int8_t* w, const 
     const int64_t best = w8_best();
     int64_t lvl = best < max_level ? best : max_level;
     if (stage == 3 && (lvl < 4 || K % 64)) lvl = 0;
-    if ((stage == 1 || stage == 2) && lvl > 2) lvl = 2;  // quantize and epilogue: AVX-512 at most
+    if ((stage == 1 || stage == 2 || stage == 4) && lvl > 2) lvl = 2;  // AVX-512 at most but the AMX linear
     level[0] = lvl;
     if (lvl <= 0 || M <= 0 || stage == 0) return;
     const bool f32 = flags & 1;
     if (stage == 1) w8_quantize(x, f32, stat, flags, codes, xscale, M, K, lvl, threads);
+    if (stage == 4)
+        for (int64_t m = 0; m < M; ++m) {
+            const void* row = act_row(x, f32, m, K);
+            xscale[m] = lvl >= 2 ? act_absmax_512(row, f32, K) : act_absmax_256(row, f32, K);
+        }
     if (stage == 2) {
         if (lvl >= 2)
             w8_epilogue_512(acc, xscale, ws, f32, out, M, N);

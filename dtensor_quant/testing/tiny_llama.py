@@ -72,9 +72,12 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # Grouped-query attention inside SDPA (``enable_gqa``: each kv head serves ``n_rep`` query heads, as
+        # ``repeat_interleave`` of k and v would, without the copies), the way transformers' sdpa attention
+        # runs a LLaMA without a mask.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=self.n_rep > 1
+        )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -190,3 +190,42 @@ def test_int_matmul_is_exact_at_narrow_inputs(tokens, out, inp):
     w_codes = torch.randint(-128, 128, (out, inp), dtype=torch.int8, generator=g)
     got = int8.int_matmul(codes, w_codes)
     assert torch.equal(got.long(), codes.long() @ w_codes.long().t())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("shape", [(1, 1), (9, 31), (8, 64), (33, 2816), (6, 100)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_token_maxima_are_torchs(level, shape, dtype):
+    """The kernel's own pass over each row's max |x| (what tensor parallelism all-reduces) is
+    activations.token_absmax_local's: the same values, NaN where a row holds one, every sign bit clear
+    (-0 and negative NaN included), at every level and at row lengths that leave a vector's tail."""
+    x = weight(shape, seed=shape[1], dtype=torch.float32) * 3
+    if shape[0] > 5:
+        x[0, -1], x[1, 0], x[2], x[3, shape[1] // 2] = float("nan"), float("-inf"), -0.0, -float("nan")
+        x[4] = x[4] * 1e-39 if dtype == torch.float32 else x[4]
+    x = x.to(dtype)
+    run_kernel, _ = int8.w8a8_kernel()
+    got = int8.local_token_absmax(run_kernel, level, x)
+    expected = activations.token_absmax_local(x)
+    assert got.shape == expected.shape == (shape[0], 1) and same(got, expected), f"level {level}"
+    assert not (got.view(torch.int32) < 0).any(), "a sign bit is set"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_reduced_linear_hands_the_kernels_maxima_to_the_reduction(level):
+    """Inside a token_stat_reduction block (a row-parallel matmul) the reduction receives this rank's maxima
+    from the kernel's pass, equal to torch's, and the result is the reference's under the same reduction."""
+    fmt = dq.Int8Rowwise(activations="int8-token")
+    x = hostile(weight((21, 192), seed=8, dtype=torch.float32) * 4).to(torch.bfloat16)
+    q = dq.quantize(weight((40, 192), seed=9).to(torch.bfloat16), fmt)
+    seen = []
+
+    def reduce(local):
+        seen.append(local.clone())
+        return local * 2  # as if another rank held twice the values
+
+    with activations.token_stat_reduction(reduce):
+        got = run(fmt, x, q, level)
+        expected = activations.reference_linear(x, q.qdata, q.scale, fmt.activation_scheme)
+    assert same(seen[0], activations.token_absmax_local(x)), "the reduction got other maxima than torch's"
+    assert same(got, expected)

@@ -385,3 +385,33 @@ def test_moe_layer_runs_each_experts_tokens_through_kernels_without_a_dense_expe
     assert set(paths) == {(str(fmt), "kernel")} and paths[(str(fmt), "kernel")] == 2 * len(index.unique())
     ref = expected.float()
     assert (out.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_prepared_weight_fast_slot_sees_every_write(monkeypatch):
+    """The cache's identity slot (the same format and inner tensor objects as the last call) is checked by what a
+    write changes: an in-place write into an inner tensor (its version), new storage swapped in under the same
+    tensor object (``.data =``: its address, the version kept) and a write through the library (the bytes'
+    stamp) each rebuild the prepared weight; views alternating with the weight keep their own keyed entries."""
+    fmt = dq.Int8Rowwise()
+    count = CountPrepare(monkeypatch, dq.Int8Rowwise)
+    q = dq.quantize(weight((32, 128), seed=1), fmt)
+    x = weight((2, 128), seed=2)
+    y = F.linear(x, q)
+    for _ in range(3):
+        assert torch.equal(F.linear(x, q), y)
+    assert count.calls == 1
+    q.qdata.neg_()  # in place: the version moves
+    assert torch.equal(F.linear(x, q), x @ q.dequantize().t()) and count.calls == 2
+    version = q.qdata._version
+    q.qdata.data = q.qdata.data.neg()  # new storage, same object, same version
+    assert q.qdata._version == version
+    assert torch.equal(F.linear(x, q), y) and count.calls == 3
+    other = dq.quantize(weight((32, 128), seed=7), fmt)
+    expected = F.linear(x, other)
+    q.copy_(other)  # through the library: the bytes' stamp moves
+    calls = count.calls
+    assert torch.equal(F.linear(x, q), expected) and count.calls == calls + 1
+    top = q[:16]  # a view of the same bytes: its own entry, then both cached
+    for _ in range(2):
+        F.linear(x, top), F.linear(x, q)
+    assert count.calls == calls + 2

@@ -202,3 +202,52 @@ def nan_in_one_slice_case(name: str):
 @pytest.mark.parametrize("name", ["int8-token", "fp8-token"])
 def test_nan_in_one_rank_slice_is_nan_everywhere(ranks, name):
     ranks(2).run(nan_in_one_slice_case, name)
+
+
+def dense_fall_through_case():
+    """With the handler installed (this module declares reduced schemes), a dense DTensor matmul runs torch's own
+    dispatch: the same bits as with the handler out of DTensor's table, column- and row-parallel, 3-D, with a
+    bias (``addmm``); the handler is back in the table after each call, and after one that raises."""
+    from torch.distributed.tensor import Partial
+
+    from dtensor_quant._parallel import activation_stats
+
+    assert activation_stats.installed()
+    m, world, rank = mesh(2), dist.get_world_size(), dist.get_rank()
+    w, x, bias = weight((48, 256), seed=1), weight((2, 5, 256), seed=2), weight((48,), seed=3)
+    cases = {
+        "column-parallel": lambda: F.linear(
+            DTensor.from_local(x, m, [Replicate()]), distribute_tensor(w, m, [Shard(0)])
+        ),
+        "row-parallel": lambda: F.linear(
+            DTensor.from_local(x.chunk(world, -1)[rank], m, [Shard(-1)]), distribute_tensor(w, m, [Shard(1)])
+        ),
+        "column-parallel with bias": lambda: F.linear(
+            DTensor.from_local(x[0], m, [Replicate()]),
+            distribute_tensor(w, m, [Shard(0)]),
+            distribute_tensor(bias, m, [Shard(0)]),
+        ),
+    }
+    table = DTensor._op_dispatcher._custom_op_handlers
+    mine = {op: table[op] for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
+    for name, run in cases.items():
+        with torch.no_grad():
+            got = run()
+            assert activation_stats.installed(), f"{name}: the handler left DTensor's table"
+            for op in mine:
+                del table[op]
+            try:
+                expected = run()
+            finally:
+                table.update(mine)
+        assert got.placements == expected.placements, name
+        assert torch.equal(got.to_local(), expected.to_local()), f"{name}: not torch's own result"
+        if name == "row-parallel":
+            assert isinstance(got.placements[0], Partial)
+    with pytest.raises(RuntimeError):  # shapes that do not multiply: torch's error, the handler still installed
+        torch.mm(DTensor.from_local(x[0], m, [Replicate()]), distribute_tensor(w, m, [Shard(0)]))
+    assert activation_stats.installed()
+
+
+def test_dense_matmul_falls_through_to_torch(ranks):
+    ranks(2).run(dense_fall_through_case)
