@@ -1,4 +1,5 @@
-"""What several benchmarks need and none of them measures: the optional plotting and torchao imports, CSV output.
+"""What several benchmarks need and none of them measures: the optional plotting and torchao imports, CSV output,
+a parallelized Linear layer.
 
 The benchmarks run as scripts (``python bench/<name>.py``), so this directory
 is on ``sys.path`` and they ``import common``.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+
+import torch
+from torch import nn
 
 
 def pyplot():
@@ -42,3 +46,22 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def linear(out_f: int, in_f: int, fmt, mesh=None, style=None, seed: int = 0) -> nn.Module:
+    """A bias-free bf16 ``Linear`` with N(0, 1/in_f) weights from ``seed``, quantized with ``fmt`` (None: bf16)
+    and, given a ``style`` class (``ColwiseParallel``, ``RowwiseParallel``), parallelized over ``mesh``."""
+    g = torch.Generator().manual_seed(seed)
+    module = nn.Linear(in_f, out_f, bias=False)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(out_f, in_f, generator=g) * in_f**-0.5)
+    module = module.to(torch.bfloat16)
+    if fmt is not None:
+        import dtensor_quant as dq
+
+        dq.quantize_(module, fmt)
+    if style is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        module = parallelize_module(module, mesh, style())
+    return module

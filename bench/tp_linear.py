@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-import dtensor_quant as dq
 from dtensor_quant._model.format_spec import parse_format
 from dtensor_quant.testing.rank_pool import RankPool
 
@@ -45,19 +44,6 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 LAYERS = [("wq", 4096, 4096, "colwise"), ("wo", 4096, 4096, "rowwise")]
 DECODE, PREFILL = (1, 4, 16), (128,)
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-
-
-def layer(out_f: int, in_f: int, style: str, fmt, mesh) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    module = nn.Linear(in_f, out_f, bias=False)
-    with torch.no_grad():
-        module.weight.copy_(torch.randn(out_f, in_f, generator=g) * in_f**-0.5)
-    module = module.to(torch.bfloat16)
-    if fmt is not None:
-        dq.quantize_(module, fmt)
-    if mesh.size() > 1:
-        parallelize_module(module, mesh, STYLES[style]())
-    return module
 
 
 @torch.no_grad()
@@ -84,7 +70,10 @@ def measure(layers, tokens, repeat, threads) -> list[dict]:
     mesh = init_device_mesh("cpu", (tp,))
     rows = []
     for name, out_f, in_f, style in layers:
-        modules = {fmt_name: layer(out_f, in_f, style, fmt, mesh) for fmt_name, fmt in FORMATS.items()}
+        modules = {
+            fmt_name: common.linear(out_f, in_f, fmt, mesh, STYLES[style] if mesh.size() > 1 else None)
+            for fmt_name, fmt in FORMATS.items()
+        }
         for n in tokens:
             in_local = in_f // tp if style == "rowwise" and tp > 1 else in_f
             x = torch.randn(n, in_local, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)

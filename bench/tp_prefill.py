@@ -93,17 +93,6 @@ def build_model(cfg, fmt, mesh) -> nn.Module:
     return parallelize_module(model, mesh, tp_plan(model))
 
 
-def build_layer(out_f: int, in_f: int, style, fmt, mesh) -> nn.Module:
-    g = torch.Generator().manual_seed(out_f * 7 + in_f)
-    module = nn.Linear(in_f, out_f, bias=False)
-    with torch.no_grad():
-        module.weight.copy_(torch.randn(out_f, in_f, generator=g) * in_f**-0.5)
-    module = module.to(torch.bfloat16)
-    if fmt is not None:
-        dq.quantize_(module, fmt)
-    return parallelize_module(module, mesh, style())
-
-
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
@@ -152,7 +141,9 @@ def measure(cfg_kwargs: dict, tokens: list[int], rounds: int, formats: list[str]
             f"w2 [{dim}, {hidden}] row-parallel": (dim, hidden, RowwiseParallel, hidden // tp),
             f"w1 [{hidden}, {dim}] column-parallel": (hidden, dim, ColwiseParallel, dim),
         }.items():
-            mods = {name: build_layer(out_f, in_f, style, FORMATS[name], mesh) for name in formats}
+            mods = {
+                name: common.linear(out_f, in_f, FORMATS[name], mesh, style, seed=out_f * 7 + in_f) for name in formats
+            }
             for n in layer_tokens:
                 x = torch.randn(n, in_local, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
                 ms = interleaved({name: (lambda m=m, x=x: m(x)) for name, m in mods.items()}, rounds)
